@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Installs exactly the Debian packages shardopt's build and tests need.
+# Skips what is already installed (checked with dpkg -s); fails loudly, naming the
+# package, when an install fails. Safe to run repeatedly.
+set -euo pipefail
+
+PACKAGES=(
+  # build
+  bazel-bootstrap bazel-platforms g++
+  # gRPC / protobuf code generation and runtime
+  libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
+  # libraries
+  libabsl-dev libtorch-dev libgloo-dev libgtest-dev libgoogle-glog-dev
+  libopenblas0-pthread nlohmann-json3-dev
+)
+
+if [[ "${1:-}" == "--help" || "${1:-}" == "-h" ]]; then
+  echo "usage: tools/setup.sh    install the Debian packages shardopt needs (idempotent)"
+  printf '  %s\n' "${PACKAGES[@]}"
+  exit 0
+fi
+
+missing=()
+for p in "${PACKAGES[@]}"; do
+  if ! dpkg -s "$p" 2>/dev/null | grep -q '^Status: install ok installed'; then
+    missing+=("$p")
+  fi
+done
+
+if [[ ${#missing[@]} -eq 0 ]]; then
+  echo "setup: all ${#PACKAGES[@]} packages already installed"
+  exit 0
+fi
+
+SUDO=""
+if [[ $(id -u) -ne 0 ]]; then SUDO="sudo"; fi
+export DEBIAN_FRONTEND=noninteractive
+echo "setup: installing ${missing[*]}"
+if ! $SUDO apt-get update -q; then
+  echo "setup: FAILED: apt-get update" >&2
+  exit 1
+fi
+# One transaction for speed; on failure retry one by one to name the culprit.
+if ! $SUDO apt-get install -y -q --no-install-recommends "${missing[@]}"; then
+  for p in "${missing[@]}"; do
+    if ! $SUDO apt-get install -y -q --no-install-recommends "$p"; then
+      echo "setup: FAILED to install Debian package '$p'" >&2
+      exit 1
+    fi
+  done
+fi
+for p in "${missing[@]}"; do
+  if ! dpkg -s "$p" 2>/dev/null | grep -q '^Status: install ok installed'; then
+    echo "setup: FAILED: package '$p' is not installed after apt-get" >&2
+    exit 1
+  fi
+done
+echo "setup: done"
