@@ -1,0 +1,2 @@
+#define SHARDOPT_ISA_NS avx2
+#include "server/cpu_kernels_isa.inc"
