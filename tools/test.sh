@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Builds everything and runs every test with Bazel, then prints one summary
+# line "N passed, N failed" (GPU tests that find no device count as passed
+# and report SKIPPED in their logs). Exit status: 0 only if all tests passed
+# and at least one ran.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+
+bazel build //... 2>&1 | tail -n 20
+build_rc=${PIPESTATUS[0]}
+if [[ $build_rc -ne 0 ]]; then
+  echo "build failed (bazel exit $build_rc)"
+  echo "0 passed, 1 failed"
+  exit 1
+fi
+
+bazel test //... "$@" 2>&1 | tee "$log"
+test_rc=${PIPESTATUS[0]}
+
+# One line per test target: "//pkg:target   PASSED in 1.2s" (or FAILED, TIMEOUT, ...).
+passed=$(grep -Ec '^//[^ ]+ +(\(cached\) )?PASSED' "$log")
+failed=$(grep -Ec '^//[^ ]+ +(\(cached\) )?(FAILED|TIMEOUT|FLAKY|NO STATUS|INCOMPLETE|FAILED TO BUILD)' "$log")
+if [[ $test_rc -ne 0 && $failed -eq 0 ]]; then
+  failed=1  # bazel failed without a per-target line (e.g. analysis error)
+fi
+echo "$passed passed, $failed failed"
+if [[ $failed -ne 0 || $passed -eq 0 ]]; then
+  exit 1
+fi
+exit 0
