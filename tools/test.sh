@@ -17,7 +17,7 @@ if [[ $build_rc -ne 0 ]]; then
   exit 1
 fi
 
-bazel test //... "$@" 2>&1 | tee "$log"
+bazel test --nocache_test_results //... "$@" 2>&1 | tee "$log"
 test_rc=${PIPESTATUS[0]}
 
 # One line per test target: "//pkg:target   PASSED in 1.2s" (or FAILED, TIMEOUT, ...).
