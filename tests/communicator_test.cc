@@ -1,0 +1,336 @@
+// Collectives of GlooCommunicator (TCP on 127.0.0.1, ranks as threads) and the
+// in-process communicator against reference computations; timeouts, abort,
+// injected faults, byte counters.
+#include <atomic>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "client/gloo_communicator.h"
+#include "client/in_process_communicator.h"
+#include "client/kv_store.h"
+#include "gtest/gtest.h"
+#include "server/update_slice.h"
+
+namespace shardopt {
+namespace {
+
+enum class Impl { kGloo, kInProcess };
+
+// A job of `n` ranks; Gloo ranks connect concurrently over loopback.
+struct Job {
+  std::unique_ptr<InProcessWorld> world;
+  InMemoryKeyValueStore store;
+  std::vector<std::unique_ptr<Communicator>> comms;
+
+  Job(Impl impl, int n, absl::Duration timeout = absl::Seconds(30),
+      int64_t segment_bytes = 256, std::vector<InProcessFaults> faults = {}) {
+    comms.resize(n);
+    if (impl == Impl::kInProcess) {
+      world = std::make_unique<InProcessWorld>(n, timeout);
+      for (int r = 0; r < n; ++r) {
+        comms[r] = world->Connect(r, r < static_cast<int>(faults.size()) ? faults[r]
+                                                                         : InProcessFaults());
+      }
+      return;
+    }
+    GlooOptions opt;
+    opt.timeout = timeout;
+    opt.segment_bytes = segment_bytes;
+    std::vector<std::thread> threads;
+    std::vector<absl::Status> errors(n);
+    for (int r = 0; r < n; ++r) {
+      threads.emplace_back([&, r] {
+        auto c = GlooCommunicator::Create(&store, r, n, opt);
+        if (c.ok()) {
+          comms[r] = std::move(*c);
+        } else {
+          errors[r] = c.status();
+        }
+      });
+    }
+    for (auto& t : threads) t.join();
+    for (int r = 0; r < n; ++r) EXPECT_TRUE(errors[r].ok()) << errors[r];
+  }
+  // Runs fn(rank) on every rank concurrently.
+  void Parallel(const std::function<void(int)>& fn) {
+    std::vector<std::thread> threads;
+    for (int r = 0; r < static_cast<int>(comms.size()); ++r) threads.emplace_back(fn, r);
+    for (auto& t : threads) t.join();
+  }
+};
+
+// Values that sum exactly in any order, in fp32 and in bf16.
+float Value(int rank, int64_t i) { return static_cast<float>((rank * 7 + i * 3) % 17) - 8.0f; }
+
+struct Typed {
+  ElementType type;
+  std::vector<char> bytes;
+  Typed(ElementType t, int64_t count) : type(t), bytes(count * ElementSize(t)) {}
+  void Set(int64_t i, float v) {
+    if (type == ElementType::kFloat32) {
+      std::memcpy(&bytes[i * 4], &v, 4);
+    } else {
+      uint16_t h = FloatToBf16(v);
+      std::memcpy(&bytes[i * 2], &h, 2);
+    }
+  }
+  float Get(int64_t i) const {
+    if (type == ElementType::kFloat32) {
+      float v;
+      std::memcpy(&v, &bytes[i * 4], 4);
+      return v;
+    }
+    uint16_t h;
+    std::memcpy(&h, &bytes[i * 2], 2);
+    return Bf16ToFloat(h);
+  }
+  void* data() { return bytes.data(); }
+};
+
+using Param = std::tuple<Impl, int, ElementType>;
+
+class CollectiveTest : public ::testing::TestWithParam<Param> {};
+
+const std::vector<int64_t> kCounts = {0, 1, 7, 64, 65, 1000, 12345};
+
+TEST_P(CollectiveTest, ReduceScatter) {
+  const auto [impl, n, type] = GetParam();
+  Job job(impl, n);
+  for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAverage, ReduceOp::kMax}) {
+    for (int64_t count : kCounts) {
+      std::vector<Typed> bufs;
+      for (int r = 0; r < n; ++r) {
+        bufs.emplace_back(type, n * count);
+        for (int64_t i = 0; i < n * count; ++i) bufs[r].Set(i, Value(r, i));
+      }
+      job.Parallel([&](int r) {
+        EXPECT_TRUE(job.comms[r]->ReduceScatter(bufs[r].data(), count, type, op)
+                        ->Wait(absl::Seconds(30)).ok());
+      });
+      for (int r = 0; r < n; ++r) {
+        for (int64_t i = r * count; i < (r + 1) * count; ++i) {
+          float want = op == ReduceOp::kMax ? -1e30f : 0.0f;
+          for (int q = 0; q < n; ++q) {
+            want = op == ReduceOp::kMax ? std::max(want, Value(q, i)) : want + Value(q, i);
+          }
+          if (op == ReduceOp::kAverage) want *= 1.0f / n;
+          if (type == ElementType::kBFloat16) want = Bf16ToFloat(FloatToBf16(want));
+          ASSERT_EQ(bufs[r].Get(i), want) << "rank " << r << " element " << i << " count " << count;
+        }
+      }
+    }
+  }
+}
+
+TEST_P(CollectiveTest, AllGather) {
+  const auto [impl, n, type] = GetParam();
+  Job job(impl, n);
+  for (int64_t count : kCounts) {
+    std::vector<Typed> bufs;
+    for (int r = 0; r < n; ++r) {
+      bufs.emplace_back(type, n * count);
+      for (int64_t i = 0; i < n * count; ++i) bufs[r].Set(i, i / std::max<int64_t>(count, 1) == r
+                                                                  ? Value(r, i) : 99.0f);
+    }
+    job.Parallel([&](int r) {
+      EXPECT_TRUE(job.comms[r]->AllGather(bufs[r].data(), count, type)->Wait(absl::Seconds(30)).ok());
+    });
+    for (int r = 0; r < n; ++r) {
+      for (int64_t i = 0; i < n * count; ++i) {
+        ASSERT_EQ(bufs[r].Get(i), Value(static_cast<int>(i / count), i)) << "rank " << r << " i " << i;
+      }
+    }
+  }
+}
+
+TEST_P(CollectiveTest, AllReduceBroadcastBarrier) {
+  const auto [impl, n, type] = GetParam();
+  Job job(impl, n);
+  for (int64_t count : kCounts) {
+    for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kMax}) {
+      std::vector<Typed> bufs;
+      for (int r = 0; r < n; ++r) {
+        bufs.emplace_back(type, count);
+        for (int64_t i = 0; i < count; ++i) bufs[r].Set(i, Value(r, i));
+      }
+      job.Parallel([&](int r) {
+        EXPECT_TRUE(job.comms[r]->AllReduce(bufs[r].data(), count, type, op)
+                        ->Wait(absl::Seconds(30)).ok());
+      });
+      for (int r = 0; r < n; ++r) {
+        for (int64_t i = 0; i < count; ++i) {
+          float want = op == ReduceOp::kMax ? -1e30f : 0.0f;
+          for (int q = 0; q < n; ++q) {
+            want = op == ReduceOp::kMax ? std::max(want, Value(q, i)) : want + Value(q, i);
+          }
+          ASSERT_EQ(bufs[r].Get(i), want);
+        }
+      }
+    }
+    for (int root = 0; root < n; ++root) {
+      std::vector<Typed> bufs;
+      for (int r = 0; r < n; ++r) {
+        bufs.emplace_back(type, count);
+        for (int64_t i = 0; i < count; ++i) bufs[r].Set(i, r == root ? Value(r, i) : 77.0f);
+      }
+      job.Parallel([&](int r) {
+        EXPECT_TRUE(job.comms[r]->Broadcast(bufs[r].data(), count, type, root)
+                        ->Wait(absl::Seconds(30)).ok());
+      });
+      for (int r = 0; r < n; ++r) {
+        for (int64_t i = 0; i < count; ++i) ASSERT_EQ(bufs[r].Get(i), Value(root, i));
+      }
+    }
+  }
+  job.Parallel([&](int r) { EXPECT_TRUE(job.comms[r]->Barrier()->Wait(absl::Seconds(30)).ok()); });
+}
+
+TEST_P(CollectiveTest, ByteCountersMatchTheRing) {
+  const auto [impl, n, type] = GetParam();
+  Job job(impl, n);
+  const int64_t count = 1000;
+  std::vector<Typed> bufs;
+  for (int r = 0; r < n; ++r) bufs.emplace_back(type, n * count);
+  job.Parallel([&](int r) {
+    EXPECT_TRUE(job.comms[r]->ReduceScatter(bufs[r].data(), count, type, ReduceOp::kSum)
+                    ->Wait(absl::Seconds(30)).ok());
+    EXPECT_TRUE(job.comms[r]->AllGather(bufs[r].data(), count, type)->Wait(absl::Seconds(30)).ok());
+  });
+  const int64_t chunk = count * ElementSize(type);
+  for (int r = 0; r < n; ++r) {
+    ByteCounters c = job.comms[r]->counters();
+    EXPECT_EQ(c.sent[static_cast<int>(CollectiveKind::kReduceScatter)], (n - 1) * chunk);
+    EXPECT_EQ(c.sent[static_cast<int>(CollectiveKind::kAllGather)], (n - 1) * chunk);
+    EXPECT_EQ(c.total_received(), 2 * (n - 1) * chunk);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    All, CollectiveTest,
+    ::testing::Combine(::testing::Values(Impl::kGloo, Impl::kInProcess),
+                       ::testing::Values(1, 2, 3, 4),
+                       ::testing::Values(ElementType::kFloat32, ElementType::kBFloat16)),
+    [](const auto& info) {
+      return absl::StrCat(std::get<0>(info.param) == Impl::kGloo ? "gloo" : "inprocess", "_",
+                          std::get<1>(info.param), "ranks_",
+                          ElementTypeName(std::get<2>(info.param)));
+    });
+
+class FailureTest : public ::testing::TestWithParam<Impl> {};
+
+TEST_P(FailureTest, TimeoutFiresWhenAPeerNeverCalls) {
+  Job job(GetParam(), 2, absl::Milliseconds(700));
+  std::vector<float> buf(4, 1.0f);
+  const absl::Time start = absl::Now();
+  absl::Status s = job.comms[0]->AllReduce(buf.data(), 4, ElementType::kFloat32, ReduceOp::kSum)
+                       ->Wait(absl::Seconds(20));
+  EXPECT_FALSE(s.ok());
+  EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+  // The communicator is unusable afterwards: later calls fail at once.
+  EXPECT_FALSE(job.comms[0]->Barrier()->Wait(absl::Seconds(5)).ok());
+}
+
+TEST_P(FailureTest, AbortUnblocksAWaitingRankAndFailsLaterCalls) {
+  Job job(GetParam(), 2, absl::Seconds(60));
+  std::vector<float> buf(4, 1.0f);
+  CommHandlePtr h = job.comms[0]->AllReduce(buf.data(), 4, ElementType::kFloat32, ReduceOp::kSum);
+  // Rank 1 never calls. Abort from another thread while rank 0 waits.
+  std::thread aborter([&] { job.comms[0]->Abort(absl::UnavailableError("rank 1 died")); });
+  const absl::Time start = absl::Now();
+  absl::Status s = h->Wait(absl::Seconds(20));
+  aborter.join();
+  EXPECT_EQ(s.code(), absl::StatusCode::kAborted) << s;
+  EXPECT_NE(s.message().find("rank 1 died"), absl::string_view::npos) << s;
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+  absl::Status later = job.comms[0]->Barrier()->Wait(absl::Seconds(1));
+  EXPECT_EQ(later.code(), absl::StatusCode::kAborted);
+}
+
+TEST_P(FailureTest, BadArgumentsAreErrors) {
+  Job job(GetParam(), 2);
+  std::vector<float> buf(4);
+  EXPECT_EQ(job.comms[0]->AllReduce(buf.data(), -1, ElementType::kFloat32, ReduceOp::kSum)
+                ->Wait(absl::Seconds(1)).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(job.comms[0]->AllReduce(nullptr, 4, ElementType::kFloat32, ReduceOp::kSum)
+                ->Wait(absl::Seconds(1)).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(job.comms[0]->Broadcast(buf.data(), 4, ElementType::kFloat32, 2)
+                ->Wait(absl::Seconds(1)).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(job.comms[0]->ReduceScatter(buf.data(), 2, ElementType::kByte, ReduceOp::kSum)
+                ->Wait(absl::Seconds(1)).code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+INSTANTIATE_TEST_SUITE_P(Both, FailureTest, ::testing::Values(Impl::kGloo, Impl::kInProcess),
+                         [](const auto& info) {
+                           return info.param == Impl::kGloo ? "gloo" : "inprocess";
+                         });
+
+TEST(InProcessFaultsTest, InjectedFailureAndStallNameTheRank) {
+  std::vector<InProcessFaults> faults(3);
+  faults[2].stall_at_op = 0;
+  Job job(Impl::kInProcess, 3, absl::Milliseconds(500), 256, faults);
+  std::vector<std::vector<float>> bufs(3, std::vector<float>(3, 1.0f));
+  std::vector<absl::Status> st(3);
+  job.Parallel([&](int r) {
+    st[r] = job.comms[r]->AllReduce(bufs[r].data(), 3, ElementType::kFloat32, ReduceOp::kSum)
+                ->Wait(r == 2 ? absl::Milliseconds(200) : absl::Seconds(10));
+  });
+  EXPECT_EQ(st[0].code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_NE(st[0].message().find("waiting for rank(s) 2"), absl::string_view::npos) << st[0];
+  EXPECT_EQ(st[2].code(), absl::StatusCode::kDeadlineExceeded);  // still stalled
+  job.comms[2]->Abort(absl::CancelledError("test over"));
+  EXPECT_EQ(job.comms[2]->Barrier()->Wait(absl::Seconds(5)).code(), absl::StatusCode::kAborted);
+
+  std::vector<InProcessFaults> fail(2);
+  fail[1].fail_at_op = 0;
+  Job job2(Impl::kInProcess, 2, absl::Milliseconds(300), 256, fail);
+  job2.Parallel([&](int r) {
+    st[r] = job2.comms[r]->Barrier()->Wait(absl::Seconds(10));
+  });
+  EXPECT_EQ(st[1].code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(st[0].code(), absl::StatusCode::kDeadlineExceeded);
+}
+
+TEST(InProcessFaultsTest, MismatchedCollectivesAreAnError) {
+  Job job(Impl::kInProcess, 2, absl::Seconds(5));
+  std::vector<float> a(4), b(4);
+  std::vector<absl::Status> st(2);
+  job.Parallel([&](int r) {
+    st[r] = r == 0 ? job.comms[0]->AllReduce(a.data(), 4, ElementType::kFloat32, ReduceOp::kSum)
+                         ->Wait(absl::Seconds(5))
+                   : job.comms[1]->Broadcast(b.data(), 4, ElementType::kFloat32, 0)
+                         ->Wait(absl::Seconds(5));
+  });
+  EXPECT_EQ(st[0].code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(st[1].message().find("collective mismatch"), absl::string_view::npos) << st[1];
+}
+
+TEST(KeyValueStoreTest, GetWaitsAndTimesOut) {
+  InMemoryKeyValueStore store;
+  EXPECT_EQ(store.Get("k", absl::Milliseconds(10)).status().code(),
+            absl::StatusCode::kDeadlineExceeded);
+  std::thread setter([&] { EXPECT_TRUE(store.Set("k", "v").ok()); });
+  auto v = store.Get("k", absl::Seconds(10));
+  setter.join();
+  ASSERT_TRUE(v.ok());
+  EXPECT_EQ(*v, "v");
+  const std::string dir = ::testing::TempDir();
+  FileKeyValueStore files(dir);
+  EXPECT_TRUE(files.Set("job/a", std::string("x\0y", 3)).ok());
+  auto f = files.Get("job/a", absl::Seconds(1));
+  ASSERT_TRUE(f.ok());
+  EXPECT_EQ(*f, std::string("x\0y", 3));
+  EXPECT_EQ(files.Get("job/missing", absl::Milliseconds(20)).status().code(),
+            absl::StatusCode::kDeadlineExceeded);
+}
+
+}  // namespace
+}  // namespace shardopt
