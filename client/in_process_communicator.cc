@@ -52,6 +52,7 @@ class InProcessCommunicator : public QueuedCommunicator {
       return abort_status();
     }
     absl::Status s = world_->Arrive(rank(), seq, call, &interrupted_);
+    if (!s.ok() && aborted()) return abort_status();
     if (s.ok()) Count(call);
     return s;
   }
