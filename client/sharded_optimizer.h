@@ -1,0 +1,178 @@
+// ShardedOptimizer: the trainer's API. Data-parallel training where each rank
+// owns 1/N of the optimizer state.
+//
+// Parameters and gradients become views into two flat, bucket-ordered buffers
+// (planned by common/planner.h). When the last gradient of a bucket has been
+// accumulated in backward, that bucket's reduce-scatter starts at once,
+// overlapping the rest of backward. Step() waits for them, optionally clips by
+// the global gradient norm, runs the fused update over this rank's slices, and
+// all-gathers every bucket as soon as its slice is updated.
+//
+// Usage per step:   opt->ZeroGrad(); loss.backward(); opt->Step();
+// Gradient accumulation: SetGradientSync(false) for all but the last backward.
+//
+// Not thread-safe: call from the training thread. Backward hooks may run on
+// autograd's threads; they take an internal lock.
+#ifndef SHARDOPT_CLIENT_SHARDED_OPTIMIZER_H_
+#define SHARDOPT_CLIENT_SHARDED_OPTIMIZER_H_
+
+#include <torch/types.h>
+
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "client/communicator.h"
+#include "common/layout.h"
+#include "server/optimizer_config.h"
+
+namespace torch {
+namespace autograd {
+struct Node;
+}  // namespace autograd
+}  // namespace torch
+
+namespace shardopt {
+
+struct ShardedOptimizerOptions {
+  OptimizerKind kind = OptimizerKind::kAdam;
+  // Adam and AdamW hyper-parameters (decoupled_weight_decay follows `kind`).
+  AdamConfig adam;
+  SgdConfig sgd;
+  // Bucket cap, alignment, whether tensors may be cut.
+  PlanOptions plan;
+  // > 0: clip gradients by their global L2 norm, as
+  // torch.nn.utils.clip_grad_norm_(max_norm) does (coefficient max/(norm+1e-6)).
+  double max_grad_norm = 0.0;
+  // Type gradients travel in. kBFloat16 halves gradient traffic for fp32 models
+  // (rounded once before the reduce-scatter; the sum is accumulated per ring
+  // step in fp32 and rounded). Parameters always travel in their own dtype.
+  ElementType grad_comm_type = ElementType::kFloat32;
+  // Bound on every collective wait.
+  absl::Duration timeout = absl::Seconds(300);
+  // Threads for the fused update (0 = all hardware threads).
+  int kernel_threads = 1;
+  // Record TraceEvents (cheap; for tests and diagnosis).
+  bool trace = false;
+};
+
+struct StepResult {
+  int64_t step = 0;          // number of this step (1 for the first)
+  double grad_norm = 0.0;    // global L2 norm of the averaged gradient, before clipping
+  bool clipped = false;
+};
+
+// Bytes this rank holds, by role.
+struct MemoryReport {
+  int64_t master_bytes = 0;  // fp32 master copy of owned bf16 parameters
+  int64_t state_bytes = 0;   // optimizer state of owned slices
+  int64_t grad_bytes = 0;    // flat gradient buffer (+ comm scratch)
+  int64_t param_bytes = 0;   // flat parameter buffer
+  int64_t total() const { return master_bytes + state_bytes + grad_bytes + param_bytes; }
+};
+
+struct TraceEvent {
+  enum Kind {
+    kGradReady,           // a parameter's gradient was accumulated (param set)
+    kReduceScatterStart,  // bucket set
+    kReduceScatterDone,
+    kUpdateDone,
+    kAllGatherStart,
+    kAllGatherDone,
+    kStepBegin,
+    kStepEnd,
+  };
+  Kind kind;
+  int bucket = -1;
+  int param = -1;
+  int64_t time_ns = 0;  // steady clock
+};
+const char* TraceEventName(TraceEvent::Kind kind);
+
+class ShardedOptimizer {
+ public:
+  // `named_parameters` in registration order (module->named_parameters());
+  // parameters with requires_grad == false are frozen. `comm` must outlive the
+  // optimizer. Collective: every rank calls Create with the same model.
+  // Parameters are replaced by views of the flat buffer and rank 0's values
+  // are broadcast to every rank.
+  // Errors: empty model, duplicate or empty names, non-contiguous parameters,
+  // parameters on another device or of an unsupported dtype, bad options,
+  // a model that differs between ranks (the message names the first
+  // parameter that differs), communication failures.
+  static absl::StatusOr<std::unique_ptr<ShardedOptimizer>> Create(
+      const std::vector<std::pair<std::string, torch::Tensor>>& named_parameters,
+      const ShardedOptimizerOptions& options, Communicator* comm);
+  ~ShardedOptimizer();
+
+  // One optimizer step. Errors: no backward since the last step, gradients
+  // accumulated without ZeroGrad() after the previous step, communication
+  // failures or timeouts (the communicator is aborted then).
+  absl::StatusOr<StepResult> Step();
+  // Zeroes the flat gradient buffer (gradients stay views of it).
+  void ZeroGrad();
+  // false: backward only accumulates locally (gradient accumulation, like
+  // DDP's no_sync()); true (default): buckets are reduced during backward.
+  void SetGradientSync(bool enabled);
+  // Takes effect at the next Step().
+  void SetLearningRate(double lr);
+  double learning_rate() const;
+
+  int64_t step_count() const { return step_; }
+  const Layout& layout() const { return layout_; }
+  const ShardedOptimizerOptions& options() const { return options_; }
+  MemoryReport memory() const;
+  std::vector<TraceEvent> TakeTrace();
+
+ private:
+  struct HookState;
+  ShardedOptimizer(ShardedOptimizerOptions options, Communicator* comm, Layout layout);
+  absl::Status Init(const std::vector<std::pair<std::string, torch::Tensor>>& params);
+  absl::Status CheckSameModelOnAllRanks();
+  void OnGradReady(int param);
+  void LaunchReadyBucketsLocked();
+  void LaunchReduceScatterLocked(int bucket);
+  void Trace(TraceEvent::Kind kind, int bucket, int param);
+  absl::Status WaitOrAbort(const CommHandlePtr& handle, const char* what, int bucket);
+
+  ShardedOptimizerOptions options_;
+  Communicator* comm_;
+  Layout layout_;
+  const int rank_;
+  const int world_;
+  torch::ScalarType dtype_;
+
+  torch::Tensor param_flat_;  // model dtype, flat_size elements
+  torch::Tensor grad_flat_;   // model dtype
+  torch::Tensor comm_scratch_;  // bf16 gradients for communication, if converting
+  torch::Tensor master_;      // fp32 owned slices (bf16 models)
+  torch::Tensor state0_, state1_;  // fp32 owned slices
+  std::vector<int64_t> owned_offset_;  // per bucket: offset of its slice in master_/state
+  int64_t owned_elements_ = 0;
+
+  std::vector<torch::Tensor> params_;  // the model's parameters (views)
+  std::vector<std::shared_ptr<torch::autograd::Node>> grad_accumulators_;
+  std::shared_ptr<HookState> hook_state_;
+
+  // Guarded by hook_state_->mu (written by backward hooks).
+  std::vector<bool> ready_;
+  std::vector<int> bucket_ready_count_;
+  std::vector<int> bucket_size_;
+  std::vector<CommHandlePtr> rs_handles_;
+  int next_launch_ = 0;
+  int64_t grads_seen_ = 0;
+  bool sync_ = true;
+  bool needs_zero_grad_ = false;
+  bool grad_after_step_ = false;
+  bool accumulated_while_syncing_ = false;
+  std::vector<TraceEvent> trace_;
+
+  int64_t step_ = 0;
+};
+
+}  // namespace shardopt
+
+#endif  // SHARDOPT_CLIENT_SHARDED_OPTIMIZER_H_

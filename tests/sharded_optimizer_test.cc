@@ -1,0 +1,406 @@
+// ShardedOptimizer: parity with single-process LibTorch training (in-process
+// ranks and separate processes over Gloo/TCP), overlap of reduce-scatters with
+// backward, bytes on the wire, gradient accumulation, bf16, bad input.
+//
+// Tolerance: ranks sum gradients in a different order than one process
+// computing the whole batch, so gradients differ by fp32 rounding (~1e-7
+// relative). Adam divides by sqrt(v), so such differences can move a
+// parameter by a small fraction of lr per step. After 20 steps we require
+// |sharded - reference| <= 2e-5 + 1e-4 * |reference| for every parameter
+// (lr is 1e-3, so that is 2% of one step's largest possible move).
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <ATen/Parallel.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <fstream>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "client/in_process_communicator.h"
+#include "client/models.h"
+#include "client/sharded_optimizer.h"
+#include "gtest/gtest.h"
+#include "tests/training_harness.h"
+
+extern char** environ;
+
+namespace shardopt {
+namespace {
+
+void ExpectClose(const std::vector<float>& got, const std::vector<float>& want,
+                 const std::string& what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  double max_err = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double err = std::fabs(static_cast<double>(got[i]) - want[i]);
+    max_err = std::max(max_err, err);
+    ASSERT_LE(err, 2e-5 + 1e-4 * std::fabs(want[i]))
+        << what << ": element " << i << " sharded " << got[i] << " reference " << want[i];
+  }
+  std::cout << what << ": max |sharded - reference| = " << max_err << "\n";
+}
+
+// Runs `c` on n in-process ranks; returns rank 0's parameters and checks that
+// every rank ends with the same parameters.
+std::vector<float> TrainInProcess(const TrainConfig& c, int n,
+                                  std::vector<TraceEvent>* trace = nullptr,
+                                  ByteCounters* bytes = nullptr) {
+  InProcessWorld world(n, absl::Seconds(60));
+  std::vector<std::unique_ptr<Communicator>> comms;
+  for (int r = 0; r < n; ++r) comms.push_back(world.Connect(r));
+  std::vector<absl::StatusOr<std::vector<float>>> out(n, absl::UnknownError("not run"));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r) {
+    threads.emplace_back([&, r] {
+      out[r] = TrainSharded(c, comms[r].get(), r == 0 ? trace : nullptr, r == 0 ? bytes : nullptr);
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < n; ++r) {
+    EXPECT_TRUE(out[r].ok()) << "rank " << r << ": " << out[r].status();
+    if (!out[r].ok()) return {};
+    EXPECT_EQ(*out[r], *out[0]) << "rank " << r << " diverged from rank 0";
+  }
+  return *out[0];
+}
+
+struct ParityCase {
+  OptimizerKind kind;
+  double clip;
+};
+
+class InProcessParityTest : public ::testing::TestWithParam<std::tuple<int, ParityCase>> {};
+
+TEST_P(InProcessParityTest, MatchesSingleProcessLibTorch) {
+  const auto [n, pc] = GetParam();
+  TrainConfig c;
+  c.model = "small";
+  c.kind = pc.kind;
+  c.max_grad_norm = pc.clip;
+  c.lr = pc.kind == OptimizerKind::kSgd ? 0.05 : 1e-2;
+  c.global_batch = 12;
+  c.bucket_cap = 300;  // several buckets, tensors cut across ranks
+  auto ref = TrainReference(c);
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  std::vector<float> got = TrainInProcess(c, n);
+  ExpectClose(got, *ref, absl::StrCat(OptimizerKindName(pc.kind), " clip=", pc.clip, " n=", n));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Small, InProcessParityTest,
+    ::testing::Combine(::testing::Values(1, 2, 3, 4),
+                       ::testing::Values(ParityCase{OptimizerKind::kAdam, 0.0},
+                                         ParityCase{OptimizerKind::kAdamW, 0.0},
+                                         ParityCase{OptimizerKind::kSgd, 0.0},
+                                         ParityCase{OptimizerKind::kAdam, 0.5})),
+    [](const auto& info) {
+      const ParityCase pc = std::get<1>(info.param);
+      return absl::StrCat(std::get<0>(info.param), "ranks_", OptimizerKindName(pc.kind),
+                          pc.clip > 0 ? "_clip" : "");
+    });
+
+// Spawns n parity_worker processes (Gloo over 127.0.0.1) and collects their
+// parameters and bytes sent in the last step.
+struct ProcessRun {
+  std::vector<std::vector<float>> params;
+  std::vector<int64_t> bytes_last_step;
+};
+
+ProcessRun RunProcesses(const TrainConfig& c, int n) {
+  ProcessRun run;
+  const std::string dir = ::testing::TempDir() + "/parity_" + c.model + "_" +
+                          OptimizerKindName(c.kind) + "_" + std::to_string(n) + "_" +
+                          std::to_string(getpid());
+  EXPECT_EQ(system(("rm -rf " + dir + " && mkdir -p " + dir).c_str()), 0);
+  std::vector<pid_t> pids;
+  for (int r = 0; r < n; ++r) {
+    std::vector<std::string> args = {"tests/parity_worker", absl::StrCat("--rank=", r),
+                                     absl::StrCat("--world=", n), "--store=" + dir,
+                                     absl::StrCat("--out=", dir, "/params", r)};
+    for (const auto& f : TrainConfigFlags(c)) args.push_back(f);
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    pid_t pid;
+    EXPECT_EQ(posix_spawn(&pid, argv[0], nullptr, nullptr, argv.data(), environ), 0);
+    pids.push_back(pid);
+  }
+  // Bounded wait: every worker must finish within the deadline.
+  const absl::Time deadline = absl::Now() + absl::Seconds(400);
+  std::vector<bool> done(n, false);
+  int remaining = n;
+  while (remaining > 0 && absl::Now() < deadline) {
+    for (int r = 0; r < n; ++r) {
+      if (done[r]) continue;
+      int status = 0;
+      if (waitpid(pids[r], &status, WNOHANG) == pids[r]) {
+        done[r] = true;
+        --remaining;
+        EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "rank " << r << " failed";
+      }
+    }
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  for (int r = 0; r < n; ++r) {
+    if (!done[r]) {
+      ADD_FAILURE() << "rank " << r << " did not finish in time; killing it";
+      kill(pids[r], SIGKILL);
+      waitpid(pids[r], nullptr, 0);
+    }
+  }
+  for (int r = 0; r < n; ++r) {
+    std::ifstream f(absl::StrCat(dir, "/params", r), std::ios::binary | std::ios::ate);
+    const auto size = f.tellg();
+    std::vector<float> p(size > 0 ? static_cast<size_t>(size) / 4 : 0);
+    f.seekg(0);
+    f.read(reinterpret_cast<char*>(p.data()), static_cast<std::streamsize>(p.size() * 4));
+    run.params.push_back(std::move(p));
+    std::ifstream b(absl::StrCat(dir, "/params", r, ".bytes"));
+    int64_t bytes = -1;
+    b >> bytes;
+    run.bytes_last_step.push_back(bytes);
+  }
+  return run;
+}
+
+TEST(GlooParityTest, MlpOverSeparateProcessesMatchesLibTorch) {
+  TrainConfig c;
+  c.model = "mlp";
+  c.kind = OptimizerKind::kAdam;
+  c.lr = 1e-4;
+  c.steps = 20;
+  c.global_batch = 24;
+  auto ref = TrainReference(c);
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  const int64_t model_bytes = 41956352 * 4;
+  for (int n : {2, 3, 4}) {
+    ProcessRun run = RunProcesses(c, n);
+    for (int r = 0; r < n; ++r) {
+      ASSERT_EQ(run.params[r], run.params[0]) << "rank " << r << " of " << n << " diverged";
+    }
+    ExpectClose(run.params[0], *ref, absl::StrCat("mlp adam gloo n=", n));
+    // Bytes sent per rank per step: (N-1)/N x 2 x model bytes, within 2%.
+    const double expected = (n - 1.0) / n * 2.0 * model_bytes;
+    for (int r = 0; r < n; ++r) {
+      EXPECT_NEAR(run.bytes_last_step[r] / expected, 1.0, 0.02)
+          << "rank " << r << " of " << n << " sent " << run.bytes_last_step[r];
+    }
+  }
+}
+
+TEST(GlooParityTest, SmallModelAdamWWithClippingOverProcesses) {
+  TrainConfig c;
+  c.model = "small";
+  c.kind = OptimizerKind::kAdamW;
+  c.lr = 1e-2;
+  c.max_grad_norm = 0.5;
+  c.bucket_cap = 300;
+  auto ref = TrainReference(c);
+  ASSERT_TRUE(ref.ok());
+  ProcessRun run = RunProcesses(c, 3);
+  ExpectClose(run.params[0], *ref, "small adamw clip gloo n=3");
+}
+
+TEST(OverlapTest, ReduceScattersStartBeforeBackwardEnds) {
+  TrainConfig c;
+  c.model = "tiny";
+  c.steps = 2;
+  c.global_batch = 16;
+  c.bucket_cap = 20000;  // several buckets
+  std::vector<TraceEvent> trace;
+  TrainInProcess(c, 2, &trace);
+  int64_t first_rs = -1, last_grad = -1;
+  int buckets_started_early = 0;
+  for (const TraceEvent& e : trace) {
+    if (e.kind == TraceEvent::kGradReady) last_grad = std::max(last_grad, e.time_ns);
+  }
+  for (const TraceEvent& e : trace) {
+    if (e.kind == TraceEvent::kReduceScatterStart) {
+      if (first_rs < 0) first_rs = e.time_ns;
+      if (e.time_ns < last_grad) ++buckets_started_early;
+    }
+  }
+  ASSERT_GT(first_rs, 0);
+  EXPECT_LT(first_rs, last_grad) << "the first bucket's reduce-scatter must start during backward";
+  EXPECT_GE(buckets_started_early, 2);
+}
+
+TEST(BytesTest, InProcessTwoRanksSendOneAllReduceWorth) {
+  TrainConfig c;
+  c.model = "tiny";
+  c.steps = 2;
+  c.global_batch = 16;
+  ByteCounters bytes;
+  TrainInProcess(c, 2, nullptr, &bytes);
+  auto model = MakeModel("tiny", 1);
+  int64_t numel = 0;
+  for (const auto& [n, t] : (*model)->NamedParameters()) numel += t.numel();
+  const double expected = 0.5 * 2 * numel * 4;
+  EXPECT_NEAR(bytes.total_sent() / expected, 1.0, 0.02) << bytes.total_sent();
+}
+
+// A two-rank in-process job for API tests.
+struct TwoRanks {
+  InProcessWorld world{2, absl::Seconds(20)};
+  std::vector<std::unique_ptr<Communicator>> comms;
+  TwoRanks() {
+    comms.push_back(world.Connect(0));
+    comms.push_back(world.Connect(1));
+  }
+  template <typename Fn>
+  void Run(Fn fn) {
+    std::thread t0([&] { fn(0); }), t1([&] { fn(1); });
+    t0.join();
+    t1.join();
+  }
+};
+
+TEST(ApiTest, GradientAccumulationEqualsOneBigBatch) {
+  // 2 micro-batches of 6 rows with sync off for the first == 1 batch of 12.
+  TrainConfig c;
+  c.model = "small";
+  c.steps = 3;
+  auto ref = TrainReference(c);
+  ASSERT_TRUE(ref.ok());
+  TwoRanks job;
+  std::vector<std::vector<float>> out(2);
+  job.Run([&](int r) {
+    auto model = *MakeModel("small", c.seed);
+    auto opt = ShardedOptimizer::Create(model->NamedParameters(), OptionsFor(c), job.comms[r].get());
+    ASSERT_TRUE(opt.ok()) << opt.status();
+    for (int step = 0; step < c.steps; ++step) {
+      (*opt)->ZeroGrad();
+      (*opt)->SetGradientSync(false);
+      (model->Loss(step, r * 6, r * 6 + 3) * 0.5).backward();
+      (*opt)->SetGradientSync(true);
+      (model->Loss(step, r * 6 + 3, r * 6 + 6) * 0.5).backward();
+      ASSERT_TRUE((*opt)->Step().ok());
+    }
+    for (const auto& [n, t] : model->NamedParameters()) {
+      torch::Tensor f = t.detach().contiguous();
+      out[r].insert(out[r].end(), f.data_ptr<float>(), f.data_ptr<float>() + f.numel());
+    }
+  });
+  ExpectClose(out[0], *ref, "accumulated");
+  EXPECT_EQ(out[0], out[1]);
+}
+
+TEST(ApiTest, MisuseIsReportedNotHung) {
+  TwoRanks job;
+  job.Run([&](int r) {
+    auto model = *MakeModel("small", 1);
+    TrainConfig c;
+    auto opt = ShardedOptimizer::Create(model->NamedParameters(), OptionsFor(c), job.comms[r].get());
+    ASSERT_TRUE(opt.ok()) << opt.status();
+    // Step without backward.
+    auto s = (*opt)->Step();
+    EXPECT_EQ(s.status().code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_NE(s.status().message().find("without a backward"), absl::string_view::npos);
+    model->Loss(0, r * 6, r * 6 + 6).backward();
+    auto ok = (*opt)->Step();
+    ASSERT_TRUE(ok.ok()) << ok.status();
+    EXPECT_EQ(ok->step, 1);
+    EXPECT_GT(ok->grad_norm, 0.0);
+    // Backward again without ZeroGrad.
+    model->Loss(2, r * 6, r * 6 + 6).backward();
+    EXPECT_EQ((*opt)->Step().status().code(), absl::StatusCode::kFailedPrecondition);
+    // Learning rate changes between steps; memory report is per role.
+    (*opt)->SetLearningRate(0.5);
+    EXPECT_EQ((*opt)->learning_rate(), 0.5);
+    MemoryReport m = (*opt)->memory();
+    EXPECT_EQ(m.param_bytes, (*opt)->layout().flat_size() * 4);
+    EXPECT_EQ(m.grad_bytes, m.param_bytes);
+    EXPECT_EQ(m.master_bytes, 0);
+    // Adam: two fp32 states for this rank's half (plus alignment padding).
+    EXPECT_LE(m.state_bytes, m.param_bytes + 2 * 64 * 4 * 2);
+    EXPECT_GE(m.state_bytes, m.param_bytes - 2 * 64 * 4 * 2);
+  });
+}
+
+TEST(ApiTest, Bf16ParametersWithFp32MasterTrack) {
+  TrainConfig c;
+  c.model = "small";
+  c.steps = 5;
+  auto ref = TrainReference(c);
+  TwoRanks job;
+  std::vector<std::vector<float>> out(2);
+  job.Run([&](int r) {
+    auto model = *MakeModel("small", c.seed);
+    model->module().to(torch::kBFloat16);
+    auto opt = ShardedOptimizer::Create(model->NamedParameters(), OptionsFor(c), job.comms[r].get());
+    ASSERT_TRUE(opt.ok()) << opt.status();
+    EXPECT_GT((*opt)->memory().master_bytes, 0);
+    for (int step = 0; step < c.steps; ++step) {
+      (*opt)->ZeroGrad();
+      torch::Tensor loss = model->Loss(step, r * 6, r * 6 + 6);
+      loss.backward();
+      ASSERT_TRUE((*opt)->Step().ok());
+    }
+    for (const auto& [n, t] : model->NamedParameters()) {
+      torch::Tensor f = t.detach().to(torch::kFloat).contiguous();
+      out[r].insert(out[r].end(), f.data_ptr<float>(), f.data_ptr<float>() + f.numel());
+    }
+  });
+  EXPECT_EQ(out[0], out[1]);
+  ASSERT_EQ(out[0].size(), ref->size());
+  // bf16 model: within bf16 resolution of the fp32 run (2^-8 relative) plus
+  // what bf16 forward/backward changes in 5 steps of lr 1e-3.
+  for (size_t i = 0; i < out[0].size(); ++i) {
+    EXPECT_NEAR(out[0][i], (*ref)[i], 0.01 * std::fabs((*ref)[i]) + 6e-3) << i;
+  }
+}
+
+TEST(BadInputTest, ClearErrors) {
+  InProcessWorld world(1, absl::Seconds(5));
+  auto comm = world.Connect(0);
+  ShardedOptimizerOptions o;
+  auto err = [&](std::vector<std::pair<std::string, torch::Tensor>> p) {
+    return ShardedOptimizer::Create(p, o, comm.get()).status();
+  };
+  torch::Tensor good = torch::randn({4, 3}).set_requires_grad(true);
+  EXPECT_NE(err({}).message().find("no parameters"), absl::string_view::npos);
+  absl::Status s = err({{"w", torch::randn({3, 4}).t().set_requires_grad(true)}});
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("not contiguous"), absl::string_view::npos) << s;
+  s = err({{"w", good}, {"m", torch::empty({3}, torch::TensorOptions().device(torch::kMeta))}});
+  EXPECT_NE(s.message().find("'m' is on device meta"), absl::string_view::npos) << s;
+  s = err({{"w", good}, {"w", torch::randn({2}).set_requires_grad(true)}});
+  EXPECT_NE(s.message().find("duplicate parameter name 'w'"), absl::string_view::npos) << s;
+  s = err({{"w", torch::randn({2}, torch::kDouble).set_requires_grad(true)}});
+  EXPECT_NE(s.message().find("supported: float32, bfloat16"), absl::string_view::npos) << s;
+  o.adam.lr = -1;
+  EXPECT_EQ(err({{"w", good}}).code(), absl::StatusCode::kInvalidArgument);
+  o = ShardedOptimizerOptions();
+  o.plan.bucket_cap_elements = 0;
+  EXPECT_NE(err({{"w", good}}).message().find("cannot partition"), absl::string_view::npos);
+}
+
+TEST(BadInputTest, ModelsThatDifferAcrossRanksAreRefusedNamingTheParameter) {
+  TwoRanks job;
+  std::vector<absl::Status> st(2);
+  job.Run([&](int r) {
+    std::vector<std::pair<std::string, torch::Tensor>> p = {
+        {"a", torch::randn({4}).set_requires_grad(true)},
+        {"b", torch::randn({r == 0 ? 5 : 6}).set_requires_grad(true)}};
+    st[r] = ShardedOptimizer::Create(p, ShardedOptimizerOptions(), job.comms[r].get()).status();
+  });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(st[r].code(), absl::StatusCode::kFailedPrecondition) << st[r];
+    EXPECT_NE(st[r].message().find("layout hash mismatch"), absl::string_view::npos) << st[r];
+  }
+  EXPECT_NE(st[1].message().find("parameter 'b'"), absl::string_view::npos) << st[1];
+}
+
+}  // namespace
+}  // namespace shardopt
+
+int main(int argc, char** argv) {
+  ::testing::InitGoogleTest(&argc, argv);
+  at::set_num_threads(1);
+  return RUN_ALL_TESTS();
+}

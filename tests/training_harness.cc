@@ -1,0 +1,151 @@
+#include "tests/training_harness.h"
+
+#include <torch/nn/utils/clip_grad.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/sgd.h>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "client/models.h"
+#include "common/status_macros.h"
+
+namespace shardopt {
+
+ShardedOptimizerOptions OptionsFor(const TrainConfig& c) {
+  ShardedOptimizerOptions o;
+  o.kind = c.kind;
+  if (c.kind == OptimizerKind::kAdamW) o.adam = AdamWConfig();
+  o.adam.lr = c.lr;
+  o.sgd.lr = c.lr;
+  o.sgd.momentum = 0.9;
+  o.max_grad_norm = c.max_grad_norm;
+  o.plan.bucket_cap_elements = c.bucket_cap;
+  o.timeout = absl::Seconds(60);
+  return o;
+}
+
+namespace {
+
+std::vector<float> Flatten(TrainModel& m) {
+  std::vector<float> out;
+  for (const auto& [name, t] : m.NamedParameters()) {
+    torch::Tensor f = t.detach().to(torch::kFloat).contiguous();
+    out.insert(out.end(), f.data_ptr<float>(), f.data_ptr<float>() + f.numel());
+  }
+  return out;
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<float>> TrainSharded(const TrainConfig& c, Communicator* comm,
+                                                std::vector<TraceEvent>* trace,
+                                                ByteCounters* bytes_per_step) {
+  SHARDOPT_ASSIGN_OR_RETURN(std::unique_ptr<TrainModel> model, MakeModel(c.model, c.seed));
+  ShardedOptimizerOptions o = OptionsFor(c);
+  o.trace = trace != nullptr;
+  SHARDOPT_ASSIGN_OR_RETURN(auto opt,
+                            ShardedOptimizer::Create(model->NamedParameters(), o, comm));
+  const int n = comm->world_size();
+  if (c.global_batch % n != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("global batch ", c.global_batch, " not divisible by ", n, " ranks"));
+  }
+  const int64_t per = c.global_batch / n;
+  ByteCounters before;
+  for (int step = 0; step < c.steps; ++step) {
+    if (step == c.steps - 1) {
+      before = comm->counters();
+      if (trace) opt->TakeTrace();
+    }
+    opt->ZeroGrad();
+    torch::Tensor loss = model->Loss(step, comm->rank() * per, (comm->rank() + 1) * per);
+    loss.backward();
+    SHARDOPT_ASSIGN_OR_RETURN(StepResult r, opt->Step());
+    (void)r;
+  }
+  if (trace) *trace = opt->TakeTrace();
+  if (bytes_per_step) {
+    ByteCounters after = comm->counters();
+    for (int k = 0; k < kNumCollectiveKinds; ++k) {
+      bytes_per_step->sent[k] = after.sent[k] - before.sent[k];
+      bytes_per_step->received[k] = after.received[k] - before.received[k];
+    }
+  }
+  return Flatten(*model);
+}
+
+absl::StatusOr<std::vector<float>> TrainReference(const TrainConfig& c) {
+  SHARDOPT_ASSIGN_OR_RETURN(std::unique_ptr<TrainModel> model, MakeModel(c.model, c.seed));
+  std::vector<torch::Tensor> params;
+  for (const auto& [name, t] : model->NamedParameters()) {
+    if (t.requires_grad()) params.push_back(t);
+  }
+  std::unique_ptr<torch::optim::Optimizer> opt;
+  switch (c.kind) {
+    case OptimizerKind::kAdam:
+      opt = std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(c.lr));
+      break;
+    case OptimizerKind::kAdamW:
+      opt = std::make_unique<torch::optim::AdamW>(params, torch::optim::AdamWOptions(c.lr));
+      break;
+    case OptimizerKind::kSgd:
+      opt = std::make_unique<torch::optim::SGD>(params,
+                                                torch::optim::SGDOptions(c.lr).momentum(0.9));
+      break;
+  }
+  for (int step = 0; step < c.steps; ++step) {
+    opt->zero_grad();
+    torch::Tensor loss = model->Loss(step, 0, c.global_batch);
+    loss.backward();
+    if (c.max_grad_norm > 0) torch::nn::utils::clip_grad_norm_(params, c.max_grad_norm);
+    opt->step();
+  }
+  return Flatten(*model);
+}
+
+absl::StatusOr<TrainConfig> ParseTrainConfig(const std::vector<std::string>& args) {
+  TrainConfig c;
+  for (const std::string& a : args) {
+    const size_t eq = a.find('=');
+    if (a.rfind("--", 0) != 0 || eq == std::string::npos) {
+      return absl::InvalidArgumentError(absl::StrCat("bad flag '", a, "'"));
+    }
+    const std::string k = a.substr(2, eq - 2), v = a.substr(eq + 1);
+    bool ok = true;
+    if (k == "model") {
+      c.model = v;
+    } else if (k == "optimizer") {
+      if (v == "adam") c.kind = OptimizerKind::kAdam;
+      else if (v == "adamw") c.kind = OptimizerKind::kAdamW;
+      else if (v == "sgd") c.kind = OptimizerKind::kSgd;
+      else ok = false;
+    } else if (k == "lr") {
+      ok = absl::SimpleAtod(v, &c.lr);
+    } else if (k == "clip") {
+      ok = absl::SimpleAtod(v, &c.max_grad_norm);
+    } else if (k == "steps") {
+      ok = absl::SimpleAtoi(v, &c.steps);
+    } else if (k == "global_batch") {
+      ok = absl::SimpleAtoi(v, &c.global_batch);
+    } else if (k == "bucket_cap") {
+      ok = absl::SimpleAtoi(v, &c.bucket_cap);
+    } else {
+      continue;  // flags of the caller
+    }
+    if (!ok) return absl::InvalidArgumentError(absl::StrCat("bad value in '", a, "'"));
+  }
+  return c;
+}
+
+std::vector<std::string> TrainConfigFlags(const TrainConfig& c) {
+  return {absl::StrCat("--model=", c.model),
+          absl::StrCat("--optimizer=", OptimizerKindName(c.kind)),
+          absl::StrCat("--lr=", c.lr),
+          absl::StrCat("--clip=", c.max_grad_norm),
+          absl::StrCat("--steps=", c.steps),
+          absl::StrCat("--global_batch=", c.global_batch),
+          absl::StrCat("--bucket_cap=", c.bucket_cap)};
+}
+
+}  // namespace shardopt

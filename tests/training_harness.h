@@ -1,0 +1,46 @@
+// Shared by the parity tests and their worker binary: train a model with
+// ShardedOptimizer on one rank's share of a fixed global batch, or with plain
+// LibTorch optimizers on the whole batch in one process (the reference).
+#ifndef SHARDOPT_TESTS_TRAINING_HARNESS_H_
+#define SHARDOPT_TESTS_TRAINING_HARNESS_H_
+
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "client/communicator.h"
+#include "client/sharded_optimizer.h"
+
+namespace shardopt {
+
+struct TrainConfig {
+  std::string model = "small";
+  OptimizerKind kind = OptimizerKind::kAdam;
+  double lr = 1e-3;
+  double max_grad_norm = 0.0;
+  int steps = 20;
+  int64_t global_batch = 12;
+  int64_t bucket_cap = 25 * 1024 * 1024;
+  uint64_t seed = 42;
+};
+
+// The optimizer options a config implies (Adam/AdamW/SGD-momentum defaults).
+ShardedOptimizerOptions OptionsFor(const TrainConfig& c);
+
+// Trains on rank comm->rank() of comm->world_size(); returns every parameter
+// of the model (trainable and frozen), flattened in registration order.
+// `trace` (optional) receives the optimizer's trace of the last step.
+absl::StatusOr<std::vector<float>> TrainSharded(const TrainConfig& c, Communicator* comm,
+                                                std::vector<TraceEvent>* trace = nullptr,
+                                                ByteCounters* bytes_per_step = nullptr);
+
+// The same training in one process with torch::optim on the whole batch.
+absl::StatusOr<std::vector<float>> TrainReference(const TrainConfig& c);
+
+// Parses "--key=value" flags into a config (for the worker binary).
+absl::StatusOr<TrainConfig> ParseTrainConfig(const std::vector<std::string>& args);
+std::vector<std::string> TrainConfigFlags(const TrainConfig& c);
+
+}  // namespace shardopt
+
+#endif  // SHARDOPT_TESTS_TRAINING_HARNESS_H_
