@@ -4,10 +4,18 @@
 //
 // Tolerance: ranks sum gradients in a different order than one process
 // computing the whole batch, so gradients differ by fp32 rounding (~1e-7
-// relative). Adam divides by sqrt(v), so such differences can move a
-// parameter by a small fraction of lr per step. After 20 steps we require
+// relative). For the small models we require, after 20 steps,
 // |sharded - reference| <= 2e-5 + 1e-4 * |reference| for every parameter
-// (lr is 1e-3, so that is 2% of one step's largest possible move).
+// (observed: <= 6e-8). The mlp is different: it has 12,288 ReLUs per sample,
+// and a pre-activation within ~1e-8 of zero flips when parameters differ by
+// rounding. We traced one such flip (step 12 of 20, n=2): parameters agreed
+// to 3e-8 for 11 steps, then a flipped unit changed a gradient's sign (4.4e-6
+// vs -4.8e-6) and Adam, which normalises by sqrt(v), moved that element by a
+// fraction of lr. The same flip happens between LibTorch's own Adam on the
+// full batch and on the batch split in two, so it is not ours; our n=2 run is
+// bitwise equal to our one-rank run on the same two half-batches. For the mlp
+// the bound is therefore steps x lr (the largest total move, 2e-3) per
+// element and a mean error below 1% of it (observed: max 7.4e-4, mean 5e-6).
 #include <signal.h>
 #include <spawn.h>
 #include <sys/wait.h>
@@ -32,24 +40,33 @@ extern char** environ;
 namespace shardopt {
 namespace {
 
+// abs_tol < 0: the small-model bound 2e-5 + 1e-4 |p|; otherwise abs_tol per
+// element and a mean error below abs_tol / 100.
 void ExpectClose(const std::vector<float>& got, const std::vector<float>& want,
-                 const std::string& what) {
+                 const std::string& what, double abs_tol = -1) {
   ASSERT_EQ(got.size(), want.size()) << what;
-  double max_err = 0;
+  double max_err = 0, sum_err = 0;
+  int64_t above_1e6 = 0;
   for (size_t i = 0; i < got.size(); ++i) {
     const double err = std::fabs(static_cast<double>(got[i]) - want[i]);
     max_err = std::max(max_err, err);
-    ASSERT_LE(err, 2e-5 + 1e-4 * std::fabs(want[i]))
-        << what << ": element " << i << " sharded " << got[i] << " reference " << want[i];
+    sum_err += err;
+    if (err > 1e-6) ++above_1e6;
+    const double tol = abs_tol < 0 ? 2e-5 + 1e-4 * std::fabs(want[i]) : abs_tol;
+    ASSERT_LE(err, tol) << what << ": element " << i << " sharded " << got[i] << " reference "
+                        << want[i];
   }
-  std::cout << what << ": max |sharded - reference| = " << max_err << "\n";
+  const double mean = sum_err / std::max<size_t>(1, got.size());
+  if (abs_tol > 0) EXPECT_LT(mean, abs_tol / 100) << what;
+  std::cout << what << ": max |sharded - reference| = " << max_err << ", mean " << mean
+            << ", elements above 1e-6: " << above_1e6 << " of " << got.size() << "\n";
 }
 
 // Runs `c` on n in-process ranks; returns rank 0's parameters and checks that
 // every rank ends with the same parameters.
 std::vector<float> TrainInProcess(const TrainConfig& c, int n,
                                   std::vector<TraceEvent>* trace = nullptr,
-                                  ByteCounters* bytes = nullptr) {
+                                  ByteCounters* bytes = nullptr, int* clipped = nullptr) {
   InProcessWorld world(n, absl::Seconds(60));
   std::vector<std::unique_ptr<Communicator>> comms;
   for (int r = 0; r < n; ++r) comms.push_back(world.Connect(r));
@@ -57,7 +74,8 @@ std::vector<float> TrainInProcess(const TrainConfig& c, int n,
   std::vector<std::thread> threads;
   for (int r = 0; r < n; ++r) {
     threads.emplace_back([&, r] {
-      out[r] = TrainSharded(c, comms[r].get(), r == 0 ? trace : nullptr, r == 0 ? bytes : nullptr);
+      out[r] = TrainSharded(c, comms[r].get(), r == 0 ? trace : nullptr, r == 0 ? bytes : nullptr,
+                            r == 0 ? clipped : nullptr);
     });
   }
   for (auto& t : threads) t.join();
@@ -87,7 +105,9 @@ TEST_P(InProcessParityTest, MatchesSingleProcessLibTorch) {
   c.bucket_cap = 300;  // several buckets, tensors cut across ranks
   auto ref = TrainReference(c);
   ASSERT_TRUE(ref.ok()) << ref.status();
-  std::vector<float> got = TrainInProcess(c, n);
+  int clipped = 0;
+  std::vector<float> got = TrainInProcess(c, n, nullptr, nullptr, &clipped);
+  if (pc.clip > 0) EXPECT_GT(clipped, 0) << "clipping never engaged";
   ExpectClose(got, *ref, absl::StrCat(OptimizerKindName(pc.kind), " clip=", pc.clip, " n=", n));
 }
 
@@ -183,7 +203,8 @@ TEST(GlooParityTest, MlpOverSeparateProcessesMatchesLibTorch) {
     for (int r = 0; r < n; ++r) {
       ASSERT_EQ(run.params[r], run.params[0]) << "rank " << r << " of " << n << " diverged";
     }
-    ExpectClose(run.params[0], *ref, absl::StrCat("mlp adam gloo n=", n));
+    ExpectClose(run.params[0], *ref, absl::StrCat("mlp adam gloo n=", n),
+                1.0 * c.steps * c.lr);
     // Bytes sent per rank per step: (N-1)/N x 2 x model bytes, within 2%.
     const double expected = (n - 1.0) / n * 2.0 * model_bytes;
     for (int r = 0; r < n; ++r) {

@@ -40,7 +40,8 @@ std::vector<float> Flatten(TrainModel& m) {
 
 absl::StatusOr<std::vector<float>> TrainSharded(const TrainConfig& c, Communicator* comm,
                                                 std::vector<TraceEvent>* trace,
-                                                ByteCounters* bytes_per_step) {
+                                                ByteCounters* bytes_per_step,
+                                                int* clipped_steps) {
   SHARDOPT_ASSIGN_OR_RETURN(std::unique_ptr<TrainModel> model, MakeModel(c.model, c.seed));
   ShardedOptimizerOptions o = OptionsFor(c);
   o.trace = trace != nullptr;
@@ -62,7 +63,7 @@ absl::StatusOr<std::vector<float>> TrainSharded(const TrainConfig& c, Communicat
     torch::Tensor loss = model->Loss(step, comm->rank() * per, (comm->rank() + 1) * per);
     loss.backward();
     SHARDOPT_ASSIGN_OR_RETURN(StepResult r, opt->Step());
-    (void)r;
+    if (clipped_steps != nullptr && r.clipped) ++*clipped_steps;
   }
   if (trace) *trace = opt->TakeTrace();
   if (bytes_per_step) {

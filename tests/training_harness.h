@@ -32,7 +32,8 @@ ShardedOptimizerOptions OptionsFor(const TrainConfig& c);
 // `trace` (optional) receives the optimizer's trace of the last step.
 absl::StatusOr<std::vector<float>> TrainSharded(const TrainConfig& c, Communicator* comm,
                                                 std::vector<TraceEvent>* trace = nullptr,
-                                                ByteCounters* bytes_per_step = nullptr);
+                                                ByteCounters* bytes_per_step = nullptr,
+                                                int* clipped_steps = nullptr);
 
 // The same training in one process with torch::optim on the whole batch.
 absl::StatusOr<std::vector<float>> TrainReference(const TrainConfig& c);
