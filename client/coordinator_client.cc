@@ -1,0 +1,169 @@
+#include "client/coordinator_client.h"
+
+#include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/grpcpp.h>
+
+#include <condition_variable>
+#include <mutex>
+
+#include "absl/strings/str_cat.h"
+
+namespace shardopt {
+
+absl::Status FromGrpc(const grpc::Status& s, const std::string& what) {
+  if (s.ok()) return absl::OkStatus();
+  const auto code = static_cast<absl::StatusCode>(s.error_code());
+  if (s.error_code() == grpc::StatusCode::UNAVAILABLE) {
+    return absl::UnavailableError(absl::StrCat(what, ": cannot reach the coordinator (",
+                                               s.error_message(), ")"));
+  }
+  return absl::Status(code, absl::StrCat(what, ": ", s.error_message()));
+}
+
+CoordinatorClient::CoordinatorClient(const std::string& address, std::string token)
+    : address_(address),
+      token_(std::move(token)),
+      channel_(grpc::CreateChannel(address, grpc::InsecureChannelCredentials())),
+      stub_(v1::Coordinator::NewStub(channel_)) {}
+
+void CoordinatorClient::Prepare(grpc::ClientContext* ctx, absl::Duration deadline) const {
+  ctx->set_deadline(std::chrono::system_clock::now() +
+                    std::chrono::milliseconds(absl::ToInt64Milliseconds(deadline)));
+  if (!token_.empty()) ctx->AddMetadata("authorization", "Bearer " + token_);
+}
+
+absl::StatusOr<v1::JoinResponse> CoordinatorClient::Join(const v1::JoinRequest& req,
+                                                         absl::Duration deadline) {
+  grpc::ClientContext ctx;
+  Prepare(&ctx, deadline);
+  v1::JoinResponse resp;
+  grpc::Status s = stub_->Join(&ctx, req, &resp);
+  if (!s.ok()) return FromGrpc(s, "join");
+  return resp;
+}
+
+absl::Status CoordinatorClient::KvSet(const std::string& key, const std::string& value) {
+  grpc::ClientContext ctx;
+  Prepare(&ctx, absl::Seconds(10));
+  v1::KvSetRequest req;
+  req.set_key(key);
+  req.set_value(value);
+  v1::KvSetResponse resp;
+  return FromGrpc(stub_->KvSet(&ctx, req, &resp), "rendezvous set");
+}
+
+absl::StatusOr<std::string> CoordinatorClient::KvGet(const std::string& key, absl::Duration wait) {
+  grpc::ClientContext ctx;
+  Prepare(&ctx, wait + absl::Seconds(5));
+  v1::KvGetRequest req;
+  req.set_key(key);
+  req.set_wait_ms(absl::ToInt64Milliseconds(wait));
+  v1::KvGetResponse resp;
+  grpc::Status s = stub_->KvGet(&ctx, req, &resp);
+  if (!s.ok()) return FromGrpc(s, "rendezvous get");
+  return resp.value();
+}
+
+absl::StatusOr<v1::HeartbeatResponse> CoordinatorClient::Heartbeat(
+    const v1::HeartbeatRequest& req) {
+  grpc::ClientContext ctx;
+  Prepare(&ctx, absl::Seconds(5));
+  v1::HeartbeatResponse resp;
+  grpc::Status s = stub_->Heartbeat(&ctx, req, &resp);
+  if (!s.ok()) return FromGrpc(s, "heartbeat");
+  return resp;
+}
+
+absl::StatusOr<v1::GetJobResponse> CoordinatorClient::GetJob(absl::Duration deadline) {
+  grpc::ClientContext ctx;
+  Prepare(&ctx, deadline);
+  v1::GetJobResponse resp;
+  grpc::Status s = stub_->GetJob(&ctx, v1::GetJobRequest(), &resp);
+  if (!s.ok()) return FromGrpc(s, "status");
+  return resp;
+}
+
+absl::StatusOr<v1::GetLayoutResponse> CoordinatorClient::GetLayout() {
+  grpc::ClientContext ctx;
+  Prepare(&ctx, absl::Seconds(5));
+  v1::GetLayoutResponse resp;
+  grpc::Status s = stub_->GetLayout(&ctx, v1::GetLayoutRequest(), &resp);
+  if (!s.ok()) return FromGrpc(s, "layout");
+  return resp;
+}
+
+absl::StatusOr<v1::GetMemoryResponse> CoordinatorClient::GetMemory() {
+  grpc::ClientContext ctx;
+  Prepare(&ctx, absl::Seconds(10));
+  v1::GetMemoryResponse resp;
+  grpc::Status s = stub_->GetMemory(&ctx, v1::GetMemoryRequest(), &resp);
+  if (!s.ok()) return FromGrpc(s, "memory");
+  return resp;
+}
+
+absl::StatusOr<int64_t> CoordinatorClient::SetLearningRate(double lr) {
+  grpc::ClientContext ctx;
+  Prepare(&ctx, absl::Seconds(5));
+  v1::SetHyperParamsRequest req;
+  req.set_learning_rate(lr);
+  v1::SetHyperParamsResponse resp;
+  grpc::Status s = stub_->SetHyperParams(&ctx, req, &resp);
+  if (!s.ok()) return FromGrpc(s, "set-lr");
+  return resp.version();
+}
+
+absl::Status CoordinatorClient::Abort(const std::string& reason, int rank) {
+  grpc::ClientContext ctx;
+  Prepare(&ctx, absl::Seconds(5));
+  v1::AbortRequest req;
+  req.set_reason(reason);
+  req.set_rank(rank);
+  v1::AbortResponse resp;
+  return FromGrpc(stub_->Abort(&ctx, req, &resp), "abort");
+}
+
+absl::Status CoordinatorClient::Finish(int rank) {
+  grpc::ClientContext ctx;
+  Prepare(&ctx, absl::Seconds(5));
+  v1::FinishRequest req;
+  req.set_rank(rank);
+  v1::FinishResponse resp;
+  return FromGrpc(stub_->Finish(&ctx, req, &resp), "finish");
+}
+
+absl::StatusOr<std::string> CoordinatorClient::Health() {
+  // grpc.health.v1 without its generated code: the request is an empty
+  // message (service ""), the response field 1 is the enum status.
+  grpc::ClientContext ctx;
+  Prepare(&ctx, absl::Seconds(5));
+  grpc::ByteBuffer request_buf;  // empty HealthCheckRequest
+  grpc::Slice empty("");
+  request_buf = grpc::ByteBuffer(&empty, 1);
+  grpc::GenericStub generic(channel_);
+  grpc::ByteBuffer response_buf;
+  grpc::Status status;
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  generic.UnaryCall(&ctx, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &request_buf,
+                    &response_buf, [&](grpc::Status s) {
+                      std::lock_guard<std::mutex> l(mu);
+                      status = std::move(s);
+                      done = true;
+                      cv.notify_one();
+                    });
+  std::unique_lock<std::mutex> l(mu);
+  cv.wait(l, [&] { return done; });  // bounded by the context's deadline
+  if (!status.ok()) return FromGrpc(status, "health");
+  std::vector<grpc::Slice> slices;
+  (void)response_buf.Dump(&slices);
+  std::string bytes;
+  for (const auto& s : slices) bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  // Field 1, varint: tag 0x08 then the value (1 = SERVING, 2 = NOT_SERVING).
+  if (bytes.size() >= 2 && bytes[0] == 0x08) {
+    return bytes[1] == 1 ? std::string("SERVING") : absl::StrCat("NOT_SERVING(", int(bytes[1]), ")");
+  }
+  return std::string("UNKNOWN");
+}
+
+}  // namespace shardopt

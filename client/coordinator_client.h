@@ -1,0 +1,64 @@
+// Client of the coordinator's gRPC API, with the deadlines documented in
+// proto/shardopt.proto, and a KeyValueStore over it for Gloo's rendezvous.
+// Thread-safe (gRPC stubs are).
+#ifndef SHARDOPT_CLIENT_COORDINATOR_CLIENT_H_
+#define SHARDOPT_CLIENT_COORDINATOR_CLIENT_H_
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "client/kv_store.h"
+#include "proto/shardopt.grpc.pb.h"
+
+namespace shardopt {
+
+// grpc::Status -> absl::Status, prefixed with `what`; an unreachable server
+// becomes one clear sentence.
+absl::Status FromGrpc(const grpc::Status& s, const std::string& what);
+
+class CoordinatorClient {
+ public:
+  // Does not connect yet; `token` ("" = none) is sent as a bearer token.
+  CoordinatorClient(const std::string& address, std::string token);
+
+  const std::string& address() const { return address_; }
+  absl::StatusOr<v1::JoinResponse> Join(const v1::JoinRequest& req, absl::Duration deadline);
+  absl::Status KvSet(const std::string& key, const std::string& value);
+  absl::StatusOr<std::string> KvGet(const std::string& key, absl::Duration wait);
+  absl::StatusOr<v1::HeartbeatResponse> Heartbeat(const v1::HeartbeatRequest& req);
+  absl::StatusOr<v1::GetJobResponse> GetJob(absl::Duration deadline = absl::Seconds(5));
+  absl::StatusOr<v1::GetLayoutResponse> GetLayout();
+  absl::StatusOr<v1::GetMemoryResponse> GetMemory();
+  absl::StatusOr<int64_t> SetLearningRate(double lr);
+  absl::Status Abort(const std::string& reason, int rank);
+  absl::Status Finish(int rank);
+  // grpc.health.v1.Health/Check of the coordinator: "SERVING" or an error.
+  absl::StatusOr<std::string> Health();
+
+ private:
+  void Prepare(grpc::ClientContext* ctx, absl::Duration deadline) const;
+  const std::string address_;
+  const std::string token_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::Coordinator::Stub> stub_;
+};
+
+class GrpcKeyValueStore : public KeyValueStore {
+ public:
+  explicit GrpcKeyValueStore(CoordinatorClient* client) : client_(client) {}
+  absl::Status Set(const std::string& key, const std::string& value) override {
+    return client_->KvSet(key, value);
+  }
+  absl::StatusOr<std::string> Get(const std::string& key, absl::Duration timeout) override {
+    return client_->KvGet(key, timeout);
+  }
+
+ private:
+  CoordinatorClient* client_;
+};
+
+}  // namespace shardopt
+
+#endif  // SHARDOPT_CLIENT_COORDINATOR_CLIENT_H_

@@ -1,0 +1,64 @@
+#include "server/rpc_server.h"
+
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/health_check_service_interface.h>
+
+#include "absl/strings/str_cat.h"
+
+namespace shardopt {
+
+grpc::Status ToGrpc(const absl::Status& s) {
+  if (s.ok()) return grpc::Status::OK;
+  // absl's canonical codes are gRPC's, one to one.
+  return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
+}
+
+grpc::Status CheckToken(const grpc::CallbackServerContext* ctx, const std::string& token) {
+  if (token.empty()) return grpc::Status::OK;
+  const auto& md = ctx->client_metadata();
+  auto it = md.find("authorization");
+  if (it == md.end()) {
+    return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, "missing bearer token");
+  }
+  const std::string got(it->second.data(), it->second.size());
+  if (got != "Bearer " + token) {
+    return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, "wrong bearer token");
+  }
+  return grpc::Status::OK;
+}
+
+absl::StatusOr<std::unique_ptr<RpcServer>> RpcServer::Start(
+    const RpcServerOptions& options, const std::vector<grpc::Service*>& services) {
+  static const bool init = [] {
+    grpc::EnableDefaultHealthCheckService(true);
+    grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+    return true;
+  }();
+  (void)init;
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort(options.address, grpc::InsecureServerCredentials(), &port);
+  for (grpc::Service* s : services) builder.RegisterService(s);
+  std::unique_ptr<RpcServer> out(new RpcServer);
+  out->server_ = builder.BuildAndStart();
+  if (!out->server_ || port == 0) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot listen on ", options.address, " (address in use or invalid?)"));
+  }
+  out->port_ = port;
+  const std::string host = options.address.substr(0, options.address.rfind(':'));
+  out->address_ = absl::StrCat(host, ":", port);
+  return out;
+}
+
+RpcServer::~RpcServer() { Shutdown(); }
+
+void RpcServer::Shutdown(absl::Duration deadline) {
+  if (!server_) return;
+  server_->Shutdown(std::chrono::system_clock::now() +
+                    std::chrono::milliseconds(absl::ToInt64Milliseconds(deadline)));
+  server_->Wait();
+  server_.reset();
+}
+
+}  // namespace shardopt

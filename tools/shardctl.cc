@@ -1,0 +1,194 @@
+// shardctl: ask a running shardopt job what is going on.
+#include <google/protobuf/util/json_util.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "client/coordinator_client.h"
+#include "tools/flags.h"
+
+namespace shardopt {
+namespace {
+
+constexpr char kUsage[] = R"(usage: shardctl [flags] COMMAND
+
+commands:
+  status        job state, step, and every rank's heartbeat, loss and throughput
+  layout        which rank owns what: per rank and bucket, elements and parameters
+  memory        per rank: fp32 master, optimizer state, gradients, parameters, RSS
+  health        grpc.health.v1 check of the coordinator
+  set-lr X      change the learning rate; every rank applies it at its next step
+  abort REASON  fail the job (every rank stops)
+
+flags:
+  --coordinator=H:P   the job's coordinator (default $SHARDOPT_COORDINATOR)
+  --token-file=PATH   bearer token (default $SHARDOPT_TOKEN_FILE)
+  --json              machine-readable output
+  --wait=SECONDS      status: wait until the job is running (or failed) first
+  --help              this text
+)";
+
+int Fail(const std::string& msg) {
+  std::fprintf(stderr, "shardctl: %s\n", msg.c_str());
+  return 2;
+}
+
+std::string Bytes(int64_t b) {
+  if (b >= (int64_t{1} << 30)) return absl::StrFormat("%.2f GiB", b / 1073741824.0);
+  if (b >= (1 << 20)) return absl::StrFormat("%.1f MiB", b / 1048576.0);
+  if (b >= (1 << 10)) return absl::StrFormat("%.1f KiB", b / 1024.0);
+  return absl::StrCat(b, " B");
+}
+
+template <typename Msg>
+int PrintJson(const Msg& m) {
+  std::string out;
+  google::protobuf::util::JsonPrintOptions o;
+  o.add_whitespace = true;
+  o.always_print_primitive_fields = true;
+  (void)google::protobuf::util::MessageToJsonString(m, &out, o);
+  std::printf("%s", out.c_str());
+  return 0;
+}
+
+int Main(int argc, char** argv) {
+  auto flags = Flags::Parse(argc, argv, {"coordinator", "token-file", "json", "wait", "help"});
+  if (!flags.ok()) return Fail(std::string(flags.status().message()));
+  if (flags->Has("help") || flags->positional().empty()) {
+    std::printf("%s", kUsage);
+    return flags->Has("help") ? 0 : 2;
+  }
+  const char* env = std::getenv("SHARDOPT_COORDINATOR");
+  const std::string address = flags->Str("coordinator", env ? env : "");
+  if (address.empty()) return Fail("no coordinator address: pass --coordinator=HOST:PORT");
+  std::string token;
+  const char* tenv = std::getenv("SHARDOPT_TOKEN_FILE");
+  const std::string token_file = flags->Str("token-file", tenv ? tenv : "");
+  if (!token_file.empty()) {
+    auto t = ReadTokenFile(token_file);
+    if (!t.ok()) return Fail(std::string(t.status().message()));
+    token = *t;
+  }
+  const bool json = flags->Has("json");
+  CoordinatorClient client(address, token);
+  const std::string cmd = flags->positional()[0];
+  auto unreachable = [&](const absl::Status& s) {
+    return Fail(absl::StrCat(s.message(), " [", address, "]"));
+  };
+
+  if (cmd == "status") {
+    auto wait = flags->Double("wait", 0);
+    if (!wait.ok()) return Fail(std::string(wait.status().message()));
+    const absl::Time deadline = absl::Now() + absl::Seconds(*wait);
+    absl::StatusOr<v1::GetJobResponse> job;
+    while (true) {
+      job = client.GetJob();
+      const bool settled = job.ok() && job->state() != "starting";
+      if (settled || absl::Now() >= deadline) break;
+      absl::SleepFor(absl::Milliseconds(100));
+    }
+    if (!job.ok()) return unreachable(job.status());
+    if (json) return PrintJson(*job);
+    std::printf("job %s: %s, %d ranks, step %lld, lr %g, layout %016llx\n", job->job_id().c_str(),
+                job->state().c_str(), job->world_size(), static_cast<long long>(job->step()),
+                job->learning_rate(), static_cast<unsigned long long>(job->layout_hash()));
+    if (!job->failure().empty()) std::printf("failure: %s\n", job->failure().c_str());
+    std::printf("%5s  %-22s %8s %10s %14s %12s\n", "rank", "shard owner", "step", "loss",
+                "samples/s", "heartbeat");
+    for (const auto& r : job->ranks()) {
+      std::printf("%5d  %-22s %8lld %10.5f %14.1f %12s\n", r.rank(),
+                  r.address().empty() ? "(not joined)" : r.address().c_str(),
+                  static_cast<long long>(r.step()), r.loss(), r.samples_per_s(),
+                  r.seconds_since_heartbeat() < 0
+                      ? "-"
+                      : absl::StrFormat("%.1fs ago%s", r.seconds_since_heartbeat(),
+                                        r.alive() ? "" : " DEAD").c_str());
+    }
+    return job->state() == "failed" ? 1 : 0;
+  }
+  if (cmd == "layout") {
+    auto l = client.GetLayout();
+    if (!l.ok()) return unreachable(l.status());
+    if (json) return PrintJson(*l);
+    std::printf("layout %016llx: %d ranks, %zu buckets, %lld elements, padding %lld, imbalance "
+                "%.5f, %d cut tensors\n",
+                static_cast<unsigned long long>(l->layout_hash()), l->world_size(),
+                static_cast<size_t>(l->bucket_capacity_size()),
+                static_cast<long long>(l->num_elements()),
+                static_cast<long long>(l->padding_elements()), l->imbalance(), l->cut_tensors());
+    std::printf("%6s %5s %12s %12s  %s\n", "bucket", "rank", "elements", "capacity", "parameters");
+    for (const auto& row : l->ranges()) {
+      std::string params = absl::StrJoin(row.params(), ", ");
+      if (params.size() > 90) params = params.substr(0, 87) + "...";
+      std::printf("%6d %5d %12lld %12lld  %s\n", row.bucket(), row.rank(),
+                  static_cast<long long>(row.elements()),
+                  static_cast<long long>(l->bucket_capacity(row.bucket())), params.c_str());
+    }
+    std::printf("owned per rank:");
+    for (int r = 0; r < l->owned_elements_size(); ++r) {
+      std::printf(" %d:%lld", r, static_cast<long long>(l->owned_elements(r)));
+    }
+    std::printf("\n");
+    return 0;
+  }
+  if (cmd == "memory") {
+    auto m = client.GetMemory();
+    if (!m.ok()) return unreachable(m.status());
+    if (json) return PrintJson(*m);
+    std::printf("%5s %12s %12s %12s %12s %12s\n", "rank", "master", "opt state", "gradients",
+                "parameters", "RSS");
+    v1::RankMemory total;
+    for (const auto& r : m->ranks()) {
+      if (!r.error().empty()) {
+        std::printf("%5d  %s\n", r.rank(), r.error().c_str());
+        continue;
+      }
+      std::printf("%5d %12s %12s %12s %12s %12s\n", r.rank(), Bytes(r.master_bytes()).c_str(),
+                  Bytes(r.state_bytes()).c_str(), Bytes(r.grad_bytes()).c_str(),
+                  Bytes(r.param_bytes()).c_str(), Bytes(r.rss_bytes()).c_str());
+      total.set_master_bytes(total.master_bytes() + r.master_bytes());
+      total.set_state_bytes(total.state_bytes() + r.state_bytes());
+      total.set_grad_bytes(total.grad_bytes() + r.grad_bytes());
+      total.set_param_bytes(total.param_bytes() + r.param_bytes());
+      total.set_rss_bytes(total.rss_bytes() + r.rss_bytes());
+    }
+    std::printf("%5s %12s %12s %12s %12s %12s\n", "total", Bytes(total.master_bytes()).c_str(),
+                Bytes(total.state_bytes()).c_str(), Bytes(total.grad_bytes()).c_str(),
+                Bytes(total.param_bytes()).c_str(), Bytes(total.rss_bytes()).c_str());
+    return 0;
+  }
+  if (cmd == "health") {
+    auto h = client.Health();
+    if (!h.ok()) return unreachable(h.status());
+    std::printf("%s\n", json ? absl::StrCat("{\"status\": \"", *h, "\"}").c_str() : h->c_str());
+    return *h == "SERVING" ? 0 : 1;
+  }
+  if (cmd == "set-lr") {
+    if (flags->positional().size() != 2) return Fail("usage: shardctl set-lr VALUE");
+    double lr = 0;
+    if (!absl::SimpleAtod(flags->positional()[1], &lr)) return Fail("set-lr expects a number");
+    auto v = client.SetLearningRate(lr);
+    if (!v.ok()) return unreachable(v.status());
+    std::printf("learning rate %g requested (version %lld); ranks apply it at their next step\n",
+                lr, static_cast<long long>(*v));
+    return 0;
+  }
+  if (cmd == "abort") {
+    const std::string reason = flags->positional().size() > 1 ? flags->positional()[1] : "";
+    absl::Status s = client.Abort(reason.empty() ? "aborted with shardctl" : reason, -1);
+    if (!s.ok()) return unreachable(s);
+    std::printf("job aborted\n");
+    return 0;
+  }
+  return Fail(absl::StrCat("unknown command '", cmd, "' (see --help)"));
+}
+
+}  // namespace
+}  // namespace shardopt
+
+int main(int argc, char** argv) { return shardopt::Main(argc, argv); }

@@ -1,0 +1,314 @@
+// shardopt_train: the main job. One rank of data-parallel training with
+// ShardedOptimizer on synthetic data, its shard-owner gRPC service next to it,
+// joined to the job's coordinator. Start it with shardrun.
+#include <ATen/Parallel.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <mutex>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "client/coordinator_client.h"
+#include "client/gloo_communicator.h"
+#include "client/models.h"
+#include "client/sharded_optimizer.h"
+#include "common/malloc_tuning.h"
+#include "server/coordinator_service.h"
+#include "server/rpc_server.h"
+#include "tools/flags.h"
+
+namespace shardopt {
+namespace {
+
+constexpr char kUsage[] = R"(usage: shardopt_train [flags]
+
+One rank of a data-parallel training job with ShardedOptimizer, on synthetic
+data. Normally started by shardrun, which sets RANK, WORLD_SIZE, LOCAL_RANK and
+SHARDOPT_COORDINATOR:
+
+  shardrun --nproc 2 -- shardopt_train --model=mlp --steps=20
+
+flags:
+  --model=NAME         tiny | small | mlp (default tiny)
+  --steps=N            optimizer steps (default 20)
+  --lr=X               learning rate (default 1e-4)
+  --optimizer=NAME     adam | adamw | sgd (SGD uses momentum 0.9; default adam)
+  --batch=N            samples per rank per step (default: the model's)
+  --clip=X             clip gradients to global L2 norm X (default off)
+  --bucket-cap=N       bucket cap in elements (default 26214400)
+  --threads=N          compute threads per rank (default 1)
+  --malloc=MODE        tuned | default (default tuned: see README, "allocator")
+  --coordinator=H:P    coordinator address (default $SHARDOPT_COORDINATOR)
+  --job-id=ID          job id (default $SHARDOPT_JOB_ID or "job")
+  --token-file=PATH    bearer token for the control plane (default $SHARDOPT_TOKEN_FILE)
+  --bind=HOST          address for this rank's shard-owner service and Gloo (default 127.0.0.1)
+  --log-every=N        progress line every N steps (default: about 10 lines per run)
+  --help               this text
+)";
+
+int Fail(int rank, const std::string& msg) {
+  std::fprintf(stderr, "shardopt_train[rank %d]: %s\n", rank, msg.c_str());
+  return 1;
+}
+
+int EnvInt(const char* name, int def) {
+  const char* v = std::getenv(name);
+  return v == nullptr ? def : std::atoi(v);
+}
+
+std::string EnvStr(const char* name, const std::string& def) {
+  const char* v = std::getenv(name);
+  return v == nullptr ? def : std::string(v);
+}
+
+int Main(int argc, char** argv) {
+  auto flags = Flags::Parse(argc, argv,
+                            {"model", "steps", "lr", "optimizer", "batch", "clip", "bucket-cap",
+                             "threads", "malloc", "coordinator", "job-id", "token-file", "bind",
+                             "log-every", "help"});
+  if (!flags.ok()) return Fail(-1, std::string(flags.status().message()));
+  if (flags->Has("help")) {
+    std::printf("%s", kUsage);
+    return 0;
+  }
+  const int rank = EnvInt("RANK", 0);
+  const int world = EnvInt("WORLD_SIZE", 1);
+  auto steps = flags->Int("steps", 20);
+  auto lr = flags->Double("lr", 1e-4);
+  auto clip = flags->Double("clip", 0.0);
+  auto threads = flags->Int("threads", 1);
+  auto bucket_cap = flags->Int("bucket-cap", 25 * 1024 * 1024);
+  for (const absl::Status& s : {steps.status(), lr.status(), clip.status(), threads.status(),
+                                bucket_cap.status()}) {
+    if (!s.ok()) return Fail(rank, std::string(s.message()));
+  }
+  if (*steps < 1 || *threads < 1 || world < 1 || rank < 0 || rank >= world) {
+    return Fail(rank, "need --steps >= 1, --threads >= 1 and 0 <= RANK < WORLD_SIZE");
+  }
+  MallocMode malloc_mode;
+  if (absl::Status s = ParseMallocMode(flags->Str("malloc", "tuned"), &malloc_mode); !s.ok()) {
+    return Fail(rank, std::string(s.message()));
+  }
+  if (absl::Status s = ApplyMallocMode(malloc_mode); !s.ok()) return Fail(rank, s.ToString());
+  at::set_num_threads(static_cast<int>(*threads));
+
+  const std::string coordinator = flags->Str("coordinator", EnvStr("SHARDOPT_COORDINATOR", ""));
+  if (coordinator.empty()) {
+    return Fail(rank, "no coordinator: run under shardrun, or pass --coordinator=HOST:PORT");
+  }
+  std::string token;
+  const std::string token_file = flags->Str("token-file", EnvStr("SHARDOPT_TOKEN_FILE", ""));
+  if (!token_file.empty()) {
+    auto t = ReadTokenFile(token_file);
+    if (!t.ok()) return Fail(rank, std::string(t.status().message()));
+    token = *t;
+  }
+  const std::string job_id = flags->Str("job-id", EnvStr("SHARDOPT_JOB_ID", "job"));
+  const std::string bind = flags->Str("bind", "127.0.0.1");
+
+  auto model = MakeModel(flags->Str("model", "tiny"), 42);
+  if (!model.ok()) return Fail(rank, std::string(model.status().message()));
+  const int64_t batch = flags->Int("batch", (*model)->batch_per_rank()).value_or(0);
+  if (batch < 1) return Fail(rank, "--batch must be >= 1");
+
+  ShardedOptimizerOptions opt;
+  const std::string kind = flags->Str("optimizer", "adam");
+  if (kind == "adam") {
+    opt.kind = OptimizerKind::kAdam;
+  } else if (kind == "adamw") {
+    opt.kind = OptimizerKind::kAdamW;
+    opt.adam = AdamWConfig();
+  } else if (kind == "sgd") {
+    opt.kind = OptimizerKind::kSgd;
+    opt.sgd.momentum = 0.9;
+  } else {
+    return Fail(rank, "--optimizer must be adam, adamw or sgd");
+  }
+  opt.adam.lr = *lr;
+  opt.sgd.lr = *lr;
+  opt.max_grad_norm = *clip;
+  opt.plan.bucket_cap_elements = *bucket_cap;
+  opt.timeout = absl::Seconds(120);
+
+  if (rank == 0) {
+    std::printf("shardopt_train: %d ranks, model %s, %s lr %g, batch %lld/rank, %lld steps; %s\n",
+                world, (*model)->name().c_str(), kind.c_str(), *lr, static_cast<long long>(batch),
+                static_cast<long long>(*steps), DescribeMallocMode(malloc_mode).c_str());
+    std::fflush(stdout);
+  }
+
+  // Rendezvous for Gloo through the coordinator's key-value store.
+  CoordinatorClient client(coordinator, token);
+  GrpcKeyValueStore kv(&client);
+  PrefixKeyValueStore job_kv(&kv, job_id);
+  GlooOptions gopt;
+  gopt.hostname = bind;
+  gopt.timeout = absl::Seconds(120);
+  auto comm = GlooCommunicator::Create(&job_kv, rank, world, gopt);
+  if (!comm.ok()) return Fail(rank, comm.status().ToString());
+
+  auto optimizer = ShardedOptimizer::Create((*model)->NamedParameters(), opt, comm->get());
+  if (!optimizer.ok()) {
+    (void)client.Abort(optimizer.status().ToString(), rank);
+    return Fail(rank, optimizer.status().ToString());
+  }
+  ShardedOptimizer* o = optimizer->get();
+
+  // This rank's shard-owner service.
+  std::atomic<int64_t> step_now{0};
+  ShardOwnerService shard_owner(
+      [o, rank, &step_now, kind] {
+        v1::GetShardInfoResponse r;
+        MemoryReport m = o->memory();
+        r.set_rank(rank);
+        r.set_step(step_now.load());
+        r.set_owned_elements(m.state_bytes / 4 / (kind == "adam" || kind == "adamw" ? 2 : 1));
+        r.set_master_bytes(m.master_bytes);
+        r.set_state_bytes(m.state_bytes);
+        r.set_grad_bytes(m.grad_bytes);
+        r.set_param_bytes(m.param_bytes);
+        r.set_optimizer(kind);
+        return r;
+      },
+      token);
+  RpcServerOptions sopt;
+  sopt.address = bind + ":0";
+  auto server = RpcServer::Start(sopt, {&shard_owner});
+  if (!server.ok()) return Fail(rank, server.status().ToString());
+
+  v1::JoinRequest join;
+  join.set_job_id(job_id);
+  join.set_rank(rank);
+  join.set_world_size(world);
+  join.set_host(bind);
+  join.set_shard_owner_port((*server)->port());
+  join.set_device("cpu");
+  join.set_layout_hash(o->layout().hash());
+  join.mutable_plan()->set_bucket_cap_elements(opt.plan.bucket_cap_elements);
+  join.mutable_plan()->set_alignment_elements(opt.plan.alignment_elements);
+  join.mutable_plan()->set_allow_cut(opt.plan.allow_cut);
+  for (const ParamSpec& p : o->layout().params()) {
+    v1::ParamInfo* pi = join.add_params();
+    pi->set_name(p.name);
+    for (int64_t d : p.shape) pi->add_shape(d);
+    pi->set_dtype(DTypeName(p.dtype));
+    pi->set_trainable(p.trainable);
+  }
+  auto joined = client.Join(join, absl::Seconds(120));
+  if (!joined.ok()) return Fail(rank, joined.status().ToString());
+
+  // Heartbeats: report progress, learn of aborts and learning-rate changes.
+  std::atomic<bool> stop{false};
+  std::atomic<double> loss_now{0}, sps_now{0}, lr_wanted{0};
+  std::atomic<int64_t> lr_version{0};
+  std::mutex abort_mu;
+  std::string abort_reason;
+  std::thread heartbeat([&] {
+    absl::Time last_ok = absl::Now();
+    while (!stop.load()) {
+      v1::HeartbeatRequest hb;
+      hb.set_rank(rank);
+      hb.set_step(step_now.load());
+      hb.set_loss(loss_now.load());
+      hb.set_samples_per_s(sps_now.load());
+      auto r = client.Heartbeat(hb);
+      std::string reason;
+      if (r.ok()) {
+        last_ok = absl::Now();
+        if (r->abort()) reason = "job aborted: " + r->abort_reason();
+        if (r->hyper_params_version() > lr_version.load() && r->learning_rate() > 0) {
+          lr_wanted = r->learning_rate();
+          lr_version = r->hyper_params_version();
+        }
+      } else if (absl::Now() - last_ok > absl::Seconds(15)) {
+        reason = "lost the coordinator: " + std::string(r.status().message());
+      }
+      if (!reason.empty()) {
+        {
+          std::lock_guard<std::mutex> l(abort_mu);
+          abort_reason = reason;
+        }
+        (*comm)->Abort(absl::AbortedError(reason));
+        return;
+      }
+      for (int i = 0; i < 10 && !stop.load(); ++i) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      }
+    }
+  });
+  auto finish = [&](int code) {
+    stop = true;
+    heartbeat.join();
+    (*server)->Shutdown();
+    return code;
+  };
+
+  const int64_t log_every = flags->Int("log-every", std::max<int64_t>(1, *steps / 10)).value_or(1);
+  int64_t applied_version = 0;
+  auto t_start = std::chrono::steady_clock::now();
+  auto t_window = t_start;
+  int64_t window_steps = 0;
+  for (int64_t step = 0; step < *steps; ++step) {
+    if (lr_version.load() > applied_version) {
+      applied_version = lr_version.load();
+      o->SetLearningRate(lr_wanted.load());
+      if (rank == 0) std::printf("learning rate set to %g at step %lld\n", lr_wanted.load(),
+                                 static_cast<long long>(step));
+    }
+    o->ZeroGrad();
+    torch::Tensor loss = (*model)->Loss(step, rank * batch, (rank + 1) * batch);
+    loss.backward();
+    auto r = o->Step();
+    if (!r.ok()) {
+      std::string reason;
+      {
+        std::lock_guard<std::mutex> l(abort_mu);
+        reason = abort_reason;
+      }
+      const std::string msg = reason.empty() ? r.status().ToString() : reason;
+      (void)client.Abort(msg, rank);
+      return finish(Fail(rank, absl::StrCat("step ", step + 1, " failed: ", msg)));
+    }
+    const double l = loss.item<double>();
+    ++window_steps;
+    step_now = step + 1;
+    loss_now = l;
+    const auto now = std::chrono::steady_clock::now();
+    const double secs = std::chrono::duration<double>(now - t_window).count();
+    if (secs > 0) sps_now = window_steps * batch / secs;
+    if ((step + 1) % log_every == 0 || step + 1 == *steps) {
+      if (rank == 0) {
+        const int width = 20;
+        const int filled = static_cast<int>(width * (step + 1) / *steps);
+        std::printf("[%s%s] step %lld/%lld  loss %.5f  grad-norm %.4f  %.1f samples/s/rank\n",
+                    std::string(filled, '#').c_str(), std::string(width - filled, '.').c_str(),
+                    static_cast<long long>(step + 1), static_cast<long long>(*steps), l,
+                    r->grad_norm, sps_now.load());
+        std::fflush(stdout);
+      }
+      t_window = now;
+      window_steps = 0;
+    }
+  }
+  const double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
+  (void)client.Finish(rank);
+  if (rank == 0) {
+    MemoryReport m = o->memory();
+    std::printf("done: %lld steps in %.1f s; rank 0 holds optimizer state %.1f MiB (of %.1f MiB "
+                "for the whole model), layout %016llx\n",
+                static_cast<long long>(*steps), total, m.state_bytes / 1048576.0,
+                m.param_bytes / 1048576.0 * (opt.kind == OptimizerKind::kSgd ? 1 : 2),
+                static_cast<unsigned long long>(o->layout().hash()));
+  }
+  return finish(0);
+}
+
+}  // namespace
+}  // namespace shardopt
+
+int main(int argc, char** argv) { return shardopt::Main(argc, argv); }

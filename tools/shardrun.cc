@@ -1,0 +1,259 @@
+// shardrun: starts the coordinator and N local ranks, like torchrun.
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "client/coordinator_client.h"
+#include "server/coordinator.h"
+#include "server/coordinator_service.h"
+#include "server/rpc_server.h"
+#include "tools/flags.h"
+
+namespace shardopt {
+namespace {
+
+constexpr char kUsage[] = R"(usage: shardrun --nproc N [flags] -- PROGRAM ARGS...
+
+Starts N ranks of PROGRAM on this machine with RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR, MASTER_PORT, SHARDOPT_COORDINATOR and SHARDOPT_JOB_ID set (the
+variables torchrun sets), and the job's coordinator unless one is given.
+Every output line is prefixed with its rank. If a rank fails, the others are
+stopped within seconds and shardrun exits non-zero with a one-line reason.
+Ctrl-C stops everything cleanly.
+
+flags:
+  --nproc=N              ranks on this node (required)
+  --nnodes=N             nodes in the job (default 1)
+  --node-rank=I          this node's index (default 0); ranks are I*nproc ... I*nproc+nproc-1
+  --coordinator=H:P      use this coordinator instead of starting one (other nodes)
+  --bind=HOST            coordinator listen address (default 127.0.0.1; 0.0.0.0 for multi-node)
+  --port=P               coordinator port (default 0: chosen by the OS)
+  --port-file=PATH       write the coordinator's host:port here once it listens
+  --job-id=ID            job id (default "job")
+  --token-file=PATH      require this bearer token on every RPC
+  --heartbeat-timeout=S  a rank silent this long fails the job (default 10)
+  --help                 this text
+)";
+
+std::atomic<int> g_signal{0};
+void OnSignal(int sig) { g_signal = sig; }
+
+struct Child {
+  int rank = 0;
+  pid_t pid = -1;
+  int out_fd = -1;
+  bool exited = false;
+  int status = 0;
+};
+
+std::mutex g_out_mu;
+
+void Pump(int fd, int rank) {
+  FILE* f = fdopen(fd, "r");
+  if (f == nullptr) return;
+  char* line = nullptr;
+  size_t cap = 0;
+  ssize_t n;
+  while ((n = getline(&line, &cap, f)) > 0) {
+    std::lock_guard<std::mutex> l(g_out_mu);
+    std::fprintf(stdout, "[rank %d] %.*s", rank, static_cast<int>(n), line);
+    if (line[n - 1] != '\n') std::fputc('\n', stdout);
+    std::fflush(stdout);
+  }
+  free(line);
+  fclose(f);
+}
+
+int Fail(const std::string& msg) {
+  std::fprintf(stderr, "shardrun: %s\n", msg.c_str());
+  return 2;
+}
+
+int Main(int argc, char** argv) {
+  auto flags = Flags::Parse(argc, argv,
+                            {"nproc", "nnodes", "node-rank", "coordinator", "bind", "port",
+                             "port-file", "job-id", "token-file", "heartbeat-timeout", "help"});
+  if (!flags.ok()) return Fail(std::string(flags.status().message()));
+  if (flags->Has("help")) {
+    std::printf("%s", kUsage);
+    return 0;
+  }
+  auto nproc = flags->Int("nproc", 0);
+  auto nnodes = flags->Int("nnodes", 1);
+  auto node_rank = flags->Int("node-rank", 0);
+  auto port = flags->Int("port", 0);
+  auto hb = flags->Double("heartbeat-timeout", 10);
+  for (const absl::Status& s : {nproc.status(), nnodes.status(), node_rank.status(), port.status(),
+                                hb.status()}) {
+    if (!s.ok()) return Fail(std::string(s.message()));
+  }
+  if (*nproc < 1 || *nproc > 1024) return Fail("--nproc must be in [1, 1024] (see --help)");
+  if (*nnodes < 1 || *node_rank < 0 || *node_rank >= *nnodes) {
+    return Fail("--node-rank must be in [0, --nnodes)");
+  }
+  if (flags->rest().empty()) return Fail("no program given: shardrun --nproc N -- PROGRAM ARGS...");
+  const int world = static_cast<int>(*nproc * *nnodes);
+  const std::string job_id = flags->Str("job-id", "job");
+  std::string token;
+  const std::string token_file = flags->Str("token-file", "");
+  if (!token_file.empty()) {
+    auto t = ReadTokenFile(token_file);
+    if (!t.ok()) return Fail(std::string(t.status().message()));
+    token = *t;
+  }
+
+  // The coordinator, unless this node joins someone else's.
+  std::unique_ptr<Coordinator> coordinator;
+  std::unique_ptr<CoordinatorService> service;
+  std::unique_ptr<RpcServer> server;
+  std::string address = flags->Str("coordinator", "");
+  if (address.empty()) {
+    if (*nnodes > 1 && *node_rank != 0) {
+      return Fail("--node-rank > 0 needs --coordinator=HOST:PORT of node 0's shardrun");
+    }
+    CoordinatorOptions copt;
+    copt.job_id = job_id;
+    copt.world_size = world;
+    copt.heartbeat_timeout = absl::Seconds(*hb);
+    coordinator = std::make_unique<Coordinator>(copt);
+    service = std::make_unique<CoordinatorService>(coordinator.get(), token);
+    RpcServerOptions sopt;
+    sopt.address = absl::StrCat(flags->Str("bind", "127.0.0.1"), ":", *port);
+    auto s = RpcServer::Start(sopt, {service.get()});
+    if (!s.ok()) return Fail(s.status().ToString());
+    server = std::move(*s);
+    address = server->address();
+    std::printf("shardrun: coordinator listening on %s (job %s, %d ranks)\n", address.c_str(),
+                job_id.c_str(), world);
+    std::fflush(stdout);
+    const std::string port_file = flags->Str("port-file", "");
+    if (!port_file.empty()) {
+      std::ofstream pf(port_file + ".tmp");
+      pf << address << "\n";
+      pf.close();
+      std::rename((port_file + ".tmp").c_str(), port_file.c_str());
+    }
+  }
+  const std::string master_addr = address.substr(0, address.rfind(':'));
+  const std::string master_port = address.substr(address.rfind(':') + 1);
+
+  struct sigaction sa {};
+  sa.sa_handler = OnSignal;
+  sigaction(SIGINT, &sa, nullptr);
+  sigaction(SIGTERM, &sa, nullptr);
+  signal(SIGPIPE, SIG_IGN);
+
+  std::vector<Child> children;
+  std::vector<std::thread> pumps;
+  for (int local = 0; local < *nproc; ++local) {
+    Child c;
+    c.rank = static_cast<int>(*node_rank * *nproc + local);
+    int fds[2];
+    if (pipe(fds) != 0) return Fail("pipe() failed");
+    std::vector<std::string> env = {
+        absl::StrCat("RANK=", c.rank), absl::StrCat("WORLD_SIZE=", world),
+        absl::StrCat("LOCAL_RANK=", local), absl::StrCat("LOCAL_WORLD_SIZE=", *nproc),
+        "MASTER_ADDR=" + master_addr, "MASTER_PORT=" + master_port,
+        "SHARDOPT_COORDINATOR=" + address, "SHARDOPT_JOB_ID=" + job_id};
+    if (!token_file.empty()) env.push_back("SHARDOPT_TOKEN_FILE=" + token_file);
+    std::vector<std::string> args = flags->rest();
+    const pid_t parent = getpid();
+    pid_t pid = fork();
+    if (pid == 0) {
+      // Child: die with shardrun, output into the pipe, then exec.
+      prctl(PR_SET_PDEATHSIG, SIGTERM);
+      if (getppid() != parent) _exit(1);
+      dup2(fds[1], STDOUT_FILENO);
+      dup2(fds[1], STDERR_FILENO);
+      close(fds[0]);
+      close(fds[1]);
+      for (const auto& e : env) putenv(const_cast<char*>(e.c_str()));
+      std::vector<char*> argv2;
+      for (auto& a : args) argv2.push_back(const_cast<char*>(a.c_str()));
+      argv2.push_back(nullptr);
+      execvp(argv2[0], argv2.data());
+      std::fprintf(stderr, "cannot execute '%s': %s\n", argv2[0], std::strerror(errno));
+      _exit(127);
+    }
+    close(fds[1]);
+    if (pid < 0) return Fail("fork() failed");
+    c.pid = pid;
+    c.out_fd = fds[0];
+    children.push_back(c);
+    pumps.emplace_back(Pump, fds[0], c.rank);
+  }
+
+  // Supervise: the first failure (a rank's exit, the coordinator's verdict,
+  // or a signal) stops everything.
+  std::string failure;
+  int remaining = static_cast<int>(children.size());
+  bool stopping = false;
+  absl::Time stop_deadline;
+  auto stop_all = [&](const std::string& why) {
+    if (stopping) return;
+    stopping = true;
+    failure = why;
+    stop_deadline = absl::Now() + absl::Seconds(5);
+    if (coordinator) coordinator->Abort(why, -1);
+    for (const Child& c : children) {
+      if (!c.exited) kill(c.pid, SIGTERM);
+    }
+  };
+  while (remaining > 0) {
+    for (Child& c : children) {
+      if (c.exited) continue;
+      int status = 0;
+      if (waitpid(c.pid, &status, WNOHANG) == c.pid) {
+        c.exited = true;
+        c.status = status;
+        --remaining;
+        const bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
+        if (!ok && !stopping) {
+          stop_all(WIFEXITED(status)
+                       ? absl::StrCat("rank ", c.rank, " exited with status ", WEXITSTATUS(status))
+                       : absl::StrCat("rank ", c.rank, " was killed by signal ", WTERMSIG(status)));
+        }
+      }
+    }
+    if (g_signal.load() != 0 && !stopping) {
+      stop_all(absl::StrCat("interrupted (signal ", g_signal.load(), ")"));
+    }
+    if (coordinator && !stopping) {
+      JobStatus j = coordinator->GetJob();
+      if (j.state == JobState::kFailed) stop_all(j.failure);
+    }
+    if (stopping && absl::Now() > stop_deadline) {
+      for (const Child& c : children) {
+        if (!c.exited) kill(c.pid, SIGKILL);
+      }
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  for (auto& t : pumps) t.join();
+  if (server) server->Shutdown();
+  if (!failure.empty()) {
+    std::fprintf(stderr, "shardrun: job failed: %s; stopped all ranks\n", failure.c_str());
+    return g_signal.load() != 0 ? 130 : 1;
+  }
+  std::printf("shardrun: all %zu ranks finished\n", children.size());
+  return 0;
+}
+
+}  // namespace
+}  // namespace shardopt
+
+int main(int argc, char** argv) { return shardopt::Main(argc, argv); }
