@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# End to end: shardrun + shardopt_train + shardctl as a user runs them.
+set -uo pipefail
+B=tools
+tmp=$(mktemp -d)
+trap 'kill $(jobs -p) 2>/dev/null; rm -rf "$tmp"' EXIT
+fails=0
+check() {  # check NAME CONDITION...
+  local name=$1; shift
+  if "$@"; then echo "PASS $name"; else echo "FAIL $name"; fails=$((fails + 1)); fi
+}
+
+# 1. A 2-rank job runs to completion with prefixed output.
+timeout 120 $B/shardrun --nproc 2 -- $B/shardopt_train --model=tiny --steps=5 >"$tmp/ok.log" 2>&1
+rc=$?
+check "job completes" test $rc -eq 0
+check "output prefixed by rank" grep -q '^\[rank 0\] \[####################\] step 5/5' "$tmp/ok.log"
+check "shardrun reports success" grep -q 'shardrun: all 2 ranks finished' "$tmp/ok.log"
+
+# 2. A failing rank stops the job within seconds, with a one-line reason.
+cat >"$tmp/flaky.sh" <<SH
+#!/usr/bin/env bash
+if [[ \$RANK == 1 ]]; then echo "rank 1 gives up"; exit 3; fi
+exec $PWD/$B/shardopt_train --model=tiny --steps=5
+SH
+chmod +x "$tmp/flaky.sh"
+start=$(date +%s)
+timeout 60 $B/shardrun --nproc 2 -- "$tmp/flaky.sh" >"$tmp/fail.log" 2>&1
+rc=$?
+took=$(( $(date +%s) - start ))
+check "failed job exits non-zero" test $rc -eq 1
+check "reason names the rank" grep -q 'shardrun: job failed: rank 1 exited with status 3' "$tmp/fail.log"
+check "stopped within seconds ($took s)" test $took -le 20
+
+# 3. Query a running job, change its learning rate, abort it with shardctl.
+echo "sesame" >"$tmp/token"
+timeout 120 $B/shardrun --nproc 2 --port-file "$tmp/addr" --token-file "$tmp/token" -- \
+  $B/shardopt_train --model=small --steps=1000000 --log-every=100000 >"$tmp/run.log" 2>&1 &
+run=$!
+for _ in $(seq 1 200); do [[ -s "$tmp/addr" ]] && break; sleep 0.1; done
+addr=$(cat "$tmp/addr")
+ctl() { timeout 30 $B/shardctl --coordinator="$addr" --token-file="$tmp/token" "$@"; }
+ctl status --wait=60 >"$tmp/status.txt"
+check "status shows running" grep -q 'running, 2 ranks' "$tmp/status.txt"
+ctl layout >"$tmp/layout.txt"
+check "layout lists buckets and ranks" grep -q 'owned per rank: 0:' "$tmp/layout.txt"
+ctl layout --json >"$tmp/layout.json"
+check "layout json" python3 -c "import json,sys; d=json.load(open('$tmp/layout.json')); assert d['worldSize']==2"
+ctl memory >"$tmp/memory.txt"
+check "memory per rank" grep -q '^total' "$tmp/memory.txt"
+check "health" test "$(ctl health)" = "SERVING"
+ctl set-lr 0.5 >/dev/null
+check "set-lr accepted" test $? -eq 0
+timeout 30 $B/shardctl --coordinator="$addr" status >"$tmp/noauth.txt" 2>&1
+check "missing token refused" grep -q 'missing bearer token' "$tmp/noauth.txt"
+for _ in $(seq 1 150); do grep -q 'learning rate set to 0.5' "$tmp/run.log" && break; sleep 0.1; done
+ctl abort "test says stop" >/dev/null
+wait $run
+rc=$?
+check "aborted job exits non-zero" test $rc -eq 1
+check "abort reason reported" grep -q 'job failed: test says stop' "$tmp/run.log"
+check "lr change applied" grep -q 'learning rate set to 0.5' "$tmp/run.log"
+
+# 4. Clear errors.
+out=$($B/shardctl --coordinator=127.0.0.1:1 status 2>&1)
+check "unreachable is one line" test "$(echo "$out" | wc -l)" -eq 1
+check "unreachable says so" grep -q 'cannot reach the coordinator' <<<"$out"
+check "shardrun --help" bash -c "$B/shardrun --help | grep -q 'usage: shardrun'"
+check "trainer --help" bash -c "$B/shardopt_train --help | grep -q 'usage: shardopt_train'"
+$B/shardrun --nproc 0 -- true 2>"$tmp/bad.txt"
+check "bad --nproc refused" grep -q 'nproc must be' "$tmp/bad.txt"
+
+if [[ $fails -ne 0 ]]; then
+  echo "---- logs"; tail -n 20 "$tmp"/*.log
+  exit 1
+fi
