@@ -67,6 +67,7 @@ std::string EnvStr(const char* name, const std::string& def) {
 }
 
 int Main(int argc, char** argv) {
+  setvbuf(stdout, nullptr, _IOLBF, 0);  // lines reach shardrun's pipe at once
   auto flags = Flags::Parse(argc, argv,
                             {"model", "steps", "lr", "optimizer", "batch", "clip", "bucket-cap",
                              "threads", "malloc", "coordinator", "job-id", "token-file", "bind",
