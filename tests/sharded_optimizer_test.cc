@@ -420,6 +420,49 @@ TEST(BadInputTest, ModelsThatDifferAcrossRanksAreRefusedNamingTheParameter) {
 }  // namespace
 }  // namespace shardopt
 
+
+namespace shardopt {
+namespace {
+
+TEST(ApiTest, Bf16GradientCommunicationHalvesReduceScatterBytes) {
+  TrainConfig c;
+  c.model = "small";
+  c.steps = 5;
+  auto ref = TrainReference(c);
+  TwoRanks job;
+  std::vector<std::vector<float>> out(2);
+  std::vector<ByteCounters> bytes(2);
+  job.Run([&](int r) {
+    auto model = *MakeModel("small", c.seed);
+    ShardedOptimizerOptions o = OptionsFor(c);
+    o.grad_comm_type = ElementType::kBFloat16;
+    auto opt = ShardedOptimizer::Create(model->NamedParameters(), o, job.comms[r].get());
+    ASSERT_TRUE(opt.ok()) << opt.status();
+    const ByteCounters before = job.comms[r]->counters();
+    for (int step = 0; step < c.steps; ++step) {
+      (*opt)->ZeroGrad();
+      model->Loss(step, r * 6, r * 6 + 6).backward();
+      ASSERT_TRUE((*opt)->Step().ok());
+    }
+    const ByteCounters after = job.comms[r]->counters();
+    for (int k = 0; k < kNumCollectiveKinds; ++k) bytes[r].sent[k] = after.sent[k] - before.sent[k];
+    for (const auto& [n, t] : model->NamedParameters()) {
+      torch::Tensor f = t.detach().contiguous();
+      out[r].insert(out[r].end(), f.data_ptr<float>(), f.data_ptr<float>() + f.numel());
+    }
+  });
+  EXPECT_EQ(out[0], out[1]);
+  const int rs = static_cast<int>(CollectiveKind::kReduceScatter);
+  const int ag = static_cast<int>(CollectiveKind::kAllGather);
+  EXPECT_EQ(bytes[0].sent[rs] * 2, bytes[0].sent[ag]);  // gradients in bf16, parameters in fp32
+  for (size_t i = 0; i < out[0].size(); ++i) {
+    EXPECT_NEAR(out[0][i], (*ref)[i], 0.01 * std::fabs((*ref)[i]) + 6e-3) << i;
+  }
+}
+
+}  // namespace
+}  // namespace shardopt
+
 int main(int argc, char** argv) {
   ::testing::InitGoogleTest(&argc, argv);
   at::set_num_threads(1);
