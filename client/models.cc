@@ -4,6 +4,10 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/nn/functional/loss.h>
 #include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/batchnorm.h>
+#include <torch/nn/modules/conv.h>
+#include <torch/nn/functional/loss.h>
+#include <torch/nn/modules/container/any.h>
 
 #include <mutex>
 
@@ -88,6 +92,79 @@ class SmallModel : public TrainModel, public torch::nn::Module {
   torch::Tensor frozen_scale_, even_bias_;
 };
 
+// torchvision's ResNet-101: bottleneck blocks 3-4-23-3, batch norm, 1000
+// classes; parameter names and shapes match torchvision's (tested against
+// tests/fixtures/resnet101_params.json).
+struct BottleneckImpl : torch::nn::Module {
+  BottleneckImpl(int64_t inplanes, int64_t planes, int64_t stride, bool downsample) {
+    conv1 = register_module("conv1", torch::nn::Conv2d(torch::nn::Conv2dOptions(inplanes, planes, 1).bias(false)));
+    bn1 = register_module("bn1", torch::nn::BatchNorm2d(planes));
+    conv2 = register_module("conv2", torch::nn::Conv2d(torch::nn::Conv2dOptions(planes, planes, 3)
+                                                           .stride(stride).padding(1).bias(false)));
+    bn2 = register_module("bn2", torch::nn::BatchNorm2d(planes));
+    conv3 = register_module("conv3", torch::nn::Conv2d(torch::nn::Conv2dOptions(planes, planes * 4, 1).bias(false)));
+    bn3 = register_module("bn3", torch::nn::BatchNorm2d(planes * 4));
+    if (downsample) {
+      down = register_module(
+          "downsample",
+          torch::nn::Sequential(torch::nn::Conv2d(torch::nn::Conv2dOptions(inplanes, planes * 4, 1)
+                                                      .stride(stride).bias(false)),
+                                torch::nn::BatchNorm2d(planes * 4)));
+    }
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    torch::Tensor out = torch::relu(bn1->forward(conv1->forward(x)));
+    out = torch::relu(bn2->forward(conv2->forward(out)));
+    out = bn3->forward(conv3->forward(out));
+    return torch::relu(out + (down.is_empty() ? x : down->forward(x)));
+  }
+  torch::nn::Conv2d conv1{nullptr}, conv2{nullptr}, conv3{nullptr};
+  torch::nn::BatchNorm2d bn1{nullptr}, bn2{nullptr}, bn3{nullptr};
+  torch::nn::Sequential down{nullptr};
+};
+TORCH_MODULE(Bottleneck);
+
+class ResNet101 : public TrainModel, public torch::nn::Module {
+ public:
+  explicit ResNet101(uint64_t seed) {
+    torch::manual_seed(seed);
+    conv1 = register_module("conv1", torch::nn::Conv2d(torch::nn::Conv2dOptions(3, 64, 7)
+                                                           .stride(2).padding(3).bias(false)));
+    bn1 = register_module("bn1", torch::nn::BatchNorm2d(64));
+    int64_t inplanes = 64;
+    const int64_t blocks[4] = {3, 4, 23, 3};
+    for (int l = 0; l < 4; ++l) {
+      const int64_t planes = 64 << l;
+      torch::nn::Sequential layer;
+      for (int64_t b = 0; b < blocks[l]; ++b) {
+        const int64_t stride = (b == 0 && l > 0) ? 2 : 1;
+        layer->push_back(Bottleneck(inplanes, planes, stride, b == 0));
+        inplanes = planes * 4;
+      }
+      layers[l] = register_module("layer" + std::to_string(l + 1), layer);
+    }
+    fc = register_module("fc", torch::nn::Linear(2048, 1000));
+  }
+  std::string name() const override { return "resnet101"; }
+  torch::nn::Module& module() override { return *this; }
+  int64_t batch_per_rank() const override { return 32; }
+  torch::Tensor Loss(int64_t step, int64_t begin, int64_t end) override {
+    torch::Tensor x = SyntheticRows(3 * step + 1, 3 * 32 * 32, begin, end).view({end - begin, 3, 32, 32});
+    torch::Tensor labels = (SyntheticRows(3 * step + 2, 1, begin, end).view({end - begin}).abs() * 331)
+                               .to(torch::kLong).remainder(1000);
+    torch::Tensor h = torch::max_pool2d(torch::relu(bn1->forward(conv1->forward(x))), 3, 2, 1);
+    for (auto& layer : layers) h = layer->forward(h);
+    h = torch::adaptive_avg_pool2d(h, {1, 1}).flatten(1);
+    return torch::nn::functional::cross_entropy(fc->forward(h), labels);
+  }
+
+ private:
+  torch::nn::Conv2d conv1{nullptr};
+  torch::nn::BatchNorm2d bn1{nullptr};
+  torch::nn::Sequential layers[4];
+  torch::nn::Linear fc{nullptr};
+};
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<TrainModel>> MakeModel(const std::string& name, uint64_t seed) {
@@ -99,6 +176,7 @@ absl::StatusOr<std::unique_ptr<TrainModel>> MakeModel(const std::string& name, u
     return std::unique_ptr<TrainModel>(
         new MlpModel({1024, 4096, 4096, 4096, 1024}, 64, seed, "mlp"));
   }
+  if (name == "resnet101") return std::unique_ptr<TrainModel>(new ResNet101(seed));
   if (name == "tiny") {
     return std::unique_ptr<TrainModel>(new MlpModel({64, 256, 256, 32}, 16, seed, "tiny"));
   }
@@ -116,7 +194,7 @@ absl::StatusOr<std::unique_ptr<TrainModel>> MakeModel(const std::string& name, u
     return std::unique_ptr<TrainModel>(std::move(h));
   }
   return absl::InvalidArgumentError(
-      absl::StrCat("unknown model '", name, "' (expected mlp, small or tiny)"));
+      absl::StrCat("unknown model '", name, "' (expected mlp, resnet101, small or tiny)"));
 }
 
 }  // namespace shardopt

@@ -30,6 +30,8 @@ class TrainModel {
 };
 
 // Creates "mlp" (Linear 1024-4096-4096-4096-1024, ReLU, MSE; 42M parameters),
+// "resnet101" (torchvision's ResNet-101, 44.5M parameters, 3x32x32 inputs,
+// cross-entropy over 1000 classes),
 // "small" (two linear layers with biases, a frozen parameter, and a parameter
 // used only on even steps), or "tiny" (a quick run). `seed` fixes the weights.
 absl::StatusOr<std::unique_ptr<TrainModel>> MakeModel(const std::string& name, uint64_t seed);
