@@ -173,7 +173,9 @@ ShardedOptimizer::~ShardedOptimizer() {
 
 absl::Status ShardedOptimizer::WaitOrAbort(const CommHandlePtr& handle, const char* what,
                                            int bucket) {
+  const int64_t t0 = NowNs();
   absl::Status s = handle->Wait(options_.timeout);
+  wait_ns_ += NowNs() - t0;
   if (s.ok()) return s;
   comm_->Abort(s);
   return absl::Status(s.code(), absl::StrCat("rank ", rank_, ": ", what,
@@ -445,6 +447,7 @@ absl::StatusOr<StepResult> ShardedOptimizer::Step() {
   char* pbase = static_cast<char*>(param_flat_.data_ptr());
   char* gbase = static_cast<char*>(grad_flat_.data_ptr());
   const int64_t step = step_ + 1;
+  int64_t update_ns = 0;
   KernelOptions ko;
   ko.num_threads = options_.kernel_threads;
 
@@ -486,9 +489,11 @@ absl::StatusOr<StepResult> ShardedOptimizer::Step() {
       s.param = reinterpret_cast<float*>(pbase) + off;
       s.grad = reinterpret_cast<const float*>(gbase) + off;
     }
+    const int64_t t0 = NowNs();
     absl::Status st = options_.kind == OptimizerKind::kSgd
                           ? SgdStep(options_.sgd, step, {&s, 1}, ko)
                           : AdamStep(options_.adam, step, {&s, 1}, ko);
+    update_ns += NowNs() - t0;
     if (!st.ok()) return st;
     {
       absl::MutexLock lock(&hook_state_->mu);
@@ -507,6 +512,7 @@ absl::StatusOr<StepResult> ShardedOptimizer::Step() {
 
   StepResult result;
   result.step = step;
+  wait_ns_ = 0;
   if (options_.max_grad_norm > 0.0) {
     for (int b = 0; b < nb; ++b) SHARDOPT_RETURN_IF_ERROR(finish_reduce(b));
     SHARDOPT_ASSIGN_OR_RETURN(result.grad_norm, global_norm());
@@ -528,6 +534,8 @@ absl::StatusOr<StepResult> ShardedOptimizer::Step() {
     absl::MutexLock lock(&hook_state_->mu);
     Trace(TraceEvent::kAllGatherDone, b, -1);
   }
+  result.comm_wait_seconds = wait_ns_ * 1e-9;
+  result.update_seconds = update_ns * 1e-9;
   absl::MutexLock lock(&hook_state_->mu);
   std::fill(ready_.begin(), ready_.end(), false);
   std::fill(bucket_ready_count_.begin(), bucket_ready_count_.end(), 0);

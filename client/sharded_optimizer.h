@@ -63,6 +63,10 @@ struct StepResult {
   int64_t step = 0;          // number of this step (1 for the first)
   double grad_norm = 0.0;    // global L2 norm of the averaged gradient, before clipping
   bool clipped = false;
+  // Where Step() spent its time: blocked on collectives (exposed
+  // communication), and in the fused update.
+  double comm_wait_seconds = 0.0;
+  double update_seconds = 0.0;
 };
 
 // Bytes this rank holds, by role.
@@ -171,6 +175,7 @@ class ShardedOptimizer {
   std::vector<TraceEvent> trace_;
 
   int64_t step_ = 0;
+  int64_t wait_ns_ = 0;  // training thread only: time blocked in this Step()
 };
 
 }  // namespace shardopt

@@ -35,7 +35,7 @@ class Flags {
       if (eq != std::string::npos) {
         value = name.substr(eq + 1);
         name = name.substr(0, eq);
-      } else if (name != "help" && name != "json" && i + 1 < argc &&
+      } else if (name != "help" && name != "json" && name != "worker" && i + 1 < argc &&
                  std::string(argv[i + 1]).rfind("--", 0) != 0) {
         value = argv[++i];
       }
