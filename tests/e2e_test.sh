@@ -61,7 +61,42 @@ check "aborted job exits non-zero" test $rc -eq 1
 check "abort reason reported" grep -q 'job failed: test says stop' "$tmp/run.log"
 check "lr change applied" grep -q 'learning rate set to 0.5' "$tmp/run.log"
 
-# 4. Clear errors.
+# 4. kill -9 one rank of a 3-rank job: the others exit naming it, shardrun fails, no hang.
+rank_pid() {  # rank_pid JOBTAG RANK: the pid of that rank of the job started with --job-id=JOBTAG
+  for p in $(pgrep -f "shardopt_train"); do
+    if tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -qx "SHARDOPT_JOB_ID=$1" &&
+       tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -qx "RANK=$2"; then echo "$p"; fi
+  done
+}
+timeout 120 $B/shardrun --nproc 3 --job-id=kill9 --heartbeat-timeout=3 --port-file "$tmp/addr9" -- \
+  $B/shardopt_train --model=small --steps=1000000 --log-every=100000 >"$tmp/kill.log" 2>&1 &
+run=$!
+for _ in $(seq 1 200); do [[ -s "$tmp/addr9" ]] && break; sleep 0.1; done
+timeout 60 $B/shardctl --coordinator="$(cat "$tmp/addr9")" status --wait=60 >/dev/null
+victim=$(rank_pid kill9 1)
+start=$(date +%s)
+kill -9 "$victim"
+wait $run
+rc=$?
+took=$(( $(date +%s) - start ))
+check "kill -9: shardrun exits non-zero" test $rc -eq 1
+check "kill -9: reason names the rank" grep -q 'job failed: rank 1 was killed by signal 9' "$tmp/kill.log"
+check "kill -9: survivors name the dead rank" grep -q '^\[rank [02]\] .*failed: .*rank 1 was killed by signal 9' "$tmp/kill.log"
+check "kill -9: over within heartbeat timeout + 5 s ($took s)" test $took -le 8
+check "kill -9: no rank left behind" test -z "$(rank_pid kill9 0)$(rank_pid kill9 2)"
+
+# 5. kill -9 the launcher (and its coordinator): every rank stops, none hangs.
+timeout 120 $B/shardrun --nproc 2 --job-id=killrun --port-file "$tmp/addrk" -- \
+  $B/shardopt_train --model=small --steps=1000000 --log-every=100000 >"$tmp/killrun.log" 2>&1 &
+run=$!
+for _ in $(seq 1 200); do [[ -s "$tmp/addrk" ]] && break; sleep 0.1; done
+timeout 60 $B/shardctl --coordinator="$(cat "$tmp/addrk")" status --wait=60 >/dev/null
+kill -9 $run
+wait $run 2>/dev/null
+for _ in $(seq 1 100); do [[ -z "$(rank_pid killrun 0)$(rank_pid killrun 1)" ]] && break; sleep 0.1; done
+check "launcher killed: ranks stop within 10 s" test -z "$(rank_pid killrun 0)$(rank_pid killrun 1)"
+
+# 6. Clear errors.
 out=$($B/shardctl --coordinator=127.0.0.1:1 status 2>&1)
 check "unreachable is one line" test "$(echo "$out" | wc -l)" -eq 1
 check "unreachable says so" grep -q 'cannot reach the coordinator' <<<"$out"

@@ -457,7 +457,7 @@ int RunParent(const Flags& f, const std::string& self) {
       std::fprintf(stderr, "bench_oss: --png needs --json\n");
       return 2;
     }
-    const std::string cmd = absl::StrCat("python3 tools/plot_oss.py '", json, "' '", png, "'");
+    const std::string cmd = absl::StrCat("/usr/bin/python3 tools/plot_oss.py '", json, "' '", png, "'");
     if (std::system(cmd.c_str()) != 0) {
       std::fprintf(stderr, "bench_oss: plotting failed (is python3-matplotlib installed?)\n");
       return 1;

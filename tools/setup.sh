@@ -14,11 +14,18 @@ PACKAGES=(
   libopenblas0-pthread nlohmann-json3-dev
 )
 
-if [[ "${1:-}" == "--help" || "${1:-}" == "-h" ]]; then
-  echo "usage: tools/setup.sh    install the Debian packages shardopt needs (idempotent)"
-  printf '  %s\n' "${PACKAGES[@]}"
-  exit 0
-fi
+case "${1:-}" in
+  --help|-h)
+    echo "usage: tools/setup.sh [--with-bench]"
+    echo "  installs the Debian packages shardopt's build and tests need (idempotent):"
+    printf '    %s\n' "${PACKAGES[@]}"
+    echo "  --with-bench also installs python3-matplotlib (bench_oss --png)"
+    exit 0
+    ;;
+  --with-bench) PACKAGES+=(python3-matplotlib) ;;
+  "") ;;
+  *) echo "setup: unknown argument '$1' (see --help)" >&2; exit 2 ;;
+esac
 
 missing=()
 for p in "${PACKAGES[@]}"; do

@@ -2,6 +2,7 @@
 // ShardedOptimizer on synthetic data, its shard-owner gRPC service next to it,
 // joined to the job's coordinator. Start it with shardrun.
 #include <ATen/Parallel.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -51,6 +52,10 @@ flags:
   --help               this text
 )";
 
+// Set by SIGTERM/SIGINT; the heartbeat thread turns it into an abort.
+std::atomic<int> g_signal{0};
+void OnSignal(int sig) { g_signal = sig; }
+
 int Fail(int rank, const std::string& msg) {
   std::fprintf(stderr, "shardopt_train[rank %d]: %s\n", rank, msg.c_str());
   return 1;
@@ -68,6 +73,11 @@ std::string EnvStr(const char* name, const std::string& def) {
 
 int Main(int argc, char** argv) {
   setvbuf(stdout, nullptr, _IOLBF, 0);  // lines reach shardrun's pipe at once
+  signal(SIGPIPE, SIG_IGN);             // a vanished launcher must not kill us mid-message
+  struct sigaction sa {};
+  sa.sa_handler = OnSignal;
+  sigaction(SIGTERM, &sa, nullptr);
+  sigaction(SIGINT, &sa, nullptr);
   auto flags = Flags::Parse(argc, argv,
                             {"model", "steps", "lr", "optimizer", "batch", "clip", "bucket-cap",
                              "threads", "malloc", "coordinator", "job-id", "token-file", "bind",
@@ -219,7 +229,10 @@ int Main(int argc, char** argv) {
       hb.set_samples_per_s(sps_now.load());
       auto r = client.Heartbeat(hb);
       std::string reason;
-      if (r.ok()) {
+      if (g_signal.load() != 0) {
+        reason = absl::StrCat("stopped by signal ", g_signal.load(),
+                              " (shardrun is stopping the job, or it died)");
+      } else if (r.ok()) {
         last_ok = absl::Now();
         if (r->abort()) reason = "job aborted: " + r->abort_reason();
         if (r->hyper_params_version() > lr_version.load() && r->learning_rate() > 0) {
@@ -237,7 +250,7 @@ int Main(int argc, char** argv) {
         (*comm)->Abort(absl::AbortedError(reason));
         return;
       }
-      for (int i = 0; i < 10 && !stop.load(); ++i) {
+      for (int i = 0; i < 10 && !stop.load() && g_signal.load() == 0; ++i) {
         std::this_thread::sleep_for(std::chrono::milliseconds(100));
       }
     }
@@ -266,10 +279,16 @@ int Main(int argc, char** argv) {
     loss.backward();
     auto r = o->Step();
     if (!r.ok()) {
+      // A peer's death usually shows up first as a broken connection; the
+      // coordinator's verdict (which names the rank) follows within a
+      // heartbeat or two: wait for it briefly.
       std::string reason;
-      {
-        std::lock_guard<std::mutex> l(abort_mu);
-        reason = abort_reason;
+      for (int i = 0; i < 30 && reason.empty(); ++i) {
+        {
+          std::lock_guard<std::mutex> l(abort_mu);
+          reason = abort_reason;
+        }
+        if (reason.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(100));
       }
       const std::string msg = reason.empty() ? r.status().ToString() : reason;
       (void)client.Abort(msg, rank);

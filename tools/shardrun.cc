@@ -202,16 +202,17 @@ int Main(int argc, char** argv) {
   std::string failure;
   int remaining = static_cast<int>(children.size());
   bool stopping = false;
-  absl::Time stop_deadline;
-  auto stop_all = [&](const std::string& why) {
+  bool terminated = false;
+  absl::Time term_deadline, kill_deadline;
+  // The coordinator tells the remaining ranks first (they exit within a
+  // heartbeat, naming the cause); SIGTERM after 3 s, SIGKILL after 8 s.
+  auto stop_all = [&](const std::string& why, bool now) {
     if (stopping) return;
     stopping = true;
     failure = why;
-    stop_deadline = absl::Now() + absl::Seconds(5);
     if (coordinator) coordinator->Abort(why, -1);
-    for (const Child& c : children) {
-      if (!c.exited) kill(c.pid, SIGTERM);
-    }
+    term_deadline = absl::Now() + (now || !coordinator ? absl::ZeroDuration() : absl::Seconds(3));
+    kill_deadline = term_deadline + absl::Seconds(5);
   };
   while (remaining > 0) {
     for (Child& c : children) {
@@ -225,18 +226,25 @@ int Main(int argc, char** argv) {
         if (!ok && !stopping) {
           stop_all(WIFEXITED(status)
                        ? absl::StrCat("rank ", c.rank, " exited with status ", WEXITSTATUS(status))
-                       : absl::StrCat("rank ", c.rank, " was killed by signal ", WTERMSIG(status)));
+                       : absl::StrCat("rank ", c.rank, " was killed by signal ", WTERMSIG(status)),
+                   false);
         }
       }
     }
     if (g_signal.load() != 0 && !stopping) {
-      stop_all(absl::StrCat("interrupted (signal ", g_signal.load(), ")"));
+      stop_all(absl::StrCat("interrupted (signal ", g_signal.load(), ")"), true);
     }
     if (coordinator && !stopping) {
       JobStatus j = coordinator->GetJob();
-      if (j.state == JobState::kFailed) stop_all(j.failure);
+      if (j.state == JobState::kFailed) stop_all(j.failure, false);
     }
-    if (stopping && absl::Now() > stop_deadline) {
+    if (stopping && !terminated && absl::Now() >= term_deadline) {
+      terminated = true;
+      for (const Child& c : children) {
+        if (!c.exited) kill(c.pid, SIGTERM);
+      }
+    }
+    if (stopping && absl::Now() >= kill_deadline) {
       for (const Child& c : children) {
         if (!c.exited) kill(c.pid, SIGKILL);
       }
