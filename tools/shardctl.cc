@@ -3,7 +3,9 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <algorithm>
 #include <map>
+#include <vector>
 #include <string>
 
 #include "absl/strings/str_cat.h"
@@ -24,12 +26,16 @@ commands:
   health        grpc.health.v1 check of the coordinator
   set-lr X      change the learning rate; every rank applies it at its next step
   abort REASON  fail the job (every rank stops)
+  load          query status, layout and memory in turn at --rate per second for
+                --duration seconds; prints latency percentiles (load testing)
 
 flags:
   --coordinator=H:P   the job's coordinator (default $SHARDOPT_COORDINATOR)
   --token-file=PATH   bearer token (default $SHARDOPT_TOKEN_FILE)
   --json              machine-readable output
   --wait=SECONDS      status: wait until the job is running (or failed) first
+  --rate=N            load: queries per second (default 50)
+  --duration=S        load: seconds (default 10)
   --help              this text
 )";
 
@@ -57,7 +63,7 @@ int PrintJson(const Msg& m) {
 }
 
 int Main(int argc, char** argv) {
-  auto flags = Flags::Parse(argc, argv, {"coordinator", "token-file", "json", "wait", "help"});
+  auto flags = Flags::Parse(argc, argv, {"coordinator", "token-file", "json", "wait", "rate", "duration", "help"});
   if (!flags.ok()) return Fail(std::string(flags.status().message()));
   if (flags->Has("help") || flags->positional().empty()) {
     std::printf("%s", kUsage);
@@ -184,6 +190,41 @@ int Main(int argc, char** argv) {
     if (!s.ok()) return unreachable(s);
     std::printf("job aborted\n");
     return 0;
+  }
+  if (cmd == "load") {
+    auto rate = flags->Double("rate", 50);
+    auto duration = flags->Double("duration", 10);
+    if (!rate.ok() || !duration.ok() || *rate <= 0 || *duration <= 0) {
+      return Fail("load needs --rate > 0 and --duration > 0");
+    }
+    std::vector<double> ms;
+    int errors = 0, consecutive = 0;
+    const absl::Time start = absl::Now();
+    const absl::Duration period = absl::Seconds(1.0 / *rate);
+    for (int64_t i = 0;; ++i) {
+      const absl::Time due = start + i * period;
+      if (due - start > absl::Seconds(*duration)) break;
+      const absl::Time now = absl::Now();
+      if (due > now) absl::SleepFor(due - now);
+      const absl::Time t0 = absl::Now();
+      absl::Status s = i % 3 == 0   ? client.GetJob().status()
+                       : i % 3 == 1 ? client.GetLayout().status()
+                                    : client.GetMemory().status();
+      if (!s.ok()) {
+        ++errors;
+        if (++consecutive == 5) break;  // the job is gone
+        continue;
+      }
+      consecutive = 0;
+      ms.push_back(absl::ToDoubleMilliseconds(absl::Now() - t0));
+    }
+    std::sort(ms.begin(), ms.end());
+    auto pct = [&](double p) { return ms.empty() ? 0 : ms[static_cast<size_t>(p * (ms.size() - 1))]; };
+    std::printf("%zu answered queries in %.1f s (%d errors): latency p50 %.2f ms, p90 %.2f ms, p99 %.2f ms, "
+                "max %.2f ms\n",
+                ms.size(), absl::ToDoubleSeconds(absl::Now() - start), errors, pct(0.5), pct(0.9),
+                pct(0.99), ms.empty() ? 0 : ms.back());
+    return ms.empty() ? 1 : 0;
   }
   return Fail(absl::StrCat("unknown command '", cmd, "' (see --help)"));
 }
