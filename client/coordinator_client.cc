@@ -4,6 +4,8 @@
 #include <grpcpp/grpcpp.h>
 
 #include <condition_variable>
+#include <fstream>
+#include <sstream>
 #include <mutex>
 
 #include "absl/strings/str_cat.h"
@@ -21,10 +23,47 @@ absl::Status FromGrpc(const grpc::Status& s, const std::string& what) {
 }
 
 CoordinatorClient::CoordinatorClient(const std::string& address, std::string token)
+    : CoordinatorClient(address, std::move(token), grpc::InsecureChannelCredentials()) {}
+
+CoordinatorClient::CoordinatorClient(const std::string& address, std::string token,
+                                     std::shared_ptr<grpc::ChannelCredentials> credentials)
     : address_(address),
       token_(std::move(token)),
-      channel_(grpc::CreateChannel(address, grpc::InsecureChannelCredentials())),
+      channel_(grpc::CreateChannel(address, credentials)),
       stub_(v1::Coordinator::NewStub(channel_)) {}
+
+namespace {
+absl::StatusOr<std::string> ReadFile(const std::string& path) {
+  std::ifstream f(path);
+  if (!f) return absl::NotFoundError(absl::StrCat("cannot read '", path, "'"));
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+}  // namespace
+
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials(
+    const ClientTls& tls) {
+  if (tls.ca_file.empty()) {
+    if (!tls.cert_file.empty() || !tls.key_file.empty()) {
+      return absl::InvalidArgumentError("a client certificate needs --tls-ca as well");
+    }
+    return grpc::InsecureChannelCredentials();
+  }
+  grpc::SslCredentialsOptions o;
+  auto ca = ReadFile(tls.ca_file);
+  if (!ca.ok()) return ca.status();
+  o.pem_root_certs = *ca;
+  if (!tls.cert_file.empty() || !tls.key_file.empty()) {
+    auto cert = ReadFile(tls.cert_file);
+    if (!cert.ok()) return cert.status();
+    auto key = ReadFile(tls.key_file);
+    if (!key.ok()) return key.status();
+    o.pem_cert_chain = *cert;
+    o.pem_private_key = *key;
+  }
+  return grpc::SslCredentials(o);
+}
 
 void CoordinatorClient::Prepare(grpc::ClientContext* ctx, absl::Duration deadline) const {
   ctx->set_deadline(std::chrono::system_clock::now() +

@@ -10,6 +10,8 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "client/kv_store.h"
+#include <grpcpp/security/credentials.h>
+
 #include "proto/shardopt.grpc.pb.h"
 
 namespace shardopt {
@@ -18,10 +20,24 @@ namespace shardopt {
 // becomes one clear sentence.
 absl::Status FromGrpc(const grpc::Status& s, const std::string& what);
 
+// Client-side TLS: PEM files. ca_file set -> TLS, verifying the server against
+// it; cert_file + key_file too -> mutual TLS.
+struct ClientTls {
+  std::string ca_file;
+  std::string cert_file;
+  std::string key_file;
+};
+
+// Channel credentials for `tls` (insecure when tls.ca_file is empty).
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials(
+    const ClientTls& tls);
+
 class CoordinatorClient {
  public:
   // Does not connect yet; `token` ("" = none) is sent as a bearer token.
   CoordinatorClient(const std::string& address, std::string token);
+  CoordinatorClient(const std::string& address, std::string token,
+                    std::shared_ptr<grpc::ChannelCredentials> credentials);
 
   const std::string& address() const { return address_; }
   absl::StatusOr<v1::JoinResponse> Join(const v1::JoinRequest& req, absl::Duration deadline);

@@ -109,7 +109,8 @@ absl::StatusOr<JoinResult> Coordinator::Join(const JoinInfo& info, absl::Duratio
     layout_ = std::make_shared<const Layout>(std::move(*layout));
     rank0_ = info;
   }
-  const absl::Time deadline = options_.now() + wait;
+  // Waits use the real clock; the injectable one only ages heartbeats.
+  const absl::Time deadline = absl::Now() + wait;
   auto have_rank0 = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
     return rank0_.has_value() || state_ == JobState::kFailed;
   };

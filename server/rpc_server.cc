@@ -3,6 +3,9 @@
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>
 
+#include <fstream>
+#include <sstream>
+
 #include "absl/strings/str_cat.h"
 
 namespace shardopt {
@@ -27,6 +30,17 @@ grpc::Status CheckToken(const grpc::CallbackServerContext* ctx, const std::strin
   return grpc::Status::OK;
 }
 
+absl::StatusOr<std::string> ReadPemFile(const std::string& path) {
+  std::ifstream f(path);
+  if (!f) return absl::NotFoundError(absl::StrCat("cannot read '", path, "'"));
+  std::stringstream ss;
+  ss << f.rdbuf();
+  if (ss.str().find("-----BEGIN") == std::string::npos) {
+    return absl::InvalidArgumentError(absl::StrCat("'", path, "' is not a PEM file"));
+  }
+  return ss.str();
+}
+
 absl::StatusOr<std::unique_ptr<RpcServer>> RpcServer::Start(
     const RpcServerOptions& options, const std::vector<grpc::Service*>& services) {
   static const bool init = [] {
@@ -37,7 +51,23 @@ absl::StatusOr<std::unique_ptr<RpcServer>> RpcServer::Start(
   (void)init;
   grpc::ServerBuilder builder;
   int port = 0;
-  builder.AddListeningPort(options.address, grpc::InsecureServerCredentials(), &port);
+  std::shared_ptr<grpc::ServerCredentials> creds = grpc::InsecureServerCredentials();
+  if (!options.tls_cert_file.empty() || !options.tls_key_file.empty()) {
+    auto cert = ReadPemFile(options.tls_cert_file);
+    if (!cert.ok()) return cert.status();
+    auto key = ReadPemFile(options.tls_key_file);
+    if (!key.ok()) return key.status();
+    grpc::SslServerCredentialsOptions ssl(GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
+    ssl.pem_key_cert_pairs.push_back({*key, *cert});
+    if (!options.tls_client_ca_file.empty()) {
+      auto ca = ReadPemFile(options.tls_client_ca_file);
+      if (!ca.ok()) return ca.status();
+      ssl.pem_root_certs = *ca;
+      ssl.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
+    }
+    creds = grpc::SslServerCredentials(ssl);
+  }
+  builder.AddListeningPort(options.address, creds, &port);
   for (grpc::Service* s : services) builder.RegisterService(s);
   std::unique_ptr<RpcServer> out(new RpcServer);
   out->server_ = builder.BuildAndStart();

@@ -22,7 +22,15 @@ grpc::Status CheckToken(const grpc::CallbackServerContext* ctx, const std::strin
 struct RpcServerOptions {
   // host:port; port 0 lets the OS choose. Loopback unless told otherwise.
   std::string address = "127.0.0.1:0";
+  // TLS: PEM files. Both set -> TLS; client_ca_file set too -> mutual TLS
+  // (clients must present a certificate signed by that CA).
+  std::string tls_cert_file;
+  std::string tls_key_file;
+  std::string tls_client_ca_file;
 };
+
+// Reads a whole (PEM) file; NotFound naming it otherwise.
+absl::StatusOr<std::string> ReadPemFile(const std::string& path);
 
 class RpcServer {
  public:

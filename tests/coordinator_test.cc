@@ -257,3 +257,65 @@ TEST(CoordinatorServiceTest, UnreachableCoordinatorIsOneClearError) {
 
 }  // namespace
 }  // namespace shardopt
+
+namespace shardopt {
+namespace {
+
+// Certificates made by openssl for this test: a CA, a server certificate for
+// 127.0.0.1, a client certificate.
+std::string MakeCerts() {
+  const std::string d = ::testing::TempDir() + "/certs";
+  const std::string cmd =
+      "set -e; rm -rf " + d + "; mkdir -p " + d + "; cd " + d +
+      "; openssl req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.pem -days 2 "
+      "-subj /CN=test-ca 2>/dev/null"
+      "; openssl req -newkey rsa:2048 -nodes -keyout server.key -out server.csr "
+      "-subj /CN=127.0.0.1 2>/dev/null"
+      "; printf 'subjectAltName=IP:127.0.0.1,DNS:localhost' > san.ext"
+      "; openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial "
+      "-out server.pem -days 2 -extfile san.ext 2>/dev/null"
+      "; openssl req -newkey rsa:2048 -nodes -keyout client.key -out client.csr "
+      "-subj /CN=rank 2>/dev/null"
+      "; openssl x509 -req -in client.csr -CA ca.pem -CAkey ca.key -CAcreateserial "
+      "-out client.pem -days 2 2>/dev/null";
+  EXPECT_EQ(std::system(cmd.c_str()), 0);
+  return d;
+}
+
+TEST(TlsTest, TlsAndMutualTls) {
+  const std::string d = MakeCerts();
+  CoordinatorOptions o;
+  Coordinator coordinator(o);
+  CoordinatorService service(&coordinator, "");
+  RpcServerOptions tls;
+  tls.tls_cert_file = d + "/server.pem";
+  tls.tls_key_file = d + "/server.key";
+  auto server = RpcServer::Start(tls, {&service});
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto creds = MakeChannelCredentials({d + "/ca.pem", "", ""});
+  ASSERT_TRUE(creds.ok());
+  CoordinatorClient good((*server)->address(), "", *creds);
+  EXPECT_TRUE(good.GetJob().ok()) << good.GetJob().status();
+  CoordinatorClient plain((*server)->address(), "");
+  EXPECT_FALSE(plain.GetJob(absl::Seconds(2)).ok());
+
+  RpcServerOptions mtls = tls;
+  mtls.tls_client_ca_file = d + "/ca.pem";
+  auto mserver = RpcServer::Start(mtls, {&service});
+  ASSERT_TRUE(mserver.ok()) << mserver.status();
+  CoordinatorClient no_cert((*mserver)->address(), "", *creds);
+  EXPECT_FALSE(no_cert.GetJob(absl::Seconds(2)).ok());
+  auto mcreds = MakeChannelCredentials({d + "/ca.pem", d + "/client.pem", d + "/client.key"});
+  ASSERT_TRUE(mcreds.ok());
+  CoordinatorClient with_cert((*mserver)->address(), "", *mcreds);
+  EXPECT_TRUE(with_cert.GetJob().ok()) << with_cert.GetJob().status();
+
+  RpcServerOptions bad = tls;
+  bad.tls_key_file = d + "/missing.key";
+  EXPECT_EQ(RpcServer::Start(bad, {&service}).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(MakeChannelCredentials({"", d + "/client.pem", ""}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace shardopt

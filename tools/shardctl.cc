@@ -32,6 +32,9 @@ commands:
 flags:
   --coordinator=H:P   the job's coordinator (default $SHARDOPT_COORDINATOR)
   --token-file=PATH   bearer token (default $SHARDOPT_TOKEN_FILE)
+  --tls-ca=PEM        TLS, verifying the coordinator against this CA (default $SHARDOPT_TLS_CA)
+  --tls-cert=PEM      client certificate for mutual TLS (default $SHARDOPT_TLS_CERT)
+  --tls-key=PEM       its key (default $SHARDOPT_TLS_KEY)
   --json              machine-readable output
   --wait=SECONDS      status: wait until the job is running (or failed) first
   --rate=N            load: queries per second (default 50)
@@ -63,7 +66,8 @@ int PrintJson(const Msg& m) {
 }
 
 int Main(int argc, char** argv) {
-  auto flags = Flags::Parse(argc, argv, {"coordinator", "token-file", "json", "wait", "rate", "duration", "help"});
+  auto flags = Flags::Parse(argc, argv, {"coordinator", "token-file", "json", "wait", "rate", "duration",
+                                         "tls-ca", "tls-cert", "tls-key", "help"});
   if (!flags.ok()) return Fail(std::string(flags.status().message()));
   if (flags->Has("help") || flags->positional().empty()) {
     std::printf("%s", kUsage);
@@ -81,7 +85,16 @@ int Main(int argc, char** argv) {
     token = *t;
   }
   const bool json = flags->Has("json");
-  CoordinatorClient client(address, token);
+  auto env_or = [](const char* name) {
+    const char* v = std::getenv(name);
+    return std::string(v ? v : "");
+  };
+  ClientTls tls{flags->Str("tls-ca", env_or("SHARDOPT_TLS_CA")),
+                flags->Str("tls-cert", env_or("SHARDOPT_TLS_CERT")),
+                flags->Str("tls-key", env_or("SHARDOPT_TLS_KEY"))};
+  auto creds = MakeChannelCredentials(tls);
+  if (!creds.ok()) return Fail(std::string(creds.status().message()));
+  CoordinatorClient client(address, token, *creds);
   const std::string cmd = flags->positional()[0];
   auto unreachable = [&](const absl::Status& s) {
     return Fail(absl::StrCat(s.message(), " [", address, "]"));

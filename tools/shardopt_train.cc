@@ -48,6 +48,9 @@ flags:
   --job-id=ID          job id (default $SHARDOPT_JOB_ID or "job")
   --token-file=PATH    bearer token for the control plane (default $SHARDOPT_TOKEN_FILE)
   --bind=HOST          address for this rank's shard-owner service and Gloo (default 127.0.0.1)
+  --tls-ca=PEM         TLS to the coordinator, verified against this CA (default $SHARDOPT_TLS_CA)
+  --tls-cert=PEM       client certificate for mutual TLS (default $SHARDOPT_TLS_CERT)
+  --tls-key=PEM        its key (default $SHARDOPT_TLS_KEY)
   --log-every=N        progress line every N steps (default: about 10 lines per run)
   --help               this text
 )";
@@ -81,7 +84,7 @@ int Main(int argc, char** argv) {
   auto flags = Flags::Parse(argc, argv,
                             {"model", "steps", "lr", "optimizer", "batch", "clip", "bucket-cap",
                              "threads", "malloc", "coordinator", "job-id", "token-file", "bind",
-                             "log-every", "help"});
+                             "log-every", "tls-ca", "tls-cert", "tls-key", "help"});
   if (!flags.ok()) return Fail(-1, std::string(flags.status().message()));
   if (flags->Has("help")) {
     std::printf("%s", kUsage);
@@ -154,7 +157,12 @@ int Main(int argc, char** argv) {
   }
 
   // Rendezvous for Gloo through the coordinator's key-value store.
-  CoordinatorClient client(coordinator, token);
+  ClientTls tls{flags->Str("tls-ca", EnvStr("SHARDOPT_TLS_CA", "")),
+                flags->Str("tls-cert", EnvStr("SHARDOPT_TLS_CERT", "")),
+                flags->Str("tls-key", EnvStr("SHARDOPT_TLS_KEY", ""))};
+  auto creds = MakeChannelCredentials(tls);
+  if (!creds.ok()) return Fail(rank, std::string(creds.status().message()));
+  CoordinatorClient client(coordinator, token, *creds);
   GrpcKeyValueStore kv(&client);
   PrefixKeyValueStore job_kv(&kv, job_id);
   GlooOptions gopt;

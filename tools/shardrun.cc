@@ -45,6 +45,11 @@ flags:
   --port-file=PATH       write the coordinator's host:port here once it listens
   --job-id=ID            job id (default "job")
   --token-file=PATH      require this bearer token on every RPC
+  --tls-cert=PEM         serve the coordinator over TLS with this certificate ...
+  --tls-key=PEM          ... and key
+  --tls-client-ca=PEM    mutual TLS: clients must present a certificate signed by this CA
+                         (ranks and shardctl read SHARDOPT_TLS_CA, SHARDOPT_TLS_CERT and
+                         SHARDOPT_TLS_KEY from the environment, which shardrun passes on)
   --heartbeat-timeout=S  a rank silent this long fails the job (default 10)
   --help                 this text
 )";
@@ -86,7 +91,8 @@ int Fail(const std::string& msg) {
 int Main(int argc, char** argv) {
   auto flags = Flags::Parse(argc, argv,
                             {"nproc", "nnodes", "node-rank", "coordinator", "bind", "port",
-                             "port-file", "job-id", "token-file", "heartbeat-timeout", "help"});
+                             "port-file", "job-id", "token-file", "heartbeat-timeout", "tls-cert",
+                             "tls-key", "tls-client-ca", "help"});
   if (!flags.ok()) return Fail(std::string(flags.status().message()));
   if (flags->Has("help")) {
     std::printf("%s", kUsage);
@@ -133,6 +139,9 @@ int Main(int argc, char** argv) {
     service = std::make_unique<CoordinatorService>(coordinator.get(), token);
     RpcServerOptions sopt;
     sopt.address = absl::StrCat(flags->Str("bind", "127.0.0.1"), ":", *port);
+    sopt.tls_cert_file = flags->Str("tls-cert", "");
+    sopt.tls_key_file = flags->Str("tls-key", "");
+    sopt.tls_client_ca_file = flags->Str("tls-client-ca", "");
     auto s = RpcServer::Start(sopt, {service.get()});
     if (!s.ok()) return Fail(s.status().ToString());
     server = std::move(*s);
