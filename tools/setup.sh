@@ -12,8 +12,8 @@ PACKAGES=(
   # libraries
   libabsl-dev libtorch-dev libgloo-dev libgtest-dev libgoogle-glog-dev
   libopenblas0-pthread nlohmann-json3-dev
-  # tests: a second, independent gRPC client
-  python3-grpcio python3-protobuf
+  # tests: a second, independent gRPC client; certificates for the TLS tests
+  python3-grpcio python3-protobuf openssl
 )
 
 case "${1:-}" in
