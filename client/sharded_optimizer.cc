@@ -548,6 +548,42 @@ absl::StatusOr<StepResult> ShardedOptimizer::Step() {
   return result;
 }
 
+ShardedOptimizer::OwnedSlice ShardedOptimizer::owned_slice(int b) {
+  const Bucket& bk = layout_.buckets()[b];
+  OwnedSlice s;
+  s.size = bk.capacity_per_rank;
+  s.master = dtype_ == torch::kBFloat16
+                 ? master_.data_ptr<float>() + owned_offset_[b]
+                 : param_flat_.data_ptr<float>() + bk.flat_offset + rank_ * bk.capacity_per_rank;
+  s.state0 = state0_.defined() ? state0_.data_ptr<float>() + owned_offset_[b] : nullptr;
+  s.state1 = state1_.defined() ? state1_.data_ptr<float>() + owned_offset_[b] : nullptr;
+  return s;
+}
+
+std::vector<std::string> ShardedOptimizer::state_names() const {
+  if (options_.kind != OptimizerKind::kSgd) return {"exp_avg", "exp_avg_sq"};
+  if (options_.sgd.momentum != 0.0) return {"momentum_buffer"};
+  return {};
+}
+
+absl::Status ShardedOptimizer::FinishRestore(int64_t step) {
+  at::NoGradGuard no_grad;
+  const ElementType ptype = ElementTypeOf(dtype_);
+  const int elem = ElementSize(ptype);
+  char* pbase = static_cast<char*>(param_flat_.data_ptr());
+  for (const Bucket& b : layout_.buckets()) {
+    if (dtype_ == torch::kBFloat16) {
+      param_flat_.narrow(0, b.flat_offset + rank_ * b.capacity_per_rank, b.capacity_per_rank)
+          .copy_(master_.narrow(0, owned_offset_[b.index], b.capacity_per_rank));
+    }
+    SHARDOPT_RETURN_IF_ERROR(WaitOrAbort(
+        comm_->AllGather(pbase + b.flat_offset * elem, b.capacity_per_rank, ptype),
+        "all-gather after restore", b.index));
+  }
+  step_ = step;
+  return absl::OkStatus();
+}
+
 MemoryReport ShardedOptimizer::memory() const {
   MemoryReport m;
   auto bytes = [](const torch::Tensor& t) { return t.defined() ? t.numel() * t.element_size() : 0; };

@@ -126,6 +126,25 @@ class ShardedOptimizer {
   double learning_rate() const;
 
   int64_t step_count() const { return step_; }
+
+  // For checkpoints (client/checkpoint.h). This rank's slice of bucket `b`:
+  // fp32 parameter values (the master copy for bf16 models) and optimizer
+  // state, capacity_per_rank elements each (state arrays null if unused).
+  struct OwnedSlice {
+    float* master = nullptr;
+    float* state0 = nullptr;
+    float* state1 = nullptr;
+    int64_t size = 0;
+  };
+  OwnedSlice owned_slice(int bucket);
+  // Names of the optimizer state arrays, as torch.optim calls them:
+  // {"exp_avg", "exp_avg_sq"} for Adam/AdamW, {"momentum_buffer"} for SGD
+  // with momentum, {} otherwise.
+  std::vector<std::string> state_names() const;
+  // After owned slices were overwritten (a restore): rewrites the bf16 copy,
+  // all-gathers every bucket and sets the step count. Collective.
+  absl::Status FinishRestore(int64_t step);
+  Communicator* communicator() const { return comm_; }
   const Layout& layout() const { return layout_; }
   const ShardedOptimizerOptions& options() const { return options_; }
   MemoryReport memory() const;
