@@ -1,0 +1,298 @@
+// Checkpoints: resume at other world sizes equals an uninterrupted run;
+// corruption of every kind is refused naming the file or parameter; a full
+// disk fails the save cleanly; crashes at any point leave LATEST complete;
+// consolidation yields whole tensors.
+#include "client/checkpoint.h"
+
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <functional>
+#include <random>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "client/in_process_communicator.h"
+#include "client/models.h"
+#include "common/crc32c.h"
+#include "gtest/gtest.h"
+#include "tests/training_harness.h"
+
+namespace shardopt {
+namespace {
+
+// One in-process job of `n` ranks training the small model.
+struct Job {
+  int n;
+  InProcessWorld world;
+  std::vector<std::unique_ptr<Communicator>> comms;
+  std::vector<std::unique_ptr<TrainModel>> models;
+  std::vector<std::unique_ptr<ShardedOptimizer>> opts;
+  TrainConfig config;
+
+  Job(int n, OptimizerKind kind = OptimizerKind::kAdam) : n(n), world(n, absl::Seconds(30)) {
+    config.model = "small";
+    config.kind = kind;
+    config.lr = 1e-2;
+    config.bucket_cap = 300;  // several buckets, cut tensors
+    for (int r = 0; r < n; ++r) {
+      comms.push_back(world.Connect(r));
+      models.push_back(*MakeModel("small", 42));
+    }
+    opts.resize(n);
+    Parallel([&](int r) {
+      auto o = ShardedOptimizer::Create(models[r]->NamedParameters(), OptionsFor(config),
+                                        comms[r].get());
+      ASSERT_TRUE(o.ok()) << o.status();
+      opts[r] = std::move(*o);
+    });
+  }
+  void Parallel(const std::function<void(int)>& fn) {
+    std::vector<std::thread> t;
+    for (int r = 0; r < n; ++r) t.emplace_back(fn, r);
+    for (auto& x : t) x.join();
+  }
+  void Train(int from, int to) {
+    Parallel([&](int r) {
+      const int64_t per = 12 / n;
+      for (int step = from; step < to; ++step) {
+        opts[r]->ZeroGrad();
+        models[r]->Loss(step, r * per, (r + 1) * per).backward();
+        ASSERT_TRUE(opts[r]->Step().ok());
+      }
+    });
+  }
+  std::vector<absl::StatusOr<std::string>> Save(const std::string& root, FileSystem* fs) {
+    std::vector<absl::StatusOr<std::string>> out(n, absl::UnknownError(""));
+    CheckpointOptions o;
+    o.fs = fs;
+    o.user_metadata["data_position"] = "1234";
+    Parallel([&](int r) { out[r] = SaveCheckpoint(*opts[r], root, o); });
+    return out;
+  }
+  std::vector<absl::Status> Load(const std::string& path) {
+    std::vector<absl::Status> out(n);
+    Parallel([&](int r) { out[r] = LoadCheckpoint(*opts[r], path).status(); });
+    return out;
+  }
+  std::vector<float> Params(int r = 0) {
+    std::vector<float> v;
+    for (const auto& [name, t] : models[r]->NamedParameters()) {
+      torch::Tensor f = t.detach().contiguous();
+      v.insert(v.end(), f.data_ptr<float>(), f.data_ptr<float>() + f.numel());
+    }
+    return v;
+  }
+};
+
+std::string Fresh(const std::string& name) {
+  const std::string d = ::testing::TempDir() + "/" + name;
+  EXPECT_EQ(std::system(("rm -rf " + d + " && mkdir -p " + d).c_str()), 0);
+  return d;
+}
+
+TEST(Crc32cTest, KnownVector) {
+  EXPECT_EQ(Crc32c("123456789", 9), 0xE3069283u);
+  EXPECT_EQ(Crc32cExtend(Crc32c("1234", 4), "56789", 5), 0xE3069283u);
+}
+
+TEST(CheckpointTest, ResumeAtAnyWorldSizeMatchesAnUninterruptedRun) {
+  const std::string root = Fresh("resume");
+  Job uninterrupted(2);
+  uninterrupted.Train(0, 6);
+  const std::vector<float> want = uninterrupted.Params();
+
+  Job first(2);
+  first.Train(0, 3);
+  for (const auto& s : first.Save(root, PosixFileSystem())) ASSERT_TRUE(s.ok()) << s.status();
+  ASSERT_TRUE(VerifyCheckpoint(PosixFileSystem(), root + "/step-3").ok());
+  for (int n : {1, 2, 3, 4}) {
+    SCOPED_TRACE(absl::StrCat("resume with ", n, " ranks"));
+    Job resumed(n);
+    for (const auto& s : resumed.Load(root)) ASSERT_TRUE(s.ok()) << s;
+    EXPECT_EQ(resumed.opts[0]->step_count(), 3);
+    resumed.Train(3, 6);
+    const std::vector<float> got = resumed.Params();
+    ASSERT_EQ(got.size(), want.size());
+    if (n == 2) {
+      EXPECT_EQ(got, want) << "same world size: the math is identical, so bitwise";
+    }
+    for (size_t i = 0; i < got.size(); ++i) {
+      ASSERT_NEAR(got[i], want[i], 1e-6 + 1e-5 * std::fabs(want[i])) << i;
+    }
+    for (int r = 1; r < n; ++r) EXPECT_EQ(resumed.Params(r), got);
+  }
+  auto m = ReadManifest(PosixFileSystem(), root + "/step-3");
+  ASSERT_TRUE(m.ok());
+  EXPECT_EQ((*m)["user_metadata"]["data_position"], "1234");
+  EXPECT_EQ((*m)["world_size"], 2);
+}
+
+TEST(CheckpointTest, SgdMomentumStateRoundTrips) {
+  const std::string root = Fresh("sgd");
+  Job a(2, OptimizerKind::kSgd);
+  a.Train(0, 2);
+  for (const auto& s : a.Save(root, PosixFileSystem())) ASSERT_TRUE(s.ok());
+  a.Train(2, 4);
+  Job b(3, OptimizerKind::kSgd);
+  for (const auto& s : b.Load(root)) ASSERT_TRUE(s.ok()) << s;
+  b.Train(2, 4);
+  const auto x = a.Params(), y = b.Params();
+  for (size_t i = 0; i < x.size(); ++i) ASSERT_NEAR(x[i], y[i], 1e-6 + 1e-5 * std::fabs(x[i]));
+}
+
+void FlipByte(const std::string& path, long offset) {
+  std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+  f.seekg(offset);
+  char c;
+  f.read(&c, 1);
+  c ^= 0x5a;
+  f.seekp(offset);
+  f.write(&c, 1);
+}
+
+TEST(CheckpointTest, CorruptionIsRefusedNamingTheFileOrParameter) {
+  const std::string root = Fresh("corrupt");
+  Job job(2);
+  job.Train(0, 2);
+  for (const auto& s : job.Save(root, PosixFileSystem())) ASSERT_TRUE(s.ok());
+  const std::string dir = root + "/step-2";
+  const std::string shard = dir + "/shard-1-of-2.safetensors";
+  const std::string backup = root + "/backup";
+  ASSERT_EQ(std::system(("cp -r " + dir + " " + backup).c_str()), 0);
+  auto restore = [&] { ASSERT_EQ(std::system(("rm -rf " + dir + " && cp -r " + backup + " " + dir).c_str()), 0); };
+  auto expect_refused = [&](const std::string& needle) {
+    Job fresh(2);
+    for (const absl::Status& s : fresh.Load(root)) EXPECT_FALSE(s.ok());
+    const auto st = fresh.Load(root);
+    bool named = false;
+    for (const absl::Status& s : st) named |= s.message().find(needle) != absl::string_view::npos;
+    EXPECT_TRUE(named) << "no error mentions '" << needle << "': " << st[0] << " / " << st[1];
+  };
+  // A flipped byte in the data.
+  auto size = PosixFileSystem()->FileSize(shard);
+  FlipByte(shard, static_cast<long>(*size) - 3);
+  expect_refused("shard-1-of-2.safetensors' is corrupt");
+  EXPECT_FALSE(VerifyCheckpoint(PosixFileSystem(), dir).ok());
+  restore();
+  // A truncated file.
+  ASSERT_EQ(truncate(shard.c_str(), static_cast<off_t>(*size) - 100), 0);
+  expect_refused("truncated");
+  restore();
+  // A missing shard.
+  std::remove(shard.c_str());
+  expect_refused("is missing");
+  restore();
+  // A corrupt manifest.
+  FlipByte(dir + "/manifest.json", 1);
+  expect_refused("manifest.json");
+  restore();
+  // A manifest for another model.
+  {
+    InProcessWorld w(1, absl::Seconds(10));
+    auto c = w.Connect(0);
+    auto other = *MakeModel("tiny", 1);
+    auto o = ShardedOptimizer::Create(other->NamedParameters(), ShardedOptimizerOptions(), c.get());
+    auto s = LoadCheckpoint(**o, root);
+    EXPECT_NE(s.status().message().find("another model"), absl::string_view::npos) << s.status();
+  }
+  // A different optimizer kind.
+  {
+    Job sgd(2, OptimizerKind::kSgd);
+    const auto st = sgd.Load(root);
+    EXPECT_NE(st[0].message().find("holds adam state"), absl::string_view::npos) << st[0];
+  }
+  // And the intact checkpoint still loads.
+  Job fine(2);
+  for (const auto& s : fine.Load(root)) EXPECT_TRUE(s.ok()) << s;
+}
+
+TEST(CheckpointTest, DiskFullFailsCleanlyAndTrainingContinues) {
+  const std::string root = Fresh("full");
+  Job job(2);
+  job.Train(0, 2);
+  for (const auto& s : job.Save(root, PosixFileSystem())) ASSERT_TRUE(s.ok());
+  job.Train(2, 3);
+  FaultInjectingFileSystem full(PosixFileSystem());
+  full.set_budget_bytes(3000);  // the first shard fits, not both
+  const auto st = job.Save(root, &full);
+  bool enospc = false;
+  for (const auto& s : st) {
+    EXPECT_FALSE(s.ok());
+    enospc |= s.status().message().find("No space left") != absl::string_view::npos;
+  }
+  EXPECT_TRUE(enospc) << st[0].status();
+  // LATEST still names the previous, complete checkpoint.
+  EXPECT_EQ(*ResolveCheckpoint(PosixFileSystem(), root), root + "/step-2");
+  EXPECT_TRUE(VerifyCheckpoint(PosixFileSystem(), root + "/step-2").ok());
+  job.Train(3, 4);  // training continues
+  for (const auto& s : job.Save(root, PosixFileSystem())) EXPECT_TRUE(s.ok());
+}
+
+TEST(CheckpointTest, CrashAtAnyPointLeavesLatestComplete) {
+  // Count the file-system operations of one save, then crash at random points.
+  const std::string probe_root = Fresh("crash_probe");
+  Job probe(2);
+  probe.Train(0, 1);
+  FaultInjectingFileSystem counter(PosixFileSystem());
+  for (const auto& s : probe.Save(probe_root, &counter)) ASSERT_TRUE(s.ok());
+  const int64_t total_ops = counter.ops();
+  ASSERT_GT(total_ops, 5);
+  std::mt19937 rng(7);
+  for (int trial = 0; trial < 24; ++trial) {
+    const std::string root = Fresh(absl::StrCat("crash", trial));
+    Job job(2);
+    job.Train(0, 1);
+    for (const auto& s : job.Save(root, PosixFileSystem())) ASSERT_TRUE(s.ok());
+    job.Train(1, 2);
+    FaultInjectingFileSystem crashing(PosixFileSystem());
+    const int64_t at = static_cast<int64_t>(rng() % (total_ops + 1));
+    crashing.set_crash_after_ops(at);
+    job.Save(root, &crashing);  // may fail anywhere
+    auto dir = ResolveCheckpoint(PosixFileSystem(), root);
+    ASSERT_TRUE(dir.ok()) << "trial " << trial << " crash after op " << at << ": " << dir.status();
+    EXPECT_TRUE(VerifyCheckpoint(PosixFileSystem(), *dir).ok()) << "trial " << trial;
+    Job resumed(2);
+    for (const auto& s : resumed.Load(root)) EXPECT_TRUE(s.ok()) << "trial " << trial << ": " << s;
+  }
+}
+
+TEST(CheckpointTest, ConsolidateWritesWholeTensors) {
+  const std::string root = Fresh("consolidate");
+  Job job(3);
+  job.Train(0, 2);
+  for (const auto& s : job.Save(root, PosixFileSystem())) ASSERT_TRUE(s.ok());
+  const std::string out = root + "/whole.safetensors";
+  int64_t last = 0, total = 0;
+  ASSERT_TRUE(Consolidate(PosixFileSystem(), root + "/step-2", out,
+                          [&](int64_t d, int64_t t) { last = d; total = t; }).ok());
+  EXPECT_EQ(last, total);
+  // Parse the safetensors header and compare one parameter with the model.
+  std::string data = *ReadWholeFile(PosixFileSystem(), out);
+  uint64_t hlen = 0;
+  for (int i = 0; i < 8; ++i) hlen |= static_cast<uint64_t>(static_cast<unsigned char>(data[i])) << (8 * i);
+  auto header = nlohmann::json::parse(data.substr(8, hlen));
+  for (const auto& [name, t] : job.models[0]->NamedParameters()) {
+    if (!t.requires_grad()) {
+      EXPECT_FALSE(header.contains(name));
+      continue;
+    }
+    ASSERT_TRUE(header.contains(name)) << name;
+    ASSERT_TRUE(header.contains(name + ".exp_avg_sq")) << name;
+    const int64_t begin = header[name]["data_offsets"][0];
+    torch::Tensor f = t.detach().contiguous();
+    EXPECT_EQ(std::memcmp(data.data() + 8 + hlen + begin, f.data_ptr<float>(), f.numel() * 4), 0)
+        << name;
+  }
+}
+
+}  // namespace
+}  // namespace shardopt
+
+int main(int argc, char** argv) {
+  ::testing::InitGoogleTest(&argc, argv);
+  at::set_num_threads(1);
+  return RUN_ALL_TESTS();
+}
