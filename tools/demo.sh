@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The main job: a 2-rank CPU training run of the mlp model (42M parameters)
 # with shard-owner services and a coordinator, queried with shardctl while it
-# trains (status, layout, memory). Builds what it needs first.
+# trains (status, layout, memory), checkpointing every 10 steps (listed and
+# verified at the end). Builds what it needs first.
 #   tools/demo.sh [--steps=N] [--model=NAME] [other shardopt_train flags]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,6 +15,7 @@ trap 'rm -rf "$tmp"' EXIT
 args=("$@")
 [[ " ${args[*]-} " == *" --model="* ]] || args+=(--model=mlp)
 [[ " ${args[*]-} " == *" --steps="* ]] || args+=(--steps=30)
+[[ " ${args[*]-} " == *" --ckpt-dir="* ]] || args+=(--ckpt-dir="$tmp/checkpoints" --ckpt-every=10)
 
 "$B/shardrun" --nproc 2 --port-file "$tmp/coordinator" -- \
   "$B/shardopt_train" "${args[@]}" &
@@ -22,7 +24,11 @@ run=$!
 for _ in $(seq 1 300); do [[ -s "$tmp/coordinator" ]] && break; sleep 0.1; done
 if [[ ! -s "$tmp/coordinator" ]]; then
   echo "demo: the coordinator did not start" >&2
-  wait $run || true
+  wait $run
+echo "== shardctl checkpoints"
+"$B/shardctl" checkpoints "$tmp/checkpoints" || true
+echo "== shardctl inspect (verifies every CRC)"
+"$B/shardctl" inspect "$tmp/checkpoints" || true || true
   exit 1
 fi
 export SHARDOPT_COORDINATOR=$(cat "$tmp/coordinator")
@@ -35,3 +41,7 @@ echo "== shardctl memory"
 "$B/shardctl" memory || true
 
 wait $run
+echo "== shardctl checkpoints"
+"$B/shardctl" checkpoints "$tmp/checkpoints" || true
+echo "== shardctl inspect (verifies every CRC)"
+"$B/shardctl" inspect "$tmp/checkpoints" || true

@@ -11,7 +11,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "client/checkpoint.h"
 #include "client/coordinator_client.h"
+#include "common/file_system.h"
+#include "nlohmann/json.hpp"
 #include "tools/flags.h"
 
 namespace shardopt {
@@ -26,6 +29,10 @@ commands:
   health        grpc.health.v1 check of the coordinator
   set-lr X      change the learning rate; every rank applies it at its next step
   abort REASON  fail the job (every rank stops)
+  checkpoints DIR         list the checkpoints under DIR: step, world size, size, status
+  inspect CKPT            show a checkpoint's manifest summary and verify every CRC
+  consolidate CKPT OUT    stream a checkpoint into one safetensors file of whole tensors
+                          ("<param>" and "<param>.<state>"), with a progress bar
   load          query status, layout and memory in turn at --rate per second for
                 --duration seconds; prints latency percentiles (load testing)
 
@@ -65,6 +72,90 @@ int PrintJson(const Msg& m) {
   return 0;
 }
 
+int CheckpointCommand(const std::vector<std::string>& args, bool json) {
+  FileSystem* fs = PosixFileSystem();
+  const std::string& cmd = args[0];
+  if (cmd == "checkpoints") {
+    if (args.size() != 2) return Fail("usage: shardctl checkpoints DIR");
+    auto entries = fs->ListDir(args[1]);
+    if (!entries.ok()) return Fail(std::string(entries.status().message()));
+    auto latest = ResolveCheckpoint(fs, args[1]);
+    std::vector<std::pair<int64_t, std::string>> steps;
+    for (const auto& e : *entries) {
+      if (e.rfind("step-", 0) == 0) steps.push_back({std::atoll(e.c_str() + 5), e});
+    }
+    std::sort(steps.begin(), steps.end());
+    nlohmann::json out = nlohmann::json::array();
+    if (!json) std::printf("%-14s %8s %6s %12s  %s\n", "checkpoint", "step", "ranks", "size", "status");
+    for (const auto& [step, name] : steps) {
+      const std::string dir = args[1] + "/" + name;
+      auto m = ReadManifest(fs, dir);
+      std::string status = m.ok() ? "complete" : "incomplete (no valid manifest)";
+      int64_t bytes = 0;
+      if (m.ok()) {
+        for (const auto& f : (*m)["files"]) bytes += f["bytes"].get<int64_t>();
+        if (latest.ok() && *latest == dir) status += ", LATEST";
+      }
+      const int ranks = m.ok() ? (*m)["world_size"].get<int>() : 0;
+      out.push_back({{"name", name}, {"step", step}, {"world_size", ranks}, {"bytes", bytes},
+                     {"status", status}});
+      if (!json) {
+        std::printf("%-14s %8lld %6d %12s  %s\n", name.c_str(), static_cast<long long>(step), ranks,
+                    Bytes(bytes).c_str(), status.c_str());
+      }
+    }
+    if (json) std::printf("%s\n", out.dump(1).c_str());
+    return 0;
+  }
+  if (cmd == "inspect") {
+    if (args.size() != 2) return Fail("usage: shardctl inspect CKPT");
+    auto dir = ResolveCheckpoint(fs, args[1]);
+    if (!dir.ok()) return Fail(std::string(dir.status().message()));
+    auto m = ReadManifest(fs, *dir);
+    if (!m.ok()) return Fail(std::string(m.status().message()));
+    absl::Status v = VerifyCheckpoint(fs, *dir);
+    if (json) {
+      nlohmann::json out = *m;
+      out.erase("pieces");
+      out["verified"] = v.ok();
+      if (!v.ok()) out["error"] = std::string(v.message());
+      std::printf("%s\n", out.dump(1).c_str());
+    } else {
+      std::printf("checkpoint %s\n  step %lld, saved by %d ranks, optimizer %s, layout %s\n",
+                  dir->c_str(), static_cast<long long>((*m)["step"].get<int64_t>()),
+                  (*m)["world_size"].get<int>(), (*m)["optimizer"].dump().c_str(),
+                  (*m)["layout_hash"].get<std::string>().c_str());
+      std::printf("  %zu parameters, %zu pieces, states %s\n", (*m)["params"].size(),
+                  (*m)["pieces"].size(), (*m)["states"].dump().c_str());
+      for (const auto& f : (*m)["files"]) {
+        std::printf("  %-28s %12s  crc32c %08x\n", f["name"].get<std::string>().c_str(),
+                    Bytes(f["bytes"].get<int64_t>()).c_str(), f["crc32c"].get<uint32_t>());
+      }
+      if (!(*m)["user_metadata"].empty()) std::printf("  user metadata %s\n", (*m)["user_metadata"].dump().c_str());
+      std::printf("  verify: %s\n", v.ok() ? "every CRC matches" : std::string(v.message()).c_str());
+    }
+    return v.ok() ? 0 : 1;
+  }
+  // consolidate
+  if (args.size() != 3) return Fail("usage: shardctl consolidate CKPT OUT.safetensors");
+  auto dir = ResolveCheckpoint(fs, args[1]);
+  if (!dir.ok()) return Fail(std::string(dir.status().message()));
+  const auto t0 = absl::Now();
+  int last_pct = -1;
+  absl::Status s = Consolidate(fs, *dir, args[2], [&](int64_t done, int64_t total) {
+    const int pct = total > 0 ? static_cast<int>(100 * done / total) : 100;
+    if (pct != last_pct) {
+      last_pct = pct;
+      std::fprintf(stderr, "\r[%-40s] %3d%%  %s / %s", std::string(pct * 40 / 100, '#').c_str(), pct,
+                   Bytes(done).c_str(), Bytes(total).c_str());
+    }
+  });
+  std::fprintf(stderr, "\n");
+  if (!s.ok()) return Fail(std::string(s.message()));
+  std::printf("wrote %s in %.2f s\n", args[2].c_str(), absl::ToDoubleSeconds(absl::Now() - t0));
+  return 0;
+}
+
 int Main(int argc, char** argv) {
   auto flags = Flags::Parse(argc, argv, {"coordinator", "token-file", "json", "wait", "rate", "duration",
                                          "tls-ca", "tls-cert", "tls-key", "help"});
@@ -72,6 +163,10 @@ int Main(int argc, char** argv) {
   if (flags->Has("help") || flags->positional().empty()) {
     std::printf("%s", kUsage);
     return flags->Has("help") ? 0 : 2;
+  }
+  const std::string& first = flags->positional()[0];
+  if (first == "checkpoints" || first == "inspect" || first == "consolidate") {
+    return CheckpointCommand(flags->positional(), flags->Has("json"));
   }
   const char* env = std::getenv("SHARDOPT_COORDINATOR");
   const std::string address = flags->Str("coordinator", env ? env : "");

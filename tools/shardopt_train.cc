@@ -14,6 +14,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "client/checkpoint.h"
 #include "client/coordinator_client.h"
 #include "client/gloo_communicator.h"
 #include "client/models.h"
@@ -52,6 +53,10 @@ flags:
   --tls-cert=PEM       client certificate for mutual TLS (default $SHARDOPT_TLS_CERT)
   --tls-key=PEM        its key (default $SHARDOPT_TLS_KEY)
   --log-every=N        progress line every N steps (default: about 10 lines per run)
+  --ckpt-dir=DIR       write sharded checkpoints under DIR (step-N/, LATEST)
+  --ckpt-every=K       ... every K steps (default: only at the end when --ckpt-dir is set)
+  --resume=PATH        resume from a checkpoint directory, or a root with LATEST
+                       (any world size); training continues at the saved step
   --help               this text
 )";
 
@@ -84,7 +89,8 @@ int Main(int argc, char** argv) {
   auto flags = Flags::Parse(argc, argv,
                             {"model", "steps", "lr", "optimizer", "batch", "clip", "bucket-cap",
                              "threads", "malloc", "coordinator", "job-id", "token-file", "bind",
-                             "log-every", "tls-ca", "tls-cert", "tls-key", "help"});
+                             "log-every", "tls-ca", "tls-cert", "tls-key", "ckpt-dir", "ckpt-every",
+                             "resume", "help"});
   if (!flags.ok()) return Fail(-1, std::string(flags.status().message()));
   if (flags->Has("help")) {
     std::printf("%s", kUsage);
@@ -271,11 +277,44 @@ int Main(int argc, char** argv) {
   };
 
   const int64_t log_every = flags->Int("log-every", std::max<int64_t>(1, *steps / 10)).value_or(1);
+  const std::string ckpt_dir = flags->Str("ckpt-dir", "");
+  const int64_t ckpt_every = flags->Int("ckpt-every", 0).value_or(0);
+  int64_t first_step = 0;
+  const std::string resume = flags->Str("resume", "");
+  if (!resume.empty()) {
+    auto m = LoadCheckpoint(*o, resume);
+    if (!m.ok()) {
+      (void)client.Abort(m.status().ToString(), rank);
+      return finish(Fail(rank, absl::StrCat("cannot resume: ", m.status().ToString())));
+    }
+    first_step = (*m)["step"].get<int64_t>();
+    step_now = first_step;
+    if (rank == 0) {
+      std::printf("resumed from %s at step %lld (saved by %d ranks)\n", resume.c_str(),
+                  static_cast<long long>(first_step), (*m)["world_size"].get<int>());
+    }
+  }
+  auto save = [&](int64_t step) -> bool {
+    CheckpointOptions co;
+    co.user_metadata["data_position"] = std::to_string(step * batch * world);
+    const auto t0 = std::chrono::steady_clock::now();
+    auto dir = SaveCheckpoint(*o, ckpt_dir, co);
+    if (!dir.ok()) {
+      if (rank == 0) std::printf("checkpoint at step %lld failed (training continues): %s\n",
+                                 static_cast<long long>(step), dir.status().ToString().c_str());
+      return false;
+    }
+    if (rank == 0) {
+      std::printf("checkpoint %s written in %.2f s\n", dir->c_str(),
+                  std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    }
+    return true;
+  };
   int64_t applied_version = 0;
   auto t_start = std::chrono::steady_clock::now();
   auto t_window = t_start;
   int64_t window_steps = 0;
-  for (int64_t step = 0; step < *steps; ++step) {
+  for (int64_t step = first_step; step < *steps; ++step) {
     if (lr_version.load() > applied_version) {
       applied_version = lr_version.load();
       o->SetLearningRate(lr_wanted.load());
@@ -309,6 +348,9 @@ int Main(int argc, char** argv) {
     const auto now = std::chrono::steady_clock::now();
     const double secs = std::chrono::duration<double>(now - t_window).count();
     if (secs > 0) sps_now = window_steps * batch / secs;
+    if (!ckpt_dir.empty() && ckpt_every > 0 && (step + 1) % ckpt_every == 0 && step + 1 < *steps) {
+      save(step + 1);
+    }
     if ((step + 1) % log_every == 0 || step + 1 == *steps) {
       if (rank == 0) {
         const int width = 20;
@@ -324,12 +366,13 @@ int Main(int argc, char** argv) {
     }
   }
   const double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
+  if (!ckpt_dir.empty() && first_step < *steps && !save(*steps)) return finish(1);
   (void)client.Finish(rank);
   if (rank == 0) {
     MemoryReport m = o->memory();
     std::printf("done: %lld steps in %.1f s; rank 0 holds optimizer state %.1f MiB (of %.1f MiB "
                 "for the whole model), layout %016llx\n",
-                static_cast<long long>(*steps), total, m.state_bytes / 1048576.0,
+                static_cast<long long>(*steps - first_step), total, m.state_bytes / 1048576.0,
                 m.param_bytes / 1048576.0 * (opt.kind == OptimizerKind::kSgd ? 1 : 2),
                 static_cast<unsigned long long>(o->layout().hash()));
   }
