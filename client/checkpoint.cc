@@ -342,18 +342,25 @@ absl::StatusOr<nlohmann::json> LoadCheckpoint(ShardedOptimizer& opt, const std::
           const int64_t first = (lo - ob) * 4 / block, last = ((hi - ob) * 4 - 1) / block;
           for (int64_t b = first; b <= last; ++b) {
             const int64_t bb = b * block, be = std::min(ol * 4, bb + block);
-            buf.resize(static_cast<size_t>(be - bb));
-            SHARDOPT_RETURN_IF_ERROR(fs->ReadAt(file, base + bb, buf.size(), buf.data()));
-            if (Crc32c(buf.data(), buf.size()) != crcs.at(b).get<uint32_t>()) {
+            // The part of this block inside [lo, hi), and where it goes.
+            const int64_t cb = std::max(bb, (lo - ob) * 4), ce = std::min(be, (hi - ob) * 4);
+            char* dst = reinterpret_cast<char*>(arrays[si] + np.rank_offset) +
+                        (ob * 4 + cb - want_begin * 4);
+            // Whole blocks are read straight into place; partial ones via a
+            // buffer (their CRC covers the whole block).
+            const bool whole = cb == bb && ce == be;
+            char* into = dst;
+            if (!whole) {
+              buf.resize(static_cast<size_t>(be - bb));
+              into = buf.data();
+            }
+            SHARDOPT_RETURN_IF_ERROR(fs->ReadAt(file, base + bb, static_cast<size_t>(be - bb), into));
+            if (Crc32c(into, static_cast<size_t>(be - bb)) != crcs.at(b).get<uint32_t>()) {
               return absl::DataLossError(absl::StrCat("shard '", file, "' is corrupt: CRC32C mismatch in ",
                                                       want[si], " of parameter '",
                                                       layout.params()[np.param].name, "'"));
             }
-            // Copy the part of this block inside [lo, hi).
-            const int64_t cb = std::max(bb, (lo - ob) * 4), ce = std::min(be, (hi - ob) * 4);
-            char* dst = reinterpret_cast<char*>(arrays[si] + np.rank_offset) +
-                        (ob * 4 + cb - want_begin * 4);
-            std::memcpy(dst, buf.data() + (cb - bb), static_cast<size_t>(ce - cb));
+            if (!whole) std::memcpy(dst, buf.data() + (cb - bb), static_cast<size_t>(ce - cb));
           }
         }
       }
