@@ -170,6 +170,15 @@ absl::Status CoordinatorClient::Finish(int rank) {
   return FromGrpc(stub_->Finish(&ctx, req, &resp), "finish");
 }
 
+absl::StatusOr<int64_t> CoordinatorClient::RequestCheckpoint() {
+  grpc::ClientContext ctx;
+  Prepare(&ctx, absl::Seconds(5));
+  v1::RequestCheckpointResponse resp;
+  grpc::Status s = stub_->RequestCheckpoint(&ctx, v1::RequestCheckpointRequest(), &resp);
+  if (!s.ok()) return FromGrpc(s, "checkpoint");
+  return resp.request();
+}
+
 absl::StatusOr<std::string> CoordinatorClient::Health() {
   // grpc.health.v1 without its generated code: the request is an empty
   // message (service ""), the response field 1 is the enum status.

@@ -50,6 +50,7 @@ class CoordinatorClient {
   absl::StatusOr<int64_t> SetLearningRate(double lr);
   absl::Status Abort(const std::string& reason, int rank);
   absl::Status Finish(int rank);
+  absl::StatusOr<int64_t> RequestCheckpoint();
   // grpc.health.v1.Health/Check of the coordinator: "SERVING" or an error.
   absl::StatusOr<std::string> Health();
 

@@ -209,6 +209,7 @@ absl::StatusOr<HeartbeatReply> Coordinator::Heartbeat(const HeartbeatInfo& info)
   reply.abort_reason = failure_;
   reply.learning_rate = learning_rate_;
   reply.hyper_params_version = hyper_version_;
+  reply.checkpoint_request = checkpoint_request_;
   return reply;
 }
 
@@ -276,6 +277,15 @@ absl::StatusOr<int64_t> Coordinator::SetLearningRate(double lr) {
   }
   learning_rate_ = lr;
   return ++hyper_version_;
+}
+
+absl::StatusOr<int64_t> Coordinator::RequestCheckpoint() {
+  absl::MutexLock lock(&mu_);
+  if (state_ != JobState::kRunning) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("the job is ", JobStateName(state_), "; checkpoints are taken while it runs"));
+  }
+  return ++checkpoint_request_;
 }
 
 void Coordinator::Abort(const std::string& reason, int rank) {

@@ -65,6 +65,7 @@ struct HeartbeatReply {
   std::string abort_reason;
   double learning_rate = 0;   // > 0 when set by SetLearningRate
   int64_t hyper_params_version = 0;
+  int64_t checkpoint_request = 0;
 };
 
 enum class JobState { kStarting, kRunning, kFailed, kFinished };
@@ -120,6 +121,9 @@ class Coordinator {
 
   // Applied by every rank at its next step boundary. Returns the new version.
   absl::StatusOr<int64_t> SetLearningRate(double lr);
+  // Asks every rank to checkpoint at the next step boundary they agree on.
+  // Returns the request number.
+  absl::StatusOr<int64_t> RequestCheckpoint();
   // Fails the job: every rank learns it at its next heartbeat.
   void Abort(const std::string& reason, int rank);
   absl::Status Finish(int rank);
@@ -142,6 +146,7 @@ class Coordinator {
   size_t kv_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   double learning_rate_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t hyper_version_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t checkpoint_request_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace shardopt

@@ -150,6 +150,7 @@ grpc::ServerUnaryReactor* CoordinatorService::Heartbeat(grpc::CallbackServerCont
     resp->set_abort_reason(r->abort_reason);
     resp->set_learning_rate(r->learning_rate);
     resp->set_hyper_params_version(r->hyper_params_version);
+    resp->set_checkpoint_request(r->checkpoint_request);
   }
   return Done(ctx, ToGrpc(r.status()));
 }
@@ -279,6 +280,15 @@ grpc::ServerUnaryReactor* CoordinatorService::Finish(grpc::CallbackServerContext
                                                      v1::FinishResponse*) {
   if (auto s = CheckToken(ctx, token_); !s.ok()) return Done(ctx, s);
   return Done(ctx, ToGrpc(coordinator_->Finish(req->rank())));
+}
+
+grpc::ServerUnaryReactor* CoordinatorService::RequestCheckpoint(
+    grpc::CallbackServerContext* ctx, const v1::RequestCheckpointRequest*,
+    v1::RequestCheckpointResponse* resp) {
+  if (auto s = CheckToken(ctx, token_); !s.ok()) return Done(ctx, s);
+  auto r = coordinator_->RequestCheckpoint();
+  if (r.ok()) resp->set_request(*r);
+  return Done(ctx, ToGrpc(r.status()));
 }
 
 grpc::ServerUnaryReactor* ShardOwnerService::GetShardInfo(grpc::CallbackServerContext* ctx,

@@ -44,6 +44,9 @@ class CoordinatorService final : public v1::Coordinator::CallbackService {
                                   v1::AbortResponse* resp) override;
   grpc::ServerUnaryReactor* Finish(grpc::CallbackServerContext* ctx, const v1::FinishRequest* req,
                                    v1::FinishResponse* resp) override;
+  grpc::ServerUnaryReactor* RequestCheckpoint(grpc::CallbackServerContext* ctx,
+                                              const v1::RequestCheckpointRequest* req,
+                                              v1::RequestCheckpointResponse* resp) override;
 
  private:
   Coordinator* coordinator_;

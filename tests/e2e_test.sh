@@ -32,10 +32,11 @@ check "failed job exits non-zero" test $rc -eq 1
 check "reason names the rank" grep -q 'shardrun: job failed: rank 1 exited with status 3' "$tmp/fail.log"
 check "stopped within seconds ($took s)" test $took -le 20
 
-# 3. Query a running job, change its learning rate, abort it with shardctl.
+# 3. Query a running job, change its learning rate, take a checkpoint, abort it with shardctl.
 echo "sesame" >"$tmp/token"
 timeout 120 $B/shardrun --nproc 2 --port-file "$tmp/addr" --token-file "$tmp/token" -- \
-  $B/shardopt_train --model=small --steps=1000000 --log-every=100000 >"$tmp/run.log" 2>&1 &
+  $B/shardopt_train --model=small --steps=1000000 --log-every=100000 --ckpt-dir="$tmp/ondemand" \
+  >"$tmp/run.log" 2>&1 &
 run=$!
 for _ in $(seq 1 200); do [[ -s "$tmp/addr" ]] && break; sleep 0.1; done
 addr=$(cat "$tmp/addr")
@@ -54,6 +55,10 @@ check "set-lr accepted" test $? -eq 0
 timeout 30 $B/shardctl --coordinator="$addr" status >"$tmp/noauth.txt" 2>&1
 check "missing token refused" grep -q 'missing bearer token' "$tmp/noauth.txt"
 for _ in $(seq 1 150); do grep -q 'learning rate set to 0.5' "$tmp/run.log" && break; sleep 0.1; done
+ctl checkpoint >/dev/null
+for _ in $(seq 1 150); do grep -q "checkpoint $tmp/ondemand/step-.* written" "$tmp/run.log" && break; sleep 0.1; done
+check "on-demand checkpoint taken" grep -q "checkpoint $tmp/ondemand/step-.* written" "$tmp/run.log"
+check "on-demand checkpoint verifies" bash -c "$B/shardctl inspect '$tmp/ondemand' | grep -q 'every CRC matches'"
 ctl abort "test says stop" >/dev/null
 wait $run
 rc=$?

@@ -27,7 +27,9 @@ commands:
   layout        which rank owns what: per rank and bucket, elements and parameters
   memory        per rank: fp32 master, optimizer state, gradients, parameters, RSS
   health        grpc.health.v1 check of the coordinator
-  set-lr X      change the learning rate; every rank applies it at its next step
+  set-lr X      change the learning rate; every rank applies it at the same next step
+  checkpoint    ask the job to save a checkpoint at the next step boundary
+                (the trainers need --ckpt-dir)
   abort REASON  fail the job (every rank stops)
   checkpoints DIR         list the checkpoints under DIR: step, world size, size, status
   inspect CKPT            show a checkpoint's manifest summary and verify every CRC
@@ -290,6 +292,13 @@ int Main(int argc, char** argv) {
     if (!v.ok()) return unreachable(v.status());
     std::printf("learning rate %g requested (version %lld); ranks apply it at their next step\n",
                 lr, static_cast<long long>(*v));
+    return 0;
+  }
+  if (cmd == "checkpoint") {
+    auto r = client.RequestCheckpoint();
+    if (!r.ok()) return unreachable(r.status());
+    std::printf("checkpoint requested (request %lld); every rank saves at the same next step "
+                "boundary\n", static_cast<long long>(*r));
     return 0;
   }
   if (cmd == "abort") {

@@ -231,6 +231,7 @@ int Main(int argc, char** argv) {
   std::atomic<bool> stop{false};
   std::atomic<double> loss_now{0}, sps_now{0}, lr_wanted{0};
   std::atomic<int64_t> lr_version{0};
+  std::atomic<int64_t> ckpt_request{0};
   std::mutex abort_mu;
   std::string abort_reason;
   std::thread heartbeat([&] {
@@ -253,6 +254,7 @@ int Main(int argc, char** argv) {
           lr_wanted = r->learning_rate();
           lr_version = r->hyper_params_version();
         }
+        if (r->checkpoint_request() > ckpt_request.load()) ckpt_request = r->checkpoint_request();
       } else if (absl::Now() - last_ok > absl::Seconds(15)) {
         reason = "lost the coordinator: " + std::string(r.status().message());
       }
@@ -314,30 +316,63 @@ int Main(int argc, char** argv) {
   auto t_start = std::chrono::steady_clock::now();
   auto t_window = t_start;
   int64_t window_steps = 0;
-  for (int64_t step = first_step; step < *steps; ++step) {
-    if (lr_version.load() > applied_version) {
-      applied_version = lr_version.load();
-      o->SetLearningRate(lr_wanted.load());
-      if (rank == 0) std::printf("learning rate set to %g at step %lld\n", lr_wanted.load(),
+  // A peer's death usually shows up first as a broken connection; the
+  // coordinator's verdict (which names the rank) follows within a heartbeat
+  // or two: wait for it briefly.
+  auto why = [&](const absl::Status& s) {
+    std::string reason;
+    for (int i = 0; i < 30 && reason.empty(); ++i) {
+      {
+        std::lock_guard<std::mutex> l(abort_mu);
+        reason = abort_reason;
+      }
+      if (reason.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    return reason.empty() ? s.ToString() : reason;
+  };
+  int64_t done_request = 0;
+  // Control actions (learning-rate changes, requested checkpoints) reach
+  // ranks at different heartbeats; one 8-byte all-reduce per step makes every
+  // rank act on them at the same step.
+  auto agree = [&](int64_t step) -> absl::Status {
+    float ctl[2] = {static_cast<float>(lr_version.load()), static_cast<float>(ckpt_request.load())};
+    absl::Status s = (*comm)->AllReduce(ctl, 2, ElementType::kFloat32, ReduceOp::kMax)
+                         ->Wait(absl::Seconds(120));
+    if (!s.ok()) return s;
+    if (static_cast<int64_t>(ctl[0]) > applied_version) {
+      // The learning rate of the newest version, from a rank that has it.
+      float lr_new = lr_version.load() == static_cast<int64_t>(ctl[0])
+                         ? static_cast<float>(lr_wanted.load()) : 0.0f;
+      s = (*comm)->AllReduce(&lr_new, 1, ElementType::kFloat32, ReduceOp::kMax)
+              ->Wait(absl::Seconds(120));
+      if (!s.ok()) return s;
+      applied_version = static_cast<int64_t>(ctl[0]);
+      o->SetLearningRate(lr_new);
+      if (rank == 0) std::printf("learning rate set to %g at step %lld\n", lr_new,
                                  static_cast<long long>(step));
+    }
+    if (static_cast<int64_t>(ctl[1]) > done_request) {
+      done_request = static_cast<int64_t>(ctl[1]);
+      if (ckpt_dir.empty()) {
+        if (rank == 0) std::printf("checkpoint requested, but no --ckpt-dir was given: skipped\n");
+      } else {
+        save(step);
+      }
+    }
+    return absl::OkStatus();
+  };
+  for (int64_t step = first_step; step < *steps; ++step) {
+    if (absl::Status s = agree(step); !s.ok()) {
+      const std::string msg = why(s);
+      (void)client.Abort(msg, rank);
+      return finish(Fail(rank, absl::StrCat("step ", step + 1, " failed: ", msg)));
     }
     o->ZeroGrad();
     torch::Tensor loss = (*model)->Loss(step, rank * batch, (rank + 1) * batch);
     loss.backward();
     auto r = o->Step();
     if (!r.ok()) {
-      // A peer's death usually shows up first as a broken connection; the
-      // coordinator's verdict (which names the rank) follows within a
-      // heartbeat or two: wait for it briefly.
-      std::string reason;
-      for (int i = 0; i < 30 && reason.empty(); ++i) {
-        {
-          std::lock_guard<std::mutex> l(abort_mu);
-          reason = abort_reason;
-        }
-        if (reason.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(100));
-      }
-      const std::string msg = reason.empty() ? r.status().ToString() : reason;
+      const std::string msg = why(r.status());
       (void)client.Abort(msg, rank);
       return finish(Fail(rank, absl::StrCat("step ", step + 1, " failed: ", msg)));
     }
