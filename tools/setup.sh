@@ -12,8 +12,9 @@ PACKAGES=(
   # libraries
   libabsl-dev libtorch-dev libgloo-dev libgtest-dev libgoogle-glog-dev
   libopenblas0-pthread nlohmann-json3-dev
-  # tests: a second, independent gRPC client; certificates for the TLS tests
-  python3-grpcio python3-protobuf openssl
+  # tests: a second, independent gRPC client; certificates for the TLS tests;
+  # PyTorch as an independent reader of exported checkpoints
+  python3-grpcio python3-protobuf openssl python3-torch
 )
 
 case "${1:-}" in

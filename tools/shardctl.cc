@@ -13,6 +13,7 @@
 #include "absl/strings/str_join.h"
 #include "client/checkpoint.h"
 #include "client/coordinator_client.h"
+#include "client/torch_interop.h"
 #include "common/file_system.h"
 #include "nlohmann/json.hpp"
 #include "tools/flags.h"
@@ -34,7 +35,12 @@ commands:
   checkpoints DIR         list the checkpoints under DIR: step, world size, size, status
   inspect CKPT            show a checkpoint's manifest summary and verify every CRC
   consolidate CKPT OUT    stream a checkpoint into one safetensors file of whole tensors
-                          ("<param>" and "<param>.<state>"), with a progress bar
+                          ("<param>" and "<param>.<state>"), with a progress bar;
+                          --format=torch writes the torch.optim state_dict instead
+                          (torch.load-able, "param_names" and "params" alongside)
+  import OPT.pt OUTDIR    turn a PyTorch optimizer state_dict (torch.save) into a shardopt
+                          checkpoint under OUTDIR; --params=MODEL.pt gives the model's
+                          state_dict when OPT.pt has no "params"; --optimizer=adam|adamw|sgd
   load          query status, layout and memory in turn at --rate per second for
                 --duration seconds; prints latency percentiles (load testing)
 
@@ -74,9 +80,21 @@ int PrintJson(const Msg& m) {
   return 0;
 }
 
-int CheckpointCommand(const std::vector<std::string>& args, bool json) {
+int CheckpointCommand(const std::vector<std::string>& args, const Flags& flags) {
+  const bool json = flags.Has("json");
   FileSystem* fs = PosixFileSystem();
   const std::string& cmd = args[0];
+  if (cmd == "import") {
+    if (args.size() != 3) return Fail("usage: shardctl import OPT.pt OUTDIR [--params=MODEL.pt] [--optimizer=adam]");
+    const std::string k = flags.Str("optimizer", "adam");
+    OptimizerKind kind = k == "sgd" ? OptimizerKind::kSgd : k == "adamw" ? OptimizerKind::kAdamW : OptimizerKind::kAdam;
+    if (k != "sgd" && k != "adamw" && k != "adam") return Fail("--optimizer must be adam, adamw or sgd");
+    absl::Status s = ImportTorch(args[1], flags.Str("params", ""), kind, args[2]);
+    if (!s.ok()) return Fail(std::string(s.message()));
+    std::printf("imported %s into %s (resume with --resume=%s at any world size)\n", args[1].c_str(),
+                args[2].c_str(), args[2].c_str());
+    return 0;
+  }
   if (cmd == "checkpoints") {
     if (args.size() != 2) return Fail("usage: shardctl checkpoints DIR");
     auto entries = fs->ListDir(args[1]);
@@ -139,9 +157,19 @@ int CheckpointCommand(const std::vector<std::string>& args, bool json) {
     return v.ok() ? 0 : 1;
   }
   // consolidate
-  if (args.size() != 3) return Fail("usage: shardctl consolidate CKPT OUT.safetensors");
+  if (args.size() != 3) return Fail("usage: shardctl consolidate CKPT OUT [--format=safetensors|torch]");
   auto dir = ResolveCheckpoint(fs, args[1]);
   if (!dir.ok()) return Fail(std::string(dir.status().message()));
+  const std::string format = flags.Str("format", "safetensors");
+  if (format == "torch") {
+    const auto t0 = absl::Now();
+    absl::Status s = ExportTorch(fs, *dir, args[2]);
+    if (!s.ok()) return Fail(std::string(s.message()));
+    std::printf("wrote %s (torch.optim state_dict) in %.2f s\n", args[2].c_str(),
+                absl::ToDoubleSeconds(absl::Now() - t0));
+    return 0;
+  }
+  if (format != "safetensors") return Fail("--format must be safetensors or torch");
   const auto t0 = absl::Now();
   int last_pct = -1;
   absl::Status s = Consolidate(fs, *dir, args[2], [&](int64_t done, int64_t total) {
@@ -160,15 +188,17 @@ int CheckpointCommand(const std::vector<std::string>& args, bool json) {
 
 int Main(int argc, char** argv) {
   auto flags = Flags::Parse(argc, argv, {"coordinator", "token-file", "json", "wait", "rate", "duration",
-                                         "tls-ca", "tls-cert", "tls-key", "help"});
+                                         "tls-ca", "tls-cert", "tls-key", "format", "params",
+                                         "optimizer", "help"});
   if (!flags.ok()) return Fail(std::string(flags.status().message()));
   if (flags->Has("help") || flags->positional().empty()) {
     std::printf("%s", kUsage);
     return flags->Has("help") ? 0 : 2;
   }
   const std::string& first = flags->positional()[0];
-  if (first == "checkpoints" || first == "inspect" || first == "consolidate") {
-    return CheckpointCommand(flags->positional(), flags->Has("json"));
+  if (first == "checkpoints" || first == "inspect" || first == "consolidate" ||
+      first == "import") {
+    return CheckpointCommand(flags->positional(), *flags);
   }
   const char* env = std::getenv("SHARDOPT_COORDINATOR");
   const std::string address = flags->Str("coordinator", env ? env : "");
