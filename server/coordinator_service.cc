@@ -55,7 +55,7 @@ CoordinatorService::CoordinatorService(Coordinator* coordinator, std::string tok
   watchdog_ = std::thread([this] {
     while (!stop_.load()) {
       coordinator_->CheckHeartbeats();
-      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
   });
 }

@@ -16,7 +16,7 @@ namespace shardopt {
 class CoordinatorService final : public v1::Coordinator::CallbackService {
  public:
   // `coordinator` must outlive the service. `token`: required bearer token
-  // ("" = none). A watchdog thread checks heartbeats every 100 ms.
+  // ("" = none). A watchdog thread checks heartbeats every 20 ms.
   CoordinatorService(Coordinator* coordinator, std::string token);
   ~CoordinatorService() override;
 
