@@ -204,6 +204,7 @@ absl::StatusOr<HeartbeatReply> Coordinator::Heartbeat(const HeartbeatInfo& info)
   r.step = info.step;
   r.loss = info.loss;
   r.samples_per_s = info.samples_per_s;
+  r.progress = info.progress;
   HeartbeatReply reply;
   reply.abort = state_ == JobState::kFailed;
   reply.abort_reason = failure_;

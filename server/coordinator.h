@@ -58,6 +58,7 @@ struct HeartbeatInfo {
   int64_t step = 0;
   double loss = 0;
   double samples_per_s = 0;
+  int64_t progress = 0;
 };
 
 struct HeartbeatReply {
@@ -78,6 +79,7 @@ struct RankState {
   int64_t step = 0;
   double loss = 0;
   double samples_per_s = 0;
+  int64_t progress = 0;
   absl::Time last_heartbeat;
   bool finished = false;
 };

@@ -143,7 +143,7 @@ grpc::ServerUnaryReactor* CoordinatorService::Heartbeat(grpc::CallbackServerCont
                                                         const v1::HeartbeatRequest* req,
                                                         v1::HeartbeatResponse* resp) {
   if (auto s = CheckToken(ctx, token_); !s.ok()) return Done(ctx, s);
-  HeartbeatInfo info{req->rank(), req->step(), req->loss(), req->samples_per_s()};
+  HeartbeatInfo info{req->rank(), req->step(), req->loss(), req->samples_per_s(), req->progress()};
   auto r = coordinator_->Heartbeat(info);
   if (r.ok()) {
     resp->set_abort(r->abort);
@@ -178,6 +178,7 @@ grpc::ServerUnaryReactor* CoordinatorService::GetJob(grpc::CallbackServerContext
                                   coordinator_->options().heartbeat_timeout);
     rs->set_loss(r.loss);
     rs->set_samples_per_s(r.samples_per_s);
+    rs->set_progress(r.progress);
   }
   return Done(ctx, grpc::Status::OK);
 }

@@ -101,6 +101,13 @@ wait $run 2>/dev/null
 for _ in $(seq 1 100); do [[ -z "$(rank_pid killrun 0)$(rank_pid killrun 1)" ]] && break; sleep 0.1; done
 check "launcher killed: ranks stop within 10 s" test -z "$(rank_pid killrun 0)$(rank_pid killrun 1)"
 
+# 5b. A rank that stalls in collectives while still heartbeating: the job aborts naming it.
+timeout 120 $B/shardrun --nproc 3 -- $B/shardopt_train --model=small --steps=100 --collective-timeout=3 \
+  --debug-stall-rank=2 --debug-stall-step=5 >"$tmp/stall.log" 2>&1
+rc=$?
+check "stalled rank: job fails" test $rc -eq 1
+check "stalled rank: named" grep -q 'stalled rank(s): 2 (at step 5)' "$tmp/stall.log"
+
 # 6. Checkpoints: save every K steps with 2 ranks, resume with 3, list, inspect, consolidate.
 timeout 120 $B/shardrun --nproc 2 -- $B/shardopt_train --model=tiny --steps=6 --ckpt-dir="$tmp/ck" \
   --ckpt-every=3 >"$tmp/ck1.log" 2>&1

@@ -14,6 +14,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "client/checkpoint.h"
 #include "client/coordinator_client.h"
 #include "client/gloo_communicator.h"
@@ -57,6 +58,10 @@ flags:
   --ckpt-every=K       ... every K steps (default: only at the end when --ckpt-dir is set)
   --resume=PATH        resume from a checkpoint directory, or a root with LATEST
                        (any world size); training continues at the saved step
+  --collective-timeout=S  bound on every collective wait (default 120)
+  --debug-stall-rank=R, --debug-stall-step=N
+                       testing: rank R stops taking part in collectives before step N
+                       while its heartbeats go on (a stalled rank)
   --help               this text
 )";
 
@@ -90,7 +95,8 @@ int Main(int argc, char** argv) {
                             {"model", "steps", "lr", "optimizer", "batch", "clip", "bucket-cap",
                              "threads", "malloc", "coordinator", "job-id", "token-file", "bind",
                              "log-every", "tls-ca", "tls-cert", "tls-key", "ckpt-dir", "ckpt-every",
-                             "resume", "help"});
+                             "resume", "collective-timeout", "debug-stall-rank", "debug-stall-step",
+                             "help"});
   if (!flags.ok()) return Fail(-1, std::string(flags.status().message()));
   if (flags->Has("help")) {
     std::printf("%s", kUsage);
@@ -153,7 +159,9 @@ int Main(int argc, char** argv) {
   opt.sgd.lr = *lr;
   opt.max_grad_norm = *clip;
   opt.plan.bucket_cap_elements = *bucket_cap;
-  opt.timeout = absl::Seconds(120);
+  const double collective_timeout = flags->Double("collective-timeout", 120).value_or(120);
+  if (!(collective_timeout > 0)) return Fail(rank, "--collective-timeout must be > 0");
+  opt.timeout = absl::Seconds(collective_timeout);
 
   if (rank == 0) {
     std::printf("shardopt_train: %d ranks, model %s, %s lr %g, batch %lld/rank, %lld steps; %s\n",
@@ -173,7 +181,7 @@ int Main(int argc, char** argv) {
   PrefixKeyValueStore job_kv(&kv, job_id);
   GlooOptions gopt;
   gopt.hostname = bind;
-  gopt.timeout = absl::Seconds(120);
+  gopt.timeout = absl::Seconds(collective_timeout);
   auto comm = GlooCommunicator::Create(&job_kv, rank, world, gopt);
   if (!comm.ok()) return Fail(rank, comm.status().ToString());
 
@@ -186,6 +194,7 @@ int Main(int argc, char** argv) {
 
   // This rank's shard-owner service.
   std::atomic<int64_t> step_now{0};
+  std::atomic<int64_t> progress{0};  // collective phases entered
   ShardOwnerService shard_owner(
       [o, rank, &step_now, kind] {
         v1::GetShardInfoResponse r;
@@ -242,6 +251,7 @@ int Main(int argc, char** argv) {
       hb.set_step(step_now.load());
       hb.set_loss(loss_now.load());
       hb.set_samples_per_s(sps_now.load());
+      hb.set_progress(progress.load());
       auto r = client.Heartbeat(hb);
       std::string reason;
       if (g_signal.load() != 0) {
@@ -328,8 +338,27 @@ int Main(int argc, char** argv) {
       }
       if (reason.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(100));
     }
-    return reason.empty() ? s.ToString() : reason;
+    if (!reason.empty()) return reason;
+    // A timeout in a collective: name the ranks that are behind (alive, since
+    // they still heartbeat, but not taking part).
+    std::string msg = s.ToString();
+    if (s.code() == absl::StatusCode::kDeadlineExceeded) {
+      auto job = client.GetJob();
+      if (job.ok()) {
+        std::vector<std::string> behind;
+        for (const auto& r : job->ranks()) {
+          if (r.progress() < progress.load()) behind.push_back(absl::StrCat(r.rank(), " (at step ", r.step(), ")"));
+        }
+        if (!behind.empty()) {
+          msg = absl::StrCat("collective timed out at step ", step_now.load() + 1, "; stalled rank(s): ",
+                             absl::StrJoin(behind, ", "), " [", s.message(), "]");
+        }
+      }
+    }
+    return msg;
   };
+  const int64_t stall_rank = flags->Int("debug-stall-rank", -1).value_or(-1);
+  const int64_t stall_step = flags->Int("debug-stall-step", -1).value_or(-1);
   int64_t done_request = 0;
   // Control actions (learning-rate changes, requested checkpoints) reach
   // ranks at different heartbeats; one 8-byte all-reduce per step makes every
@@ -362,6 +391,18 @@ int Main(int argc, char** argv) {
     return absl::OkStatus();
   };
   for (int64_t step = first_step; step < *steps; ++step) {
+    if (rank == stall_rank && step == stall_step) {
+      // Alive but silent in collectives: heartbeats continue until aborted.
+      while (g_signal.load() == 0) {
+        {
+          std::lock_guard<std::mutex> l(abort_mu);
+          if (!abort_reason.empty()) break;
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      }
+      return finish(Fail(rank, "stalled on purpose (--debug-stall-rank)"));
+    }
+    ++progress;
     if (absl::Status s = agree(step); !s.ok()) {
       const std::string msg = why(s);
       (void)client.Abort(msg, rank);
@@ -370,6 +411,7 @@ int Main(int argc, char** argv) {
     o->ZeroGrad();
     torch::Tensor loss = (*model)->Loss(step, rank * batch, (rank + 1) * batch);
     loss.backward();
+    ++progress;
     auto r = o->Step();
     if (!r.ok()) {
       const std::string msg = why(r.status());
