@@ -215,18 +215,49 @@ absl::StatusOr<HeartbeatReply> Coordinator::Heartbeat(const HeartbeatInfo& info)
 }
 
 bool Coordinator::CheckHeartbeats() {
-  absl::MutexLock lock(&mu_);
-  if (state_ != JobState::kRunning) return false;
-  const absl::Time now = options_.now();
-  for (const RankState& r : ranks_) {
-    if (r.joined && !r.finished && now - r.last_heartbeat > options_.heartbeat_timeout) {
-      FailLocked(absl::StrCat("rank ", r.rank, " sent no heartbeat for ",
-                              absl::FormatDuration(now - r.last_heartbeat), " (last step ",
-                              r.step, ")"));
-      return true;
+  {
+    absl::MutexLock lock(&mu_);
+    if (state_ != JobState::kRunning) return false;
+    const absl::Time now = options_.now();
+    bool failed = false;
+    for (const RankState& r : ranks_) {
+      if (r.joined && !r.finished && now - r.last_heartbeat > options_.heartbeat_timeout) {
+        FailLocked(absl::StrCat("rank ", r.rank, " sent no heartbeat for ",
+                                absl::FormatDuration(now - r.last_heartbeat), " (last step ",
+                                r.step, ")"));
+        failed = true;
+        break;
+      }
     }
+    if (!failed) return false;
   }
-  return false;
+  Notify();
+  return true;
+}
+
+HeartbeatReply Coordinator::Notice() {
+  absl::MutexLock lock(&mu_);
+  HeartbeatReply reply;
+  reply.abort = state_ == JobState::kFailed;
+  reply.abort_reason = failure_;
+  reply.learning_rate = learning_rate_;
+  reply.hyper_params_version = hyper_version_;
+  reply.checkpoint_request = checkpoint_request_;
+  return reply;
+}
+
+void Coordinator::SetListener(std::function<void()> listener) {
+  absl::MutexLock lock(&mu_);
+  listener_ = std::move(listener);
+}
+
+void Coordinator::Notify() {
+  std::function<void()> l;
+  {
+    absl::MutexLock lock(&mu_);
+    l = listener_;
+  }
+  if (l) l();
 }
 
 void Coordinator::FailLocked(const std::string& reason) {
@@ -271,27 +302,40 @@ absl::StatusOr<int64_t> Coordinator::SetLearningRate(double lr) {
   if (!(lr > 0) || !std::isfinite(lr)) {
     return absl::InvalidArgumentError(absl::StrCat("learning rate must be > 0, got ", lr));
   }
-  absl::MutexLock lock(&mu_);
-  if (state_ == JobState::kFailed || state_ == JobState::kFinished) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("the job is ", JobStateName(state_), "; nothing to change"));
+  int64_t version;
+  {
+    absl::MutexLock lock(&mu_);
+    if (state_ == JobState::kFailed || state_ == JobState::kFinished) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("the job is ", JobStateName(state_), "; nothing to change"));
+    }
+    learning_rate_ = lr;
+    version = ++hyper_version_;
   }
-  learning_rate_ = lr;
-  return ++hyper_version_;
+  Notify();
+  return version;
 }
 
 absl::StatusOr<int64_t> Coordinator::RequestCheckpoint() {
-  absl::MutexLock lock(&mu_);
-  if (state_ != JobState::kRunning) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("the job is ", JobStateName(state_), "; checkpoints are taken while it runs"));
+  int64_t request;
+  {
+    absl::MutexLock lock(&mu_);
+    if (state_ != JobState::kRunning) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "the job is ", JobStateName(state_), "; checkpoints are taken while it runs"));
+    }
+    request = ++checkpoint_request_;
   }
-  return ++checkpoint_request_;
+  Notify();
+  return request;
 }
 
 void Coordinator::Abort(const std::string& reason, int rank) {
-  absl::MutexLock lock(&mu_);
-  FailLocked(rank >= 0 ? absl::StrCat("rank ", rank, ": ", reason) : reason);
+  {
+    absl::MutexLock lock(&mu_);
+    FailLocked(rank >= 0 ? absl::StrCat("rank ", rank, ": ", reason) : reason);
+  }
+  Notify();
 }
 
 absl::Status Coordinator::Finish(int rank) {

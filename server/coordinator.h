@@ -132,6 +132,12 @@ class Coordinator {
 
   const CoordinatorOptions& options() const { return options_; }
 
+  // What every rank should know now (abort, learning rate, checkpoint request).
+  HeartbeatReply Notice();
+  // Called (without the coordinator's lock held) whenever Notice() changes:
+  // the job fails, the learning rate changes, a checkpoint is requested.
+  void SetListener(std::function<void()> listener);
+
  private:
   absl::Status ValidateJoin(const JoinInfo& info) const;
   void FailLocked(const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -149,6 +155,8 @@ class Coordinator {
   double learning_rate_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t hyper_version_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t checkpoint_request_ ABSL_GUARDED_BY(mu_) = 0;
+  std::function<void()> listener_ ABSL_GUARDED_BY(mu_);
+  void Notify();  // calls listener_ without holding mu_
 };
 
 }  // namespace shardopt

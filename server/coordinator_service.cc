@@ -50,8 +50,132 @@ int64_t ProcessRssBytes() {
   return resident * sysconf(_SC_PAGESIZE);
 }
 
+namespace {
+
+void FillReply(const HeartbeatReply& r, v1::HeartbeatResponse* resp) {
+  resp->set_abort(r.abort);
+  resp->set_abort_reason(r.abort_reason);
+  resp->set_learning_rate(r.learning_rate);
+  resp->set_hyper_params_version(r.hyper_params_version);
+  resp->set_checkpoint_request(r.checkpoint_request);
+}
+
+}  // namespace
+
+// One rank's session: reads its heartbeats, answers the first, and pushes the
+// job's notice whenever it changes. At most one write is outstanding; a newer
+// notice replaces one that has not been written yet.
+class CoordinatorService::SessionReactor
+    : public grpc::ServerBidiReactor<v1::HeartbeatRequest, v1::HeartbeatResponse> {
+ public:
+  SessionReactor(CoordinatorService* service, grpc::Status auth) : service_(service) {
+    if (!auth.ok()) {
+      done_reading_ = true;
+      Finish(auth);
+      return;
+    }
+    {
+      absl::MutexLock l(&service_->sessions_mu_);
+      service_->sessions_.insert(this);
+      registered_ = true;
+    }
+    StartRead(&request_);
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {  // the rank closed its side, or the connection broke
+      Close(grpc::Status::OK);
+      return;
+    }
+    HeartbeatInfo info{request_.rank(), request_.step(), request_.loss(), request_.samples_per_s(),
+                       request_.progress()};
+    auto r = service_->coordinator_->Heartbeat(info);
+    if (!r.ok()) {
+      Close(ToGrpc(r.status()));
+      return;
+    }
+    if (first_) {
+      first_ = false;
+      Push(*r);
+    }
+    StartRead(&request_);
+  }
+
+  void Push(const HeartbeatReply& notice) {
+    absl::MutexLock l(&mu_);
+    if (closing_) return;
+    FillReply(notice, &pending_);
+    have_pending_ = true;
+    if (!writing_) WriteLocked();
+  }
+
+  void OnWriteDone(bool ok) override {
+    absl::MutexLock l(&mu_);
+    writing_ = false;
+    if (closing_) {
+      if (!finished_) {
+        finished_ = true;
+        Finish(final_status_);
+      }
+      return;
+    }
+    if (ok && have_pending_) WriteLocked();
+  }
+
+  void OnDone() override {
+    if (registered_) {
+      absl::MutexLock l(&service_->sessions_mu_);
+      service_->sessions_.erase(this);
+    }
+    delete this;
+  }
+
+ private:
+  void WriteLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    writing_ = true;
+    have_pending_ = false;
+    writing_msg_ = pending_;
+    StartWrite(&writing_msg_);
+  }
+  void Close(const grpc::Status& status) {
+    absl::MutexLock l(&mu_);
+    if (closing_) return;
+    closing_ = true;
+    final_status_ = status;
+    if (!writing_ && !finished_) {
+      finished_ = true;
+      Finish(status);
+    }
+  }
+
+  CoordinatorService* service_;
+  v1::HeartbeatRequest request_;  // reads only, one at a time
+  bool first_ = true;
+  bool registered_ = false;
+  bool done_reading_ = false;
+  absl::Mutex mu_;
+  v1::HeartbeatResponse pending_ ABSL_GUARDED_BY(mu_), writing_msg_ ABSL_GUARDED_BY(mu_);
+  bool have_pending_ ABSL_GUARDED_BY(mu_) = false;
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  bool closing_ ABSL_GUARDED_BY(mu_) = false;
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;
+  grpc::Status final_status_ ABSL_GUARDED_BY(mu_);
+};
+
+grpc::ServerBidiReactor<v1::HeartbeatRequest, v1::HeartbeatResponse>* CoordinatorService::Session(
+    grpc::CallbackServerContext* ctx) {
+  return new SessionReactor(this, CheckToken(ctx, token_));
+}
+
+void CoordinatorService::PushToSessions() {
+  const HeartbeatReply notice = coordinator_->Notice();
+  absl::MutexLock l(&sessions_mu_);
+  for (SessionReactor* s : sessions_) s->Push(notice);
+}
+
 CoordinatorService::CoordinatorService(Coordinator* coordinator, std::string token)
     : coordinator_(coordinator), token_(std::move(token)) {
+  coordinator_->SetListener([this] { PushToSessions(); });
   watchdog_ = std::thread([this] {
     while (!stop_.load()) {
       coordinator_->CheckHeartbeats();
@@ -61,6 +185,7 @@ CoordinatorService::CoordinatorService(Coordinator* coordinator, std::string tok
 }
 
 CoordinatorService::~CoordinatorService() {
+  coordinator_->SetListener(nullptr);
   stop_ = true;
   watchdog_.join();
   for (int i = 0; i < 7000 && g_in_flight.load() > 0; ++i) {

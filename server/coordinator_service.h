@@ -4,10 +4,12 @@
 #define SHARDOPT_SERVER_COORDINATOR_SERVICE_H_
 
 #include <atomic>
+#include <set>
 #include <functional>
 #include <string>
 #include <thread>
 
+#include "absl/synchronization/mutex.h"
 #include "proto/shardopt.grpc.pb.h"
 #include "server/coordinator.h"
 
@@ -47,8 +49,15 @@ class CoordinatorService final : public v1::Coordinator::CallbackService {
   grpc::ServerUnaryReactor* RequestCheckpoint(grpc::CallbackServerContext* ctx,
                                               const v1::RequestCheckpointRequest* req,
                                               v1::RequestCheckpointResponse* resp) override;
+  grpc::ServerBidiReactor<v1::HeartbeatRequest, v1::HeartbeatResponse>* Session(
+      grpc::CallbackServerContext* ctx) override;
+
+  class SessionReactor;
 
  private:
+  void PushToSessions();
+  absl::Mutex sessions_mu_;
+  std::set<SessionReactor*> sessions_ ABSL_GUARDED_BY(sessions_mu_);
   Coordinator* coordinator_;
   const std::string token_;
   std::atomic<bool> stop_{false};
