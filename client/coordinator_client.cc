@@ -25,12 +25,30 @@ absl::Status FromGrpc(const grpc::Status& s, const std::string& what) {
 CoordinatorClient::CoordinatorClient(const std::string& address, std::string token)
     : CoordinatorClient(address, std::move(token), grpc::InsecureChannelCredentials()) {}
 
+namespace {
+grpc::ChannelArguments KeepaliveArgs() {
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 5000);
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 5000);
+  args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
+  return args;
+}
+}  // namespace
+
 CoordinatorClient::CoordinatorClient(const std::string& address, std::string token,
                                      std::shared_ptr<grpc::ChannelCredentials> credentials)
     : address_(address),
       token_(std::move(token)),
-      channel_(grpc::CreateChannel(address, credentials)),
+      channel_(grpc::CreateCustomChannel(address, credentials, KeepaliveArgs())),
       stub_(v1::Coordinator::NewStub(channel_)) {}
+
+std::unique_ptr<CoordinatorSession> CoordinatorClient::OpenSession() {
+  auto ctx = std::make_unique<grpc::ClientContext>();
+  if (!token_.empty()) ctx->AddMetadata("authorization", "Bearer " + token_);
+  auto stream = stub_->Session(ctx.get());
+  return std::make_unique<CoordinatorSession>(std::move(ctx), std::move(stream));
+}
 
 namespace {
 absl::StatusOr<std::string> ReadFile(const std::string& path) {

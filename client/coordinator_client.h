@@ -32,6 +32,23 @@ struct ClientTls {
 absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials(
     const ClientTls& tls);
 
+// A rank's session (see the Session RPC): heartbeats go out with Send, the
+// coordinator's notices come back through Receive. One thread may Send while
+// another Receives. Close() ends it; Receive then returns false.
+class CoordinatorSession {
+ public:
+  CoordinatorSession(std::unique_ptr<grpc::ClientContext> ctx,
+                     std::unique_ptr<grpc::ClientReaderWriter<v1::HeartbeatRequest, v1::HeartbeatResponse>> stream)
+      : ctx_(std::move(ctx)), stream_(std::move(stream)) {}
+  bool Send(const v1::HeartbeatRequest& hb) { return stream_->Write(hb); }
+  bool Receive(v1::HeartbeatResponse* notice) { return stream_->Read(notice); }
+  void Close() { ctx_->TryCancel(); }
+
+ private:
+  std::unique_ptr<grpc::ClientContext> ctx_;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::HeartbeatRequest, v1::HeartbeatResponse>> stream_;
+};
+
 class CoordinatorClient {
  public:
   // Does not connect yet; `token` ("" = none) is sent as a bearer token.
@@ -51,6 +68,9 @@ class CoordinatorClient {
   absl::Status Abort(const std::string& reason, int rank);
   absl::Status Finish(int rank);
   absl::StatusOr<int64_t> RequestCheckpoint();
+  // Opens this rank's session. Broken connections are detected by keepalive
+  // pings (every 5 s, 5 s timeout), so Send/Receive never block forever.
+  std::unique_ptr<CoordinatorSession> OpenSession();
   // grpc.health.v1.Health/Check of the coordinator: "SERVING" or an error.
   absl::StatusOr<std::string> Health();
 

@@ -319,3 +319,55 @@ TEST(TlsTest, TlsAndMutualTls) {
 
 }  // namespace
 }  // namespace shardopt
+
+namespace shardopt {
+namespace {
+
+TEST(SessionTest, NoticesArePushedWithoutWaitingForAHeartbeat) {
+  CoordinatorOptions o;
+  o.world_size = 1;
+  Coordinator coordinator(o);
+  CoordinatorService service(&coordinator, "");
+  auto server = RpcServer::Start(RpcServerOptions(), {&service});
+  ASSERT_TRUE(server.ok());
+  ASSERT_TRUE(coordinator.Join(Info(0, 1, {P("w", {8})}), absl::Seconds(5)).ok());
+  CoordinatorClient client((*server)->address(), "");
+  auto session = client.OpenSession();
+  v1::HeartbeatRequest hb;
+  hb.set_rank(0);
+  hb.set_step(3);
+  ASSERT_TRUE(session->Send(hb));
+  v1::HeartbeatResponse notice;
+  ASSERT_TRUE(session->Receive(&notice));  // the answer to the first heartbeat
+  EXPECT_FALSE(notice.abort());
+  EXPECT_EQ(coordinator.GetJob().ranks[0].step, 3);
+  ASSERT_TRUE(client.SetLearningRate(0.25).ok());
+  ASSERT_TRUE(session->Receive(&notice));  // pushed
+  EXPECT_EQ(notice.learning_rate(), 0.25);
+  ASSERT_TRUE(client.RequestCheckpoint().ok());
+  ASSERT_TRUE(session->Receive(&notice));
+  EXPECT_EQ(notice.checkpoint_request(), 1);
+  const absl::Time t0 = absl::Now();
+  ASSERT_TRUE(client.Abort("operator said so", -1).ok());
+  ASSERT_TRUE(session->Receive(&notice));
+  EXPECT_TRUE(notice.abort());
+  EXPECT_EQ(notice.abort_reason(), "operator said so");
+  EXPECT_LT(absl::Now() - t0, absl::Seconds(1));
+  session->Close();
+  EXPECT_FALSE(session->Receive(&notice));
+}
+
+TEST(SessionTest, WrongTokenEndsTheSession) {
+  CoordinatorOptions o;
+  Coordinator coordinator(o);
+  CoordinatorService service(&coordinator, "sesame");
+  auto server = RpcServer::Start(RpcServerOptions(), {&service});
+  ASSERT_TRUE(server.ok());
+  CoordinatorClient client((*server)->address(), "wrong");
+  auto session = client.OpenSession();
+  v1::HeartbeatResponse notice;
+  EXPECT_FALSE(session->Receive(&notice));
+}
+
+}  // namespace
+}  // namespace shardopt

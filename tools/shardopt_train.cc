@@ -243,6 +243,36 @@ int Main(int argc, char** argv) {
   std::atomic<int64_t> ckpt_request{0};
   std::mutex abort_mu;
   std::string abort_reason;
+  // One handler for the coordinator's notices, pushed on the session or
+  // returned by a unary heartbeat.
+  auto handle_notice = [&](const v1::HeartbeatResponse& r) -> std::string {
+    if (r.hyper_params_version() > lr_version.load() && r.learning_rate() > 0) {
+      lr_wanted = r.learning_rate();
+      lr_version = r.hyper_params_version();
+    }
+    if (r.checkpoint_request() > ckpt_request.load()) ckpt_request = r.checkpoint_request();
+    return r.abort() ? "job aborted: " + r.abort_reason() : "";
+  };
+  auto set_abort = [&](const std::string& reason) {
+    {
+      std::lock_guard<std::mutex> l(abort_mu);
+      if (!abort_reason.empty()) return;
+      abort_reason = reason;
+    }
+    (*comm)->Abort(absl::AbortedError(reason));
+  };
+  // The session: heartbeats stream out; aborts, learning rates and
+  // checkpoint requests are pushed back at once.
+  std::unique_ptr<CoordinatorSession> session = client.OpenSession();
+  std::atomic<bool> session_ok{true};
+  std::thread session_reader([&] {
+    v1::HeartbeatResponse notice;
+    while (session->Receive(&notice)) {
+      const std::string reason = handle_notice(notice);
+      if (!reason.empty()) set_abort(reason);
+    }
+    session_ok = false;
+  });
   std::thread heartbeat([&] {
     absl::Time last_ok = absl::Now();
     while (!stop.load()) {
@@ -252,28 +282,24 @@ int Main(int argc, char** argv) {
       hb.set_loss(loss_now.load());
       hb.set_samples_per_s(sps_now.load());
       hb.set_progress(progress.load());
-      auto r = client.Heartbeat(hb);
       std::string reason;
       if (g_signal.load() != 0) {
         reason = absl::StrCat("stopped by signal ", g_signal.load(),
                               " (shardrun is stopping the job, or it died)");
-      } else if (r.ok()) {
+      } else if (session_ok.load() && session->Send(hb)) {
         last_ok = absl::Now();
-        if (r->abort()) reason = "job aborted: " + r->abort_reason();
-        if (r->hyper_params_version() > lr_version.load() && r->learning_rate() > 0) {
-          lr_wanted = r->learning_rate();
-          lr_version = r->hyper_params_version();
+      } else {
+        // No session: plain heartbeats, until the coordinator is lost.
+        auto r = client.Heartbeat(hb);
+        if (r.ok()) {
+          last_ok = absl::Now();
+          reason = handle_notice(*r);
+        } else if (absl::Now() - last_ok > absl::Seconds(15)) {
+          reason = "lost the coordinator: " + std::string(r.status().message());
         }
-        if (r->checkpoint_request() > ckpt_request.load()) ckpt_request = r->checkpoint_request();
-      } else if (absl::Now() - last_ok > absl::Seconds(15)) {
-        reason = "lost the coordinator: " + std::string(r.status().message());
       }
       if (!reason.empty()) {
-        {
-          std::lock_guard<std::mutex> l(abort_mu);
-          abort_reason = reason;
-        }
-        (*comm)->Abort(absl::AbortedError(reason));
+        set_abort(reason);
         return;
       }
       for (int i = 0; i < 10 && !stop.load() && g_signal.load() == 0; ++i) {
@@ -284,6 +310,8 @@ int Main(int argc, char** argv) {
   auto finish = [&](int code) {
     stop = true;
     heartbeat.join();
+    session->Close();
+    session_reader.join();
     (*server)->Shutdown();
     return code;
   };
