@@ -8,7 +8,7 @@
 #   tools/soak.sh [STEPS] [CKPT_EVERY] [MODEL]
 set -uo pipefail
 cd "$(dirname "$0")/.."
-steps=${1:-40}; every=${2:-10}; model=${3:-mlp}
+steps=${1:-60}; every=${2:-10}; model=${3:-mlp}
 bazel build -c opt //tools:shardrun //tools:shardopt_train //tools:shardctl 2>&1 | tail -n 1
 B=bazel-bin/tools
 tmp=$(mktemp -d)
@@ -31,15 +31,18 @@ addr=$(cat "$tmp/soak.addr")
 $B/shardctl --coordinator="$addr" status --wait=60 >/dev/null
 rss() { $B/shardctl --coordinator="$addr" memory --json 2>/dev/null |
         python3 -c "import json,sys; print(sum(int(r.get('rssBytes',0)) for r in json.load(sys.stdin)['ranks']))"; }
-rss_start=$(rss)
 $B/shardctl --coordinator="$addr" load --rate=50 --duration=100000 >"$tmp/load.txt" 2>&1 &
-# Kill a rank once about half the steps are done.
-while :; do
-  s=$($B/shardctl --coordinator="$addr" status --json 2>/dev/null | python3 -c "import json,sys; print(int(json.load(sys.stdin).get('step',0)))" 2>/dev/null || echo 0)
-  [[ $s -ge $(( steps / 2 )) ]] && break
-  sleep 0.2
-done
-rss_mid=$(rss)
+at_step() {  # wait until the job has done $1 steps
+  while :; do
+    s=$($B/shardctl --coordinator="$addr" status --json 2>/dev/null | python3 -c "import json,sys; print(int(json.load(sys.stdin).get('step',0)))" 2>/dev/null || echo 0)
+    [[ $s -ge $1 ]] && return
+    sleep 0.2
+  done
+}
+# RSS after warm-up and a first checkpoint, and again twice as far in; then
+# kill a rank.
+at_step $(( steps / 4 )); rss_start=$(rss); rss_start_step=$s
+at_step $(( steps / 2 )); rss_mid=$(rss)
 killed_at=$s
 victim=$(for p in $(pgrep -f shardopt_train); do
   tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -qx "RANK=1" &&
@@ -61,5 +64,5 @@ echo "steps lost to the kill: $(( killed_at - saved )) (the steps after checkpoi
 echo "final parameters and optimizer state vs the uninterrupted run: $same"
 echo "query load: $(tail -n 1 "$tmp/load.txt")"
 echo "uninterrupted: $(secs "$tmp/ref.log") s for $steps steps; resumed part under no load: $(secs "$tmp/resumed.log") s for $(( steps - saved )) steps"
-echo "RSS of both ranks together: $(( rss_start / 1048576 )) MiB after start, $(( rss_mid / 1048576 )) MiB at step $killed_at"
+echo "RSS of both ranks together: $(( rss_start / 1048576 )) MiB at step $rss_start_step, $(( rss_mid / 1048576 )) MiB at step $s (under query load, with checkpoints every $every)"
 [[ $same == "bitwise identical" ]]
