@@ -377,6 +377,39 @@ absl::StatusOr<nlohmann::json> LoadCheckpoint(ShardedOptimizer& opt, const std::
   return m;
 }
 
+absl::Status PruneCheckpoints(FileSystem* fs, const std::string& root, int keep) {
+  if (keep < 1) return absl::InvalidArgumentError("keep at least one checkpoint");
+  SHARDOPT_ASSIGN_OR_RETURN(std::string latest_dir, ResolveCheckpoint(fs, root));
+  SHARDOPT_ASSIGN_OR_RETURN(std::vector<std::string> entries, fs->ListDir(root));
+  const std::string latest = latest_dir.substr(latest_dir.rfind('/') + 1);
+  const int64_t latest_step = std::atoll(latest.c_str() + 5);
+  std::vector<std::pair<int64_t, std::string>> complete, unfinished;
+  for (const std::string& e : entries) {
+    if (e.rfind("step-", 0) != 0) continue;
+    const int64_t step = std::atoll(e.c_str() + 5);
+    if (fs->Exists(root + "/" + e + "/manifest.json")) {
+      complete.push_back({step, e});
+    } else if (step < latest_step) {
+      unfinished.push_back({step, e});
+    }
+  }
+  std::sort(complete.rbegin(), complete.rend());
+  std::vector<std::string> doomed;
+  for (size_t i = static_cast<size_t>(keep); i < complete.size(); ++i) {
+    if (complete[i].second != latest) doomed.push_back(complete[i].second);
+  }
+  for (const auto& u : unfinished) doomed.push_back(u.second);
+  for (const std::string& d : doomed) {
+    const std::string dir = root + "/" + d;
+    // The manifest first: a half-deleted checkpoint never looks complete.
+    if (fs->Exists(dir + "/manifest.json")) SHARDOPT_RETURN_IF_ERROR(fs->Remove(dir + "/manifest.json"));
+    SHARDOPT_ASSIGN_OR_RETURN(std::vector<std::string> files, fs->ListDir(dir));
+    for (const std::string& f : files) SHARDOPT_RETURN_IF_ERROR(fs->Remove(dir + "/" + f));
+    SHARDOPT_RETURN_IF_ERROR(fs->RemoveDir(dir));
+  }
+  return fs->SyncDir(root);
+}
+
 absl::Status Consolidate(FileSystem* fs, const std::string& dir, const std::string& out,
                          const std::function<void(int64_t, int64_t)>& progress) {
   SHARDOPT_RETURN_IF_ERROR(VerifyCheckpoint(fs, dir));

@@ -52,6 +52,11 @@ absl::StatusOr<nlohmann::json> ReadManifest(FileSystem* fs, const std::string& c
 // Reads every file in full and checks sizes and CRCs.
 absl::Status VerifyCheckpoint(FileSystem* fs, const std::string& ckpt_dir);
 
+// Deletes all but the newest `keep` complete checkpoints under `root` (and
+// unfinished step directories older than LATEST, left by crashes). Never
+// touches the checkpoint LATEST names. keep >= 1.
+absl::Status PruneCheckpoints(FileSystem* fs, const std::string& root, int keep);
+
 // Streams the shards into one safetensors file of whole tensors ("<param>" for
 // the fp32 parameters, "<param>.<state>" for optimizer state), in constant
 // memory. `progress(done_bytes, total_bytes)` is called as it goes.

@@ -131,6 +131,10 @@ class Posix : public FileSystem {
     if (::unlink(path.c_str()) != 0 && errno != ENOENT) return Errno("cannot remove", path);
     return absl::OkStatus();
   }
+  absl::Status RemoveDir(const std::string& dir) override {
+    if (::rmdir(dir.c_str()) != 0 && errno != ENOENT) return Errno("cannot remove directory", dir);
+    return absl::OkStatus();
+  }
 };
 
 class FaultyFile : public WritableFile {
@@ -208,6 +212,11 @@ bool FaultInjectingFileSystem::Exists(const std::string& p) { return base_->Exis
 absl::Status FaultInjectingFileSystem::Remove(const std::string& p) {
   if (absl::Status s = Op(); !s.ok()) return s;
   return base_->Remove(p);
+}
+
+absl::Status FaultInjectingFileSystem::RemoveDir(const std::string& d) {
+  if (absl::Status s = Op(); !s.ok()) return s;
+  return base_->RemoveDir(d);
 }
 
 absl::Status WriteFileAtomically(FileSystem* fs, const std::string& path, const std::string& data) {

@@ -36,6 +36,8 @@ class FileSystem {
   virtual absl::StatusOr<std::vector<std::string>> ListDir(const std::string& dir) = 0;
   virtual bool Exists(const std::string& path) = 0;
   virtual absl::Status Remove(const std::string& path) = 0;
+  // Removes an empty directory.
+  virtual absl::Status RemoveDir(const std::string& dir) = 0;
 };
 
 // The real one (POSIX). Thread-safe.
@@ -60,6 +62,7 @@ class FaultInjectingFileSystem : public FileSystem {
   absl::StatusOr<std::vector<std::string>> ListDir(const std::string& dir) override;
   bool Exists(const std::string& path) override;
   absl::Status Remove(const std::string& path) override;
+  absl::Status RemoveDir(const std::string& dir) override;
 
   // For its files.
   absl::Status Op();

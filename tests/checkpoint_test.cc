@@ -259,6 +259,23 @@ TEST(CheckpointTest, CrashAtAnyPointLeavesLatestComplete) {
   }
 }
 
+TEST(CheckpointTest, PruneKeepsTheNewestAndLatest) {
+  const std::string root = Fresh("prune");
+  Job job(2);
+  for (int k = 1; k <= 4; ++k) {
+    job.Train(k - 1, k);
+    for (const auto& s : job.Save(root, PosixFileSystem())) ASSERT_TRUE(s.ok());
+  }
+  // A crash leftover: an unfinished, older step directory.
+  ASSERT_TRUE(PosixFileSystem()->MakeDirs(root + "/step-0").ok());
+  ASSERT_TRUE(PruneCheckpoints(PosixFileSystem(), root, 2).ok());
+  auto entries = *PosixFileSystem()->ListDir(root);
+  std::sort(entries.begin(), entries.end());
+  EXPECT_EQ(entries, (std::vector<std::string>{"LATEST", "step-3", "step-4"}));
+  EXPECT_TRUE(VerifyCheckpoint(PosixFileSystem(), root + "/step-4").ok());
+  EXPECT_EQ(PruneCheckpoints(PosixFileSystem(), root, 0).code(), absl::StatusCode::kInvalidArgument);
+}
+
 TEST(CheckpointTest, ConsolidateWritesWholeTensors) {
   const std::string root = Fresh("consolidate");
   Job job(3);

@@ -56,6 +56,7 @@ flags:
   --log-every=N        progress line every N steps (default: about 10 lines per run)
   --ckpt-dir=DIR       write sharded checkpoints under DIR (step-N/, LATEST)
   --ckpt-every=K       ... every K steps (default: only at the end when --ckpt-dir is set)
+  --ckpt-keep=N        keep only the newest N checkpoints (default: keep all)
   --resume=PATH        resume from a checkpoint directory, or a root with LATEST
                        (any world size); training continues at the saved step
   --collective-timeout=S  bound on every collective wait (default 120)
@@ -95,7 +96,7 @@ int Main(int argc, char** argv) {
                             {"model", "steps", "lr", "optimizer", "batch", "clip", "bucket-cap",
                              "threads", "malloc", "coordinator", "job-id", "token-file", "bind",
                              "log-every", "tls-ca", "tls-cert", "tls-key", "ckpt-dir", "ckpt-every",
-                             "resume", "collective-timeout", "debug-stall-rank", "debug-stall-step",
+                             "resume", "ckpt-keep", "collective-timeout", "debug-stall-rank", "debug-stall-step",
                              "help"});
   if (!flags.ok()) return Fail(-1, std::string(flags.status().message()));
   if (flags->Has("help")) {
@@ -319,6 +320,7 @@ int Main(int argc, char** argv) {
   const int64_t log_every = flags->Int("log-every", std::max<int64_t>(1, *steps / 10)).value_or(1);
   const std::string ckpt_dir = flags->Str("ckpt-dir", "");
   const int64_t ckpt_every = flags->Int("ckpt-every", 0).value_or(0);
+  const int64_t ckpt_keep = flags->Int("ckpt-keep", 0).value_or(0);
   int64_t first_step = 0;
   const std::string resume = flags->Str("resume", "");
   if (!resume.empty()) {
@@ -347,6 +349,10 @@ int Main(int argc, char** argv) {
     if (rank == 0) {
       std::printf("checkpoint %s written in %.2f s\n", dir->c_str(),
                   std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+      if (ckpt_keep > 0) {
+        absl::Status p = PruneCheckpoints(PosixFileSystem(), ckpt_dir, static_cast<int>(ckpt_keep));
+        if (!p.ok()) std::printf("pruning old checkpoints failed: %s\n", p.ToString().c_str());
+      }
     }
     return true;
   };
