@@ -9,6 +9,7 @@
 #include <mutex>
 
 #include "absl/strings/str_cat.h"
+#include "common/file_system.h"
 
 namespace shardopt {
 
@@ -50,16 +51,6 @@ std::unique_ptr<CoordinatorSession> CoordinatorClient::OpenSession() {
   return std::make_unique<CoordinatorSession>(std::move(ctx), std::move(stream));
 }
 
-namespace {
-absl::StatusOr<std::string> ReadFile(const std::string& path) {
-  std::ifstream f(path);
-  if (!f) return absl::NotFoundError(absl::StrCat("cannot read '", path, "'"));
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
-}  // namespace
-
 absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials(
     const ClientTls& tls) {
   if (tls.ca_file.empty()) {
@@ -69,13 +60,13 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials
     return grpc::InsecureChannelCredentials();
   }
   grpc::SslCredentialsOptions o;
-  auto ca = ReadFile(tls.ca_file);
+  auto ca = ReadWholeFile(PosixFileSystem(), tls.ca_file);
   if (!ca.ok()) return ca.status();
   o.pem_root_certs = *ca;
   if (!tls.cert_file.empty() || !tls.key_file.empty()) {
-    auto cert = ReadFile(tls.cert_file);
+    auto cert = ReadWholeFile(PosixFileSystem(), tls.cert_file);
     if (!cert.ok()) return cert.status();
-    auto key = ReadFile(tls.key_file);
+    auto key = ReadWholeFile(PosixFileSystem(), tls.key_file);
     if (!key.ok()) return key.status();
     o.pem_cert_chain = *cert;
     o.pem_private_key = *key;

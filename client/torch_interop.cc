@@ -16,9 +16,8 @@ namespace shardopt {
 namespace {
 
 absl::StatusOr<std::vector<char>> ReadBytes(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  if (!f) return absl::NotFoundError(absl::StrCat("cannot read '", path, "'"));
-  return std::vector<char>(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+  SHARDOPT_ASSIGN_OR_RETURN(std::string data, ReadWholeFile(PosixFileSystem(), path));
+  return std::vector<char>(data.begin(), data.end());
 }
 
 }  // namespace

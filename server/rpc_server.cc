@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
+#include "common/file_system.h"
 
 namespace shardopt {
 
@@ -31,14 +32,12 @@ grpc::Status CheckToken(const grpc::CallbackServerContext* ctx, const std::strin
 }
 
 absl::StatusOr<std::string> ReadPemFile(const std::string& path) {
-  std::ifstream f(path);
-  if (!f) return absl::NotFoundError(absl::StrCat("cannot read '", path, "'"));
-  std::stringstream ss;
-  ss << f.rdbuf();
-  if (ss.str().find("-----BEGIN") == std::string::npos) {
+  auto pem = ReadWholeFile(PosixFileSystem(), path);
+  if (!pem.ok()) return pem.status();
+  if (pem->find("-----BEGIN") == std::string::npos) {
     return absl::InvalidArgumentError(absl::StrCat("'", path, "' is not a PEM file"));
   }
-  return ss.str();
+  return pem;
 }
 
 absl::StatusOr<std::unique_ptr<RpcServer>> RpcServer::Start(
