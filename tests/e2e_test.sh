@@ -66,6 +66,21 @@ check "aborted job exits non-zero" test $rc -eq 1
 check "abort reason reported" grep -q 'job failed: test says stop' "$tmp/run.log"
 check "lr change applied" grep -q 'learning rate set to 0.5' "$tmp/run.log"
 
+# 3b. Ctrl-C (SIGINT to shardrun) stops everything cleanly.
+$B/shardrun --nproc 2 --job-id=ctrlc -- $B/shardopt_train --model=small --steps=1000000 \
+  --log-every=100000 >"$tmp/ctrlc.log" 2>&1 &
+run=$!
+for _ in $(seq 1 100); do grep -q 'shardopt_train: 2 ranks' "$tmp/ctrlc.log" && break; sleep 0.1; done
+sleep 1
+kill -INT $run
+start=$(date +%s)
+wait $run
+rc=$?
+check "Ctrl-C: exit status 130" test $rc -eq 130
+check "Ctrl-C: one-line reason" grep -q 'shardrun: job failed: interrupted (signal 2); stopped all ranks' "$tmp/ctrlc.log"
+check "Ctrl-C: stopped within 10 s" test $(( $(date +%s) - start )) -le 10
+check "Ctrl-C: no rank left" test -z "$(pgrep -f 'SHARDOPT_JOB_ID=ctrlc' || true)$(for p in $(pgrep -f shardopt_train); do tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -qx SHARDOPT_JOB_ID=ctrlc && echo $p; done)"
+
 # 4. kill -9 one rank of a 3-rank job: the others exit naming it, shardrun fails, no hang.
 rank_pid() {  # rank_pid JOBTAG RANK: the pid of that rank of the job started with --job-id=JOBTAG
   for p in $(pgrep -f "shardopt_train"); do
