@@ -5,7 +5,9 @@
 # where Python PyTorch with CUDA is installed, against torch.optim.Adam(fused=True)
 # on the same size. One command, all results in one JSON file:
 #   tools/gpu_check.sh [OUT_DIR]       (default: $OUT or ./out)
-# Not covered yet: NCCL and the ShardedOptimizer GPU path (issue 7).
+# Where Abseil and GoogleTest are installed it also builds and runs the GPU
+# gtests (kernels vs the reference; NcclCommunicator at world size 1).
+# Not covered yet: the ShardedOptimizer GPU path (issue 7).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-${OUT:-out}}
@@ -51,5 +53,32 @@ res["adam_vs_torch_fused"] = res["torch_fused_adam_ms"] / res["adam_ms"]
 json.dump(res, open(path, "w"), indent=1)
 print(f"  torch fused Adam: {ms:.3f} ms ({res['torch_fused_adam_gbps']:.0f} GB/s); shardopt is {res['adam_vs_torch_fused']:.2f}x")
 PY
-echo "gpu_check: results in $out/gpu_check.json"
+# The gtests, built with g++ and nvcc alone, when the libraries are there.
+if [[ -d /usr/include/absl && -d /usr/include/gtest ]]; then
+  CUDA_HOME=${CUDA_HOME:-$(dirname "$(dirname "$NVCC")")}
+  NCCL_LIB=${NCCL_LIB:-$CUDA_HOME/lib64}
+  ABSL="-labsl_statusor -labsl_status -labsl_str_format_internal -labsl_strings -labsl_strings_internal
+        -labsl_cord -labsl_cordz_info -labsl_cord_internal -labsl_cordz_functions -labsl_cordz_handle
+        -labsl_synchronization -labsl_graphcycles_internal -labsl_stacktrace -labsl_symbolize
+        -labsl_debugging_internal -labsl_demangle_internal -labsl_time -labsl_time_zone -labsl_int128
+        -labsl_hash -labsl_city -labsl_low_level_hash -labsl_raw_hash_set -labsl_throw_delegate
+        -labsl_malloc_internal -labsl_base -labsl_spinlock_wait -labsl_raw_logging_internal -labsl_log_severity"
+  $NVCC -std=c++17 -O3 -fmad=false -prec-div=true -prec-sqrt=true -Xcompiler -fPIC $arch -I. \
+    -c server/cuda/cuda_kernels_impl.cu -o "$build/impl.o" &&
+  g++ -std=c++17 -O2 -ffp-contract=off -I. -I"$CUDA_HOME/include" \
+    tests/gpu_kernels_test.cc server/reference_optimizer.cc server/update_slice.cc \
+    server/optimizer_config.cc server/cuda/cuda_kernels.cc "$build/impl.o" \
+    -L"$CUDA_HOME/lib64" -Wl,-rpath,"$CUDA_HOME/lib64" -lcudart -lgtest_main -lgtest $ABSL -lpthread \
+    -o "$build/gpu_kernels_test" &&
+  "$build/gpu_kernels_test" --gtest_output=json:"$out/gpu_kernels_test.json" || rc=1
+  g++ -std=c++17 -O2 -I. -I"$CUDA_HOME/include" tests/gpu_nccl_test.cc client/nccl_communicator.cc \
+    client/communicator.cc client/kv_store.cc server/update_slice.cc server/optimizer_config.cc \
+    server/cuda/cuda_kernels.cc "$build/impl.o" \
+    -L"$CUDA_HOME/lib64" -L"$NCCL_LIB" -Wl,-rpath,"$CUDA_HOME/lib64" -Wl,-rpath,"$NCCL_LIB" \
+    -lnccl -lcudart -lgtest_main -lgtest $ABSL -lpthread -o "$build/gpu_nccl_test" &&
+  "$build/gpu_nccl_test" --gtest_output=json:"$out/gpu_nccl_test.json" || rc=1
+else
+  echo "gpu_check: no Abseil/GoogleTest headers here: gtests not built (the checks above cover the kernels)"
+fi
+echo "gpu_check: results in $out/"
 exit $rc

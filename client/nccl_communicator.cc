@@ -1,0 +1,268 @@
+#include "client/nccl_communicator.h"
+
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+
+namespace shardopt {
+
+struct NcclCommunicator::State {
+  ncclComm_t comm = nullptr;
+  cudaStream_t stream = nullptr;
+  void* scratch = nullptr;  // one float for Barrier
+  absl::Mutex mu;
+  struct Pending {
+    cudaEvent_t done;
+    CommHandlePtr handle;
+    absl::Time deadline;
+  };
+  std::deque<Pending> pending ABSL_GUARDED_BY(mu);
+  bool stopping ABSL_GUARDED_BY(mu) = false;
+  absl::Status aborted ABSL_GUARDED_BY(mu);
+  std::array<std::atomic<int64_t>, kNumCollectiveKinds> sent{};
+};
+
+namespace {
+
+ncclDataType_t NcclType(ElementType t) {
+  switch (t) {
+    case ElementType::kFloat32: return ncclFloat32;
+    case ElementType::kBFloat16: return ncclBfloat16;
+    case ElementType::kByte: return ncclUint8;
+  }
+  return ncclUint8;
+}
+
+ncclRedOp_t NcclOp(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum: return ncclSum;
+    case ReduceOp::kAverage: return ncclAvg;
+    case ReduceOp::kMax: return ncclMax;
+  }
+  return ncclSum;
+}
+
+absl::Status CudaError(cudaError_t e, const char* what) {
+  return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorString(e)));
+}
+
+absl::Status NcclError(ncclResult_t r, const char* what) {
+  return absl::UnavailableError(absl::StrCat(what, ": ", ncclGetErrorString(r)));
+}
+
+CommHandlePtr Done(absl::Status s) {
+  auto h = std::make_shared<CommHandle>();
+  h->Complete(std::move(s));
+  return h;
+}
+
+}  // namespace
+
+NcclCommunicator::NcclCommunicator(int rank, int world, const NcclOptions& options)
+    : rank_(rank), world_(world), options_(options), state_(std::make_unique<State>()) {}
+
+absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(
+    KeyValueStore* store, int rank, int world_size, const NcclOptions& options) {
+  if (world_size < 1 || rank < 0 || rank >= world_size) {
+    return absl::InvalidArgumentError(absl::StrCat("rank ", rank, " / world size ", world_size, " out of range"));
+  }
+  if (cudaError_t e = cudaSetDevice(options.device); e != cudaSuccess) return CudaError(e, "cudaSetDevice");
+  // The unique id: made by rank 0, shared through the store.
+  ncclUniqueId id;
+  const std::string key = options.store_prefix + "/unique_id";
+  if (rank == 0) {
+    if (ncclResult_t r = ncclGetUniqueId(&id); r != ncclSuccess) return NcclError(r, "ncclGetUniqueId");
+    if (absl::Status s = store->Set(key, std::string(reinterpret_cast<char*>(&id), sizeof(id))); !s.ok()) return s;
+  } else {
+    auto v = store->Get(key, options.timeout);
+    if (!v.ok()) return v.status();
+    if (v->size() != sizeof(id)) return absl::DataLossError("NCCL unique id of the wrong size");
+    std::memcpy(&id, v->data(), sizeof(id));
+  }
+  std::unique_ptr<NcclCommunicator> c(new NcclCommunicator(rank, world_size, options));
+  if (cudaError_t e = cudaStreamCreateWithFlags(&c->state_->stream, cudaStreamNonBlocking); e != cudaSuccess) {
+    return CudaError(e, "cudaStreamCreate");
+  }
+  if (cudaError_t e = cudaMalloc(&c->state_->scratch, sizeof(float)); e != cudaSuccess) {
+    return CudaError(e, "cudaMalloc");
+  }
+  // Non-blocking initialisation, so that a missing peer cannot hang us past the timeout.
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  ncclResult_t r = ncclCommInitRankConfig(&c->state_->comm, world_size, id, rank, &config);
+  const absl::Time deadline = absl::Now() + options.timeout;
+  while (r == ncclInProgress || r == ncclSuccess) {
+    ncclResult_t async = ncclSuccess;
+    ncclCommGetAsyncError(c->state_->comm, &async);
+    if (async == ncclSuccess) break;
+    if (async != ncclInProgress) {
+      r = async;
+      break;
+    }
+    if (absl::Now() > deadline) {
+      ncclCommAbort(c->state_->comm);
+      c->state_->comm = nullptr;
+      return absl::DeadlineExceededError(absl::StrCat("NCCL initialisation of rank ", rank, " timed out"));
+    }
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  if (r != ncclSuccess && r != ncclInProgress) return NcclError(r, "ncclCommInitRankConfig");
+  c->watcher_ = std::thread([p = c.get()] { p->Watch(); });
+  return c;
+}
+
+NcclCommunicator::~NcclCommunicator() {
+  {
+    absl::MutexLock l(&state_->mu);
+    state_->stopping = true;
+  }
+  if (watcher_.joinable()) watcher_.join();
+  if (state_->comm != nullptr) ncclCommDestroy(state_->comm);
+  if (state_->scratch != nullptr) cudaFree(state_->scratch);
+  if (state_->stream != nullptr) cudaStreamDestroy(state_->stream);
+}
+
+template <typename Enqueue>
+CommHandlePtr NcclCommunicator::Submit(CollectiveKind kind, int64_t sent, Enqueue enqueue) {
+  {
+    absl::MutexLock l(&state_->mu);
+    if (!state_->aborted.ok()) return Done(state_->aborted);
+  }
+  // Order after the work already queued on the compute stream.
+  cudaEvent_t ready, done;
+  cudaEventCreateWithFlags(&ready, cudaEventDisableTiming);
+  cudaEventCreateWithFlags(&done, cudaEventDisableTiming);
+  cudaEventRecord(ready, static_cast<cudaStream_t>(options_.compute_stream));
+  cudaStreamWaitEvent(state_->stream, ready, 0);
+  cudaEventDestroy(ready);
+  const ncclResult_t r = enqueue(state_->stream);
+  if (r != ncclSuccess && r != ncclInProgress) {
+    cudaEventDestroy(done);
+    absl::Status s = NcclError(r, CollectiveKindName(kind));
+    Abort(s);
+    return Done(s);
+  }
+  cudaEventRecord(done, state_->stream);
+  state_->sent[static_cast<int>(kind)] += sent;
+  auto handle = std::make_shared<CommHandle>();
+  absl::MutexLock l(&state_->mu);
+  state_->pending.push_back({done, handle, absl::Now() + options_.timeout});
+  return handle;
+}
+
+void NcclCommunicator::Watch() {
+  while (true) {
+    State::Pending front;
+    {
+      absl::MutexLock l(&state_->mu);
+      if (state_->pending.empty()) {
+        if (state_->stopping) return;
+      } else {
+        front = state_->pending.front();
+      }
+    }
+    if (!front.handle) {
+      absl::SleepFor(absl::Microseconds(200));
+      continue;
+    }
+    const cudaError_t q = cudaEventQuery(front.done);
+    absl::Status status;
+    bool finished = false;
+    if (q == cudaSuccess) {
+      finished = true;
+    } else if (q != cudaErrorNotReady) {
+      status = CudaError(q, "collective");
+      finished = true;
+    } else {
+      ncclResult_t async = ncclSuccess;
+      ncclCommGetAsyncError(state_->comm, &async);
+      if (async != ncclSuccess && async != ncclInProgress) {
+        status = NcclError(async, "collective");
+        finished = true;
+      } else if (absl::Now() > front.deadline) {
+        status = absl::DeadlineExceededError(absl::StrCat(
+            "rank ", rank_, ": NCCL collective did not complete within ",
+            absl::FormatDuration(options_.timeout)));
+        finished = true;
+      }
+    }
+    if (!finished) {
+      absl::SleepFor(absl::Microseconds(50));
+      continue;
+    }
+    if (!status.ok()) Abort(status);
+    {
+      absl::MutexLock l(&state_->mu);
+      if (!state_->pending.empty() && state_->pending.front().handle == front.handle) {
+        state_->pending.pop_front();
+      }
+    }
+    cudaEventDestroy(front.done);
+    front.handle->Complete(status);
+  }
+}
+
+void NcclCommunicator::Abort(const absl::Status& reason) {
+  std::deque<State::Pending> failed;
+  absl::Status status;
+  {
+    absl::MutexLock l(&state_->mu);
+    if (!state_->aborted.ok()) return;
+    state_->aborted = absl::AbortedError(absl::StrCat("communicator aborted: ", reason.ToString()));
+    status = state_->aborted;
+    failed.swap(state_->pending);
+  }
+  if (state_->comm != nullptr) ncclCommAbort(state_->comm);
+  state_->comm = nullptr;
+  for (auto& p : failed) p.handle->Complete(status);
+}
+
+CommHandlePtr NcclCommunicator::ReduceScatter(void* buffer, int64_t count, ElementType type, ReduceOp op) {
+  if (type == ElementType::kByte) return Done(absl::InvalidArgumentError("byte buffers cannot be reduced"));
+  const int64_t bytes = count * ElementSize(type);
+  char* base = static_cast<char*>(buffer);
+  return Submit(CollectiveKind::kReduceScatter, (world_ - 1) * bytes, [&](cudaStream_t s) {
+    return ncclReduceScatter(base, base + rank_ * bytes, count, NcclType(type), NcclOp(op), state_->comm, s);
+  });
+}
+
+CommHandlePtr NcclCommunicator::AllGather(void* buffer, int64_t count, ElementType type) {
+  const int64_t bytes = count * ElementSize(type);
+  char* base = static_cast<char*>(buffer);
+  return Submit(CollectiveKind::kAllGather, (world_ - 1) * bytes, [&](cudaStream_t s) {
+    return ncclAllGather(base + rank_ * bytes, base, count, NcclType(type), state_->comm, s);
+  });
+}
+
+CommHandlePtr NcclCommunicator::AllReduce(void* buffer, int64_t count, ElementType type, ReduceOp op) {
+  if (type == ElementType::kByte) return Done(absl::InvalidArgumentError("byte buffers cannot be reduced"));
+  const int64_t bytes = count * ElementSize(type);
+  return Submit(CollectiveKind::kAllReduce, 2 * (world_ - 1) * bytes / world_, [&](cudaStream_t s) {
+    return ncclAllReduce(buffer, buffer, count, NcclType(type), NcclOp(op), state_->comm, s);
+  });
+}
+
+CommHandlePtr NcclCommunicator::Broadcast(void* buffer, int64_t count, ElementType type, int root) {
+  if (root < 0 || root >= world_) return Done(absl::InvalidArgumentError("broadcast root out of range"));
+  const int64_t bytes = count * ElementSize(type);
+  return Submit(CollectiveKind::kBroadcast, rank_ == root ? bytes : 0, [&](cudaStream_t s) {
+    return ncclBroadcast(buffer, buffer, count, NcclType(type), root, state_->comm, s);
+  });
+}
+
+CommHandlePtr NcclCommunicator::Barrier() {
+  return Submit(CollectiveKind::kBarrier, 0, [&](cudaStream_t s) {
+    return ncclAllReduce(state_->scratch, state_->scratch, 1, ncclFloat32, ncclSum, state_->comm, s);
+  });
+}
+
+ByteCounters NcclCommunicator::counters() const {
+  ByteCounters c;
+  for (int i = 0; i < kNumCollectiveKinds; ++i) c.sent[i] = state_->sent[i].load();
+  return c;
+}
+
+}  // namespace shardopt
