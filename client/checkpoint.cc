@@ -80,6 +80,9 @@ absl::Status AgreeOnSuccess(Communicator* comm, const absl::Status& mine, const 
 
 absl::StatusOr<std::string> SaveCheckpoint(ShardedOptimizer& opt, const std::string& root,
                                            const CheckpointOptions& options) {
+  if (opt.on_device()) {
+    return absl::UnimplementedError("checkpoints of GPU-resident optimizer state are not implemented yet");
+  }
   FileSystem* fs = options.fs;
   Communicator* comm = opt.communicator();
   const Layout& layout = opt.layout();
@@ -260,6 +263,9 @@ absl::Status VerifyCheckpoint(FileSystem* fs, const std::string& dir) {
 
 absl::StatusOr<nlohmann::json> LoadCheckpoint(ShardedOptimizer& opt, const std::string& path,
                                               FileSystem* fs) {
+  if (opt.on_device()) {
+    return absl::UnimplementedError("checkpoints of GPU-resident optimizer state are not implemented yet");
+  }
   Communicator* comm = opt.communicator();
   const Layout& layout = opt.layout();
   const int rank = comm->rank();

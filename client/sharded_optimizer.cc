@@ -15,6 +15,7 @@
 #include "absl/synchronization/mutex.h"
 #include "common/planner.h"
 #include "common/status_macros.h"
+#include "client/device_backend.h"
 #include "server/cpu_kernels.h"
 
 namespace shardopt {
@@ -104,11 +105,20 @@ absl::StatusOr<std::unique_ptr<ShardedOptimizer>> ShardedOptimizer::Create(
     if (!t.defined()) {
       return absl::InvalidArgumentError(absl::StrCat("parameter '", name, "' is undefined"));
     }
-    if (!t.device().is_cpu()) {
+    if (!t.device().is_cpu() && !t.device().is_cuda()) {
       return absl::InvalidArgumentError(absl::StrCat(
           "parameter '", name, "' is on device ", t.device().str(),
-          "; this build's ShardedOptimizer runs CPU parameters (all parameters must be on one "
-          "device)"));
+          "; supported: cpu, cuda (all parameters on one device)"));
+    }
+    if (t.device().is_cuda() && CudaBackend() == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "parameter '", name, "' is on ", t.device().str(),
+          " but no CUDA backend is linked (link //client:cuda_backend)"));
+    }
+    if (t.device() != named_parameters.front().second.device()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "parameter '", name, "' is on ", t.device().str(), ", the first on ",
+          named_parameters.front().second.device().str(), ": all parameters must share a device"));
     }
     if (t.scalar_type() != torch::kFloat && t.scalar_type() != torch::kBFloat16) {
       return absl::InvalidArgumentError(absl::StrCat("parameter '", name, "' has dtype ",
@@ -147,6 +157,7 @@ absl::StatusOr<std::unique_ptr<ShardedOptimizer>> ShardedOptimizer::Create(
   }
   std::unique_ptr<ShardedOptimizer> o(new ShardedOptimizer(opt, comm, std::move(*layout)));
   o->dtype_ = dtype;
+  o->device_ = named_parameters.front().second.device();
   SHARDOPT_RETURN_IF_ERROR(o->Init(named_parameters));
   return o;
 }
@@ -234,10 +245,11 @@ absl::Status ShardedOptimizer::Init(
   SHARDOPT_RETURN_IF_ERROR(CheckSameModelOnAllRanks());
   at::NoGradGuard no_grad;
   const int64_t flat = layout_.flat_size();
-  param_flat_ = torch::zeros({flat}, torch::TensorOptions().dtype(dtype_));
-  grad_flat_ = torch::zeros({flat}, torch::TensorOptions().dtype(dtype_));
+  const auto on_device = torch::TensorOptions().device(device_);
+  param_flat_ = torch::zeros({flat}, on_device.dtype(dtype_));
+  grad_flat_ = torch::zeros({flat}, on_device.dtype(dtype_));
   if (dtype_ == torch::kFloat && options_.grad_comm_type == ElementType::kBFloat16) {
-    comm_scratch_ = torch::zeros({flat}, torch::TensorOptions().dtype(torch::kBFloat16));
+    comm_scratch_ = torch::zeros({flat}, on_device.dtype(torch::kBFloat16));
   }
   const int nb = static_cast<int>(layout_.buckets().size());
   for (size_t i = 0; i < named_parameters.size(); ++i) {
@@ -273,7 +285,7 @@ absl::Status ShardedOptimizer::Init(
     owned_offset_.push_back(owned_elements_);
     owned_elements_ += b.capacity_per_rank;
   }
-  const auto f32 = torch::TensorOptions().dtype(torch::kFloat);
+  const auto f32 = torch::TensorOptions().device(device_).dtype(torch::kFloat);
   const bool adam = options_.kind != OptimizerKind::kSgd;
   if (adam || options_.sgd.momentum != 0.0) state0_ = torch::zeros({owned_elements_}, f32);
   if (adam) state1_ = torch::zeros({owned_elements_}, f32);
@@ -490,9 +502,10 @@ absl::StatusOr<StepResult> ShardedOptimizer::Step() {
       s.grad = reinterpret_cast<const float*>(gbase) + off;
     }
     const int64_t t0 = NowNs();
-    absl::Status st = options_.kind == OptimizerKind::kSgd
-                          ? SgdStep(options_.sgd, step, {&s, 1}, ko)
-                          : AdamStep(options_.adam, step, {&s, 1}, ko);
+    absl::Status st =
+        device_.is_cuda() ? CudaBackend()->Update(options_.kind, options_.adam, options_.sgd, step, s)
+        : options_.kind == OptimizerKind::kSgd ? SgdStep(options_.sgd, step, {&s, 1}, ko)
+                                               : AdamStep(options_.adam, step, {&s, 1}, ko);
     update_ns += NowNs() - t0;
     if (!st.ok()) return st;
     {

@@ -145,6 +145,9 @@ class ShardedOptimizer {
   // all-gathers every bucket and sets the step count. Collective.
   absl::Status FinishRestore(int64_t step);
   Communicator* communicator() const { return comm_; }
+  // True when parameters and state live on a GPU (checkpoints of such
+  // optimizers are not implemented yet).
+  bool on_device() const { return !device_.is_cpu(); }
   const Layout& layout() const { return layout_; }
   const ShardedOptimizerOptions& options() const { return options_; }
   MemoryReport memory() const;
@@ -167,6 +170,7 @@ class ShardedOptimizer {
   const int rank_;
   const int world_;
   torch::ScalarType dtype_;
+  torch::Device device_ = torch::kCPU;
 
   torch::Tensor param_flat_;  // model dtype, flat_size elements
   torch::Tensor grad_flat_;   // model dtype

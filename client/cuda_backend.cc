@@ -1,0 +1,35 @@
+// Registers the CUDA kernels (server/cuda) as ShardedOptimizer's device
+// backend. Link with alwayslink so the registration runs.
+#include "client/device_backend.h"
+#include "server/cuda/cuda_kernels.h"
+
+namespace shardopt {
+namespace {
+
+class CudaKernelsBackend : public DeviceBackend {
+ public:
+  absl::Status Update(OptimizerKind kind, const AdamConfig& adam, const SgdConfig& sgd,
+                      int64_t step, const UpdateSlice& s) override {
+    cuda::DeviceSlice d;
+    d.master = s.param;
+    d.grad = s.grad != nullptr ? static_cast<const void*>(s.grad) : s.grad_bf16;
+    d.grad_type = s.grad != nullptr ? cuda::ParamType::kFloat32 : cuda::ParamType::kBFloat16;
+    d.state0 = s.state0;
+    d.state1 = s.state1;
+    d.model = s.param_bf16;
+    d.model_type = cuda::ParamType::kBFloat16;
+    d.size = s.size;
+    // The legacy default stream, which LibTorch uses unless told otherwise.
+    if (kind == OptimizerKind::kSgd) return cuda::SgdStep(MakeSgdScalars(sgd, step), {d}, nullptr);
+    return cuda::AdamStep(MakeAdamScalars(adam, step), {d}, nullptr);
+  }
+};
+
+const bool registered = [] {
+  static CudaKernelsBackend backend;
+  RegisterCudaBackend(&backend);
+  return true;
+}();
+
+}  // namespace
+}  // namespace shardopt
