@@ -205,13 +205,7 @@ absl::StatusOr<HeartbeatReply> Coordinator::Heartbeat(const HeartbeatInfo& info)
   r.loss = info.loss;
   r.samples_per_s = info.samples_per_s;
   r.progress = info.progress;
-  HeartbeatReply reply;
-  reply.abort = state_ == JobState::kFailed;
-  reply.abort_reason = failure_;
-  reply.learning_rate = learning_rate_;
-  reply.hyper_params_version = hyper_version_;
-  reply.checkpoint_request = checkpoint_request_;
-  return reply;
+  return NoticeLocked();
 }
 
 bool Coordinator::CheckHeartbeats() {
@@ -237,6 +231,10 @@ bool Coordinator::CheckHeartbeats() {
 
 HeartbeatReply Coordinator::Notice() {
   absl::MutexLock lock(&mu_);
+  return NoticeLocked();
+}
+
+HeartbeatReply Coordinator::NoticeLocked() {
   HeartbeatReply reply;
   reply.abort = state_ == JobState::kFailed;
   reply.abort_reason = failure_;

@@ -157,6 +157,7 @@ class Coordinator {
   int64_t checkpoint_request_ ABSL_GUARDED_BY(mu_) = 0;
   std::function<void()> listener_ ABSL_GUARDED_BY(mu_);
   void Notify();  // calls listener_ without holding mu_
+  HeartbeatReply NoticeLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 };
 
 }  // namespace shardopt

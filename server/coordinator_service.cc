@@ -270,13 +270,7 @@ grpc::ServerUnaryReactor* CoordinatorService::Heartbeat(grpc::CallbackServerCont
   if (auto s = CheckToken(ctx, token_); !s.ok()) return Done(ctx, s);
   HeartbeatInfo info{req->rank(), req->step(), req->loss(), req->samples_per_s(), req->progress()};
   auto r = coordinator_->Heartbeat(info);
-  if (r.ok()) {
-    resp->set_abort(r->abort);
-    resp->set_abort_reason(r->abort_reason);
-    resp->set_learning_rate(r->learning_rate);
-    resp->set_hyper_params_version(r->hyper_params_version);
-    resp->set_checkpoint_request(r->checkpoint_request);
-  }
+  if (r.ok()) FillReply(*r, resp);
   return Done(ctx, ToGrpc(r.status()));
 }
 

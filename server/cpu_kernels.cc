@@ -125,17 +125,13 @@ absl::Status Run(absl::Span<const UpdateSlice> slices, const KernelOptions& opti
   return absl::OkStatus();
 }
 
-absl::Status CheckStep(int64_t step) {
-  if (step < 1) return absl::InvalidArgumentError(absl::StrCat("step must be >= 1, got ", step));
-  return absl::OkStatus();
-}
 
 }  // namespace
 
 absl::Status AdamStep(const AdamConfig& config, int64_t step, absl::Span<const UpdateSlice> slices,
                       const KernelOptions& options) {
   SHARDOPT_RETURN_IF_ERROR(ValidateAdamConfig(config));
-  SHARDOPT_RETURN_IF_ERROR(CheckStep(step));
+  SHARDOPT_RETURN_IF_ERROR(ValidateStep(step));
   SHARDOPT_RETURN_IF_ERROR(ValidateSlices(slices, true, true));
   const AdamScalars k = MakeAdamScalars(config, step);
   return Run(slices, options,
@@ -146,7 +142,7 @@ absl::Status AdamStep(const AdamConfig& config, int64_t step, absl::Span<const U
 absl::Status SgdStep(const SgdConfig& config, int64_t step, absl::Span<const UpdateSlice> slices,
                      const KernelOptions& options) {
   SHARDOPT_RETURN_IF_ERROR(ValidateSgdConfig(config));
-  SHARDOPT_RETURN_IF_ERROR(CheckStep(step));
+  SHARDOPT_RETURN_IF_ERROR(ValidateStep(step));
   const SgdScalars k = MakeSgdScalars(config, step);
   SHARDOPT_RETURN_IF_ERROR(ValidateSlices(slices, k.momentum_enabled, false));
   return Run(slices, options,

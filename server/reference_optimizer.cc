@@ -13,17 +13,13 @@ float Grad(const UpdateSlice& s, int64_t i) {
   return s.grad != nullptr ? s.grad[i] : Bf16ToFloat(s.grad_bf16[i]);
 }
 
-absl::Status CheckStep(int64_t step) {
-  if (step < 1) return absl::InvalidArgumentError(absl::StrCat("step must be >= 1, got ", step));
-  return absl::OkStatus();
-}
 
 }  // namespace
 
 absl::Status ReferenceAdamStep(const AdamConfig& config, int64_t step,
                                absl::Span<const UpdateSlice> slices) {
   SHARDOPT_RETURN_IF_ERROR(ValidateAdamConfig(config));
-  SHARDOPT_RETURN_IF_ERROR(CheckStep(step));
+  SHARDOPT_RETURN_IF_ERROR(ValidateStep(step));
   SHARDOPT_RETURN_IF_ERROR(ValidateSlices(slices, true, true));
   const AdamScalars k = MakeAdamScalars(config, step);
   for (const UpdateSlice& s : slices) {
@@ -48,7 +44,7 @@ absl::Status ReferenceAdamStep(const AdamConfig& config, int64_t step,
 absl::Status ReferenceSgdStep(const SgdConfig& config, int64_t step,
                               absl::Span<const UpdateSlice> slices) {
   SHARDOPT_RETURN_IF_ERROR(ValidateSgdConfig(config));
-  SHARDOPT_RETURN_IF_ERROR(CheckStep(step));
+  SHARDOPT_RETURN_IF_ERROR(ValidateStep(step));
   const SgdScalars k = MakeSgdScalars(config, step);
   SHARDOPT_RETURN_IF_ERROR(ValidateSlices(slices, k.momentum_enabled, false));
   for (const UpdateSlice& s : slices) {

@@ -39,6 +39,11 @@ SgdScalars MakeSgdScalars(const SgdConfig& c, int64_t step) {
   return s;
 }
 
+absl::Status ValidateStep(int64_t step) {
+  if (step < 1) return absl::InvalidArgumentError(absl::StrCat("step must be >= 1, got ", step));
+  return absl::OkStatus();
+}
+
 absl::Status ValidateSlices(absl::Span<const UpdateSlice> slices, bool needs_state0,
                             bool needs_state1) {
   for (size_t i = 0; i < slices.size(); ++i) {

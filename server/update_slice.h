@@ -57,6 +57,9 @@ struct SgdScalars {
 };
 SgdScalars MakeSgdScalars(const SgdConfig& config, int64_t step);
 
+// InvalidArgument unless step >= 1 (steps are numbered from 1, as in PyTorch).
+absl::Status ValidateStep(int64_t step);
+
 // Checks slices against what the optimizer needs (non-null arrays, exactly one
 // gradient, non-negative sizes). `needs_state0/1` say which state arrays are used.
 absl::Status ValidateSlices(absl::Span<const UpdateSlice> slices, bool needs_state0,

@@ -77,14 +77,7 @@ struct Job {
     Parallel([&](int r) { out[r] = LoadCheckpoint(*opts[r], path).status(); });
     return out;
   }
-  std::vector<float> Params(int r = 0) {
-    std::vector<float> v;
-    for (const auto& [name, t] : models[r]->NamedParameters()) {
-      torch::Tensor f = t.detach().contiguous();
-      v.insert(v.end(), f.data_ptr<float>(), f.data_ptr<float>() + f.numel());
-    }
-    return v;
-  }
+  std::vector<float> Params(int r = 0) { return FlattenParameters(*models[r]); }
 };
 
 std::string Fresh(const std::string& name) {

@@ -302,10 +302,7 @@ TEST(ApiTest, GradientAccumulationEqualsOneBigBatch) {
       (model->Loss(step, r * 6 + 3, r * 6 + 6) * 0.5).backward();
       ASSERT_TRUE((*opt)->Step().ok());
     }
-    for (const auto& [n, t] : model->NamedParameters()) {
-      torch::Tensor f = t.detach().contiguous();
-      out[r].insert(out[r].end(), f.data_ptr<float>(), f.data_ptr<float>() + f.numel());
-    }
+    out[r] = FlattenParameters(*model);
   });
   ExpectClose(out[0], *ref, "accumulated");
   EXPECT_EQ(out[0], out[1]);
@@ -362,10 +359,7 @@ TEST(ApiTest, Bf16ParametersWithFp32MasterTrack) {
       loss.backward();
       ASSERT_TRUE((*opt)->Step().ok());
     }
-    for (const auto& [n, t] : model->NamedParameters()) {
-      torch::Tensor f = t.detach().to(torch::kFloat).contiguous();
-      out[r].insert(out[r].end(), f.data_ptr<float>(), f.data_ptr<float>() + f.numel());
-    }
+    out[r] = FlattenParameters(*model);
   });
   EXPECT_EQ(out[0], out[1]);
   ASSERT_EQ(out[0].size(), ref->size());
@@ -446,10 +440,7 @@ TEST(ApiTest, Bf16GradientCommunicationHalvesReduceScatterBytes) {
     }
     const ByteCounters after = job.comms[r]->counters();
     for (int k = 0; k < kNumCollectiveKinds; ++k) bytes[r].sent[k] = after.sent[k] - before.sent[k];
-    for (const auto& [n, t] : model->NamedParameters()) {
-      torch::Tensor f = t.detach().contiguous();
-      out[r].insert(out[r].end(), f.data_ptr<float>(), f.data_ptr<float>() + f.numel());
-    }
+    out[r] = FlattenParameters(*model);
   });
   EXPECT_EQ(out[0], out[1]);
   const int rs = static_cast<int>(CollectiveKind::kReduceScatter);

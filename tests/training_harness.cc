@@ -25,9 +25,7 @@ ShardedOptimizerOptions OptionsFor(const TrainConfig& c) {
   return o;
 }
 
-namespace {
-
-std::vector<float> Flatten(TrainModel& m) {
+std::vector<float> FlattenParameters(TrainModel& m) {
   std::vector<float> out;
   for (const auto& [name, t] : m.NamedParameters()) {
     torch::Tensor f = t.detach().to(torch::kFloat).contiguous();
@@ -35,8 +33,6 @@ std::vector<float> Flatten(TrainModel& m) {
   }
   return out;
 }
-
-}  // namespace
 
 absl::StatusOr<std::vector<float>> TrainSharded(const TrainConfig& c, Communicator* comm,
                                                 std::vector<TraceEvent>* trace,
@@ -73,7 +69,7 @@ absl::StatusOr<std::vector<float>> TrainSharded(const TrainConfig& c, Communicat
       bytes_per_step->received[k] = after.received[k] - before.received[k];
     }
   }
-  return Flatten(*model);
+  return FlattenParameters(*model);
 }
 
 absl::StatusOr<std::vector<float>> TrainReference(const TrainConfig& c) {
@@ -102,7 +98,7 @@ absl::StatusOr<std::vector<float>> TrainReference(const TrainConfig& c) {
     if (c.max_grad_norm > 0) torch::nn::utils::clip_grad_norm_(params, c.max_grad_norm);
     opt->step();
   }
-  return Flatten(*model);
+  return FlattenParameters(*model);
 }
 
 absl::StatusOr<TrainConfig> ParseTrainConfig(const std::vector<std::string>& args) {

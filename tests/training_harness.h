@@ -24,6 +24,10 @@ struct TrainConfig {
   uint64_t seed = 42;
 };
 
+class TrainModel;
+// Every parameter of `model` (trainable and frozen) as fp32, in registration order.
+std::vector<float> FlattenParameters(TrainModel& model);
+
 // The optimizer options a config implies (Adam/AdamW/SGD-momentum defaults).
 ShardedOptimizerOptions OptionsFor(const TrainConfig& c);
 
