@@ -15,6 +15,8 @@ PACKAGES=(
   # tests: a second, independent gRPC client; certificates for the TLS tests;
   # PyTorch as an independent reader of exported checkpoints
   python3-grpcio python3-protobuf openssl python3-torch
+  # tests: network namespaces (multi-host test), pgrep (end-to-end tests)
+  iproute2 procps
 )
 
 case "${1:-}" in
