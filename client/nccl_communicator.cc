@@ -53,6 +53,18 @@ absl::Status NcclError(ncclResult_t r, const char* what) {
   return absl::UnavailableError(absl::StrCat(what, ": ", ncclGetErrorString(r)));
 }
 
+// A non-blocking communicator may return ncclInProgress from any call; the
+// call has then not finished (for a collective: not yet enqueued) until the
+// asynchronous state leaves ncclInProgress.
+ncclResult_t Settle(ncclComm_t comm, ncclResult_t r, absl::Time deadline) {
+  while (r == ncclInProgress) {
+    if (absl::Now() > deadline) return ncclInProgress;
+    absl::SleepFor(absl::Microseconds(20));
+    if (ncclCommGetAsyncError(comm, &r) != ncclSuccess) return ncclInternalError;
+  }
+  return r;
+}
+
 CommHandlePtr Done(absl::Status s) {
   auto h = std::make_shared<CommHandle>();
   h->Complete(std::move(s));
@@ -127,29 +139,39 @@ NcclCommunicator::~NcclCommunicator() {
 
 template <typename Enqueue>
 CommHandlePtr NcclCommunicator::Submit(CollectiveKind kind, int64_t sent, Enqueue enqueue) {
+  absl::Status failed;
+  auto handle = std::make_shared<CommHandle>();
   {
+    // Held across the enqueue so that Abort() cannot free the communicator
+    // under it.
     absl::MutexLock l(&state_->mu);
     if (!state_->aborted.ok()) return Done(state_->aborted);
+    // Order after the work already queued on the compute stream.
+    cudaEvent_t ready, done;
+    cudaEventCreateWithFlags(&ready, cudaEventDisableTiming);
+    cudaEventCreateWithFlags(&done, cudaEventDisableTiming);
+    cudaEventRecord(ready, static_cast<cudaStream_t>(options_.compute_stream));
+    cudaStreamWaitEvent(state_->stream, ready, 0);
+    cudaEventDestroy(ready);
+    const ncclResult_t r =
+        Settle(state_->comm, enqueue(state_->stream), absl::Now() + options_.timeout);
+    if (r != ncclSuccess) {
+      cudaEventDestroy(done);
+      failed = r == ncclInProgress
+                   ? absl::DeadlineExceededError(absl::StrCat(
+                         CollectiveKindName(kind), ": NCCL did not enqueue within ",
+                         absl::FormatDuration(options_.timeout)))
+                   : NcclError(r, CollectiveKindName(kind));
+    } else {
+      cudaEventRecord(done, state_->stream);
+      state_->sent[static_cast<int>(kind)] += sent;
+      state_->pending.push_back({done, handle, absl::Now() + options_.timeout});
+    }
   }
-  // Order after the work already queued on the compute stream.
-  cudaEvent_t ready, done;
-  cudaEventCreateWithFlags(&ready, cudaEventDisableTiming);
-  cudaEventCreateWithFlags(&done, cudaEventDisableTiming);
-  cudaEventRecord(ready, static_cast<cudaStream_t>(options_.compute_stream));
-  cudaStreamWaitEvent(state_->stream, ready, 0);
-  cudaEventDestroy(ready);
-  const ncclResult_t r = enqueue(state_->stream);
-  if (r != ncclSuccess && r != ncclInProgress) {
-    cudaEventDestroy(done);
-    absl::Status s = NcclError(r, CollectiveKindName(kind));
-    Abort(s);
-    return Done(s);
+  if (!failed.ok()) {
+    Abort(failed);
+    return Done(failed);
   }
-  cudaEventRecord(done, state_->stream);
-  state_->sent[static_cast<int>(kind)] += sent;
-  auto handle = std::make_shared<CommHandle>();
-  absl::MutexLock l(&state_->mu);
-  state_->pending.push_back({done, handle, absl::Now() + options_.timeout});
   return handle;
 }
 
@@ -178,7 +200,10 @@ void NcclCommunicator::Watch() {
       finished = true;
     } else {
       ncclResult_t async = ncclSuccess;
-      ncclCommGetAsyncError(state_->comm, &async);
+      {
+        absl::MutexLock l(&state_->mu);
+        if (state_->comm != nullptr) ncclCommGetAsyncError(state_->comm, &async);
+      }
       if (async != ncclSuccess && async != ncclInProgress) {
         status = NcclError(async, "collective");
         finished = true;
@@ -193,15 +218,19 @@ void NcclCommunicator::Watch() {
       absl::SleepFor(absl::Microseconds(50));
       continue;
     }
-    if (!status.ok()) Abort(status);
+    bool mine = false;  // false: an Abort() elsewhere already failed it
     {
       absl::MutexLock l(&state_->mu);
       if (!state_->pending.empty() && state_->pending.front().handle == front.handle) {
         state_->pending.pop_front();
+        mine = true;
       }
     }
-    cudaEventDestroy(front.done);
-    front.handle->Complete(status);
+    if (!status.ok()) Abort(status);
+    if (mine) {
+      cudaEventDestroy(front.done);
+      front.handle->Complete(status);
+    }
   }
 }
 
@@ -214,10 +243,15 @@ void NcclCommunicator::Abort(const absl::Status& reason) {
     state_->aborted = absl::AbortedError(absl::StrCat("communicator aborted: ", reason.ToString()));
     status = state_->aborted;
     failed.swap(state_->pending);
+    // ncclCommAbort stops in-flight collectives (also ones waiting for a
+    // peer that died) and frees the communicator.
+    if (state_->comm != nullptr) ncclCommAbort(state_->comm);
+    state_->comm = nullptr;
   }
-  if (state_->comm != nullptr) ncclCommAbort(state_->comm);
-  state_->comm = nullptr;
-  for (auto& p : failed) p.handle->Complete(status);
+  for (auto& p : failed) {
+    cudaEventDestroy(p.done);
+    p.handle->Complete(status);
+  }
 }
 
 CommHandlePtr NcclCommunicator::ReduceScatter(void* buffer, int64_t count, ElementType type, ReduceOp op) {

@@ -194,17 +194,31 @@ absl::Status ShardedOptimizer::WaitOrAbort(const CommHandlePtr& handle, const ch
                                              " failed: ", s.message()));
 }
 
+absl::Status ShardedOptimizer::OnHostBuffer(void* data, int64_t bytes, const char* what,
+                                            const std::function<CommHandlePtr(void*)>& launch) {
+  if (!device_.is_cuda()) return WaitOrAbort(launch(data), what, -1);
+  // NCCL moves device memory only: stage through a device buffer (the copies
+  // run on the current stream, which the communicator orders against).
+  torch::Tensor host = torch::from_blob(data, {bytes}, torch::kUInt8);
+  torch::Tensor dev = host.to(device_);
+  SHARDOPT_RETURN_IF_ERROR(WaitOrAbort(launch(dev.data_ptr()), what, -1));
+  host.copy_(dev);
+  return absl::OkStatus();
+}
+
 absl::Status ShardedOptimizer::CheckSameModelOnAllRanks() {
   const std::string mine = DescribeModel(layout_, options_);
   int64_t len = static_cast<int64_t>(mine.size());
-  SHARDOPT_RETURN_IF_ERROR(
-      WaitOrAbort(comm_->Broadcast(&len, sizeof(len), ElementType::kByte, 0), "model check", -1));
+  SHARDOPT_RETURN_IF_ERROR(OnHostBuffer(&len, sizeof(len), "model check", [&](void* b) {
+    return comm_->Broadcast(b, sizeof(len), ElementType::kByte, 0);
+  }));
   if (len < 0 || len > (int64_t{1} << 30)) {
     return absl::DataLossError("model check: rank 0 sent a corrupt description length");
   }
   std::string theirs = rank_ == 0 ? mine : std::string(static_cast<size_t>(len), '\0');
-  SHARDOPT_RETURN_IF_ERROR(WaitOrAbort(
-      comm_->Broadcast(theirs.data(), len, ElementType::kByte, 0), "model check", -1));
+  SHARDOPT_RETURN_IF_ERROR(OnHostBuffer(theirs.data(), len, "model check", [&](void* b) {
+    return comm_->Broadcast(b, len, ElementType::kByte, 0);
+  }));
   std::string detail;
   if (theirs != mine) {
     std::vector<std::string> a = absl::StrSplit(theirs, '\n');
@@ -226,8 +240,9 @@ absl::Status ShardedOptimizer::CheckSameModelOnAllRanks() {
   }
   // Every rank learns whether any rank differs, so all fail together.
   float flag = detail.empty() ? 0.0f : 1.0f;
-  SHARDOPT_RETURN_IF_ERROR(WaitOrAbort(
-      comm_->AllReduce(&flag, 1, ElementType::kFloat32, ReduceOp::kMax), "model check", -1));
+  SHARDOPT_RETURN_IF_ERROR(OnHostBuffer(&flag, sizeof(flag), "model check", [&](void* b) {
+    return comm_->AllReduce(b, 1, ElementType::kFloat32, ReduceOp::kMax);
+  }));
   if (!detail.empty()) {
     return absl::FailedPreconditionError(
         absl::StrCat("layout hash mismatch, refusing to train: ", detail));
@@ -518,8 +533,9 @@ absl::StatusOr<StepResult> ShardedOptimizer::Step() {
   };
   auto global_norm = [&]() -> absl::StatusOr<double> {
     float sq = static_cast<float>(local_sq);
-    SHARDOPT_RETURN_IF_ERROR(WaitOrAbort(
-        comm_->AllReduce(&sq, 1, ElementType::kFloat32, ReduceOp::kSum), "gradient norm", -1));
+    SHARDOPT_RETURN_IF_ERROR(OnHostBuffer(&sq, sizeof(sq), "gradient norm", [&](void* b) {
+      return comm_->AllReduce(b, 1, ElementType::kFloat32, ReduceOp::kSum);
+    }));
     return std::sqrt(static_cast<double>(sq));
   };
 

@@ -18,6 +18,7 @@
 
 #include <torch/types.h>
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -163,6 +164,10 @@ class ShardedOptimizer {
   void LaunchReduceScatterLocked(int bucket);
   void Trace(TraceEvent::Kind kind, int bucket, int param);
   absl::Status WaitOrAbort(const CommHandlePtr& handle, const char* what, int bucket);
+  // Runs the collective `launch(buffer)` on `bytes` of host memory, staged
+  // through device memory when the parameters live on a GPU (NCCL).
+  absl::Status OnHostBuffer(void* data, int64_t bytes, const char* what,
+                            const std::function<CommHandlePtr(void*)>& launch);
 
   ShardedOptimizerOptions options_;
   Communicator* comm_;

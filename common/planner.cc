@@ -1,12 +1,13 @@
 #include "common/planner.h"
 
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 #include <deque>
 #include <numeric>
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
-#include "glog/logging.h"
 
 namespace shardopt {
 
@@ -194,8 +195,10 @@ void LayoutBuilder::PlaceBucket(Layout* layout, Bucket* bucket, const std::vecto
     }
   }
   // Invariant (capacity * n >= elements): everything was placed.
-  CHECK(stream.empty() && carry < 0) << "planner bug: bucket " << bucket->index
-                                      << " did not fit its capacity";
+  if (!stream.empty() || carry >= 0) {
+    std::fprintf(stderr, "planner bug: bucket %d did not fit its capacity\n", bucket->index);
+    std::abort();
+  }
 }
 
 void LayoutBuilder::PlaceWhole(Layout* layout, Bucket* bucket, const std::vector<int64_t>& numel) {

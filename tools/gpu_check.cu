@@ -8,6 +8,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <chrono>
 #include <functional>
 #include <cmath>
@@ -51,7 +52,42 @@ AdamArgs MakeAdam(int64_t step, bool adamw) {
   return a;
 }
 
-// The reference, element by element (compiled without contraction: see the build).
+SgdArgs MakeSgd(int64_t step, bool nesterov) {
+  SgdArgs a;
+  a.grad_sign = 1.0f;
+  a.weight_decay = 1e-4f;
+  a.l2 = 1;
+  a.momentum_enabled = 1;
+  a.first_step = step == 1 ? 1 : 0;
+  a.nesterov = nesterov ? 1 : 0;
+  a.momentum = 0.9f;
+  a.one_minus_dampening = 1.0f;
+  a.neg_lr = -0.01f;
+  return a;
+}
+
+uint16_t ToBf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+float FromBf16(uint16_t h) {
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+uint16_t To16(float f, ParamType t) {
+  return t == ParamType::kBFloat16 ? ToBf16(f) : __half_as_ushort(__float2half_rn(f));
+}
+float From16(uint16_t h, ParamType t) {
+  return t == ParamType::kBFloat16 ? FromBf16(h) : __half2float(__ushort_as_half(h));
+}
+
+// The reference, element by element: the expressions of
+// server/reference_optimizer.cc (compiled without contraction: see the build).
 void ReferenceAdam(const AdamArgs& k, float* p, const float* g, float* m, float* v, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     float pi = p[i];
@@ -66,14 +102,27 @@ void ReferenceAdam(const AdamArgs& k, float* p, const float* g, float* m, float*
     p[i] = pi + k.neg_step_size * mi / denom;
   }
 }
-
-uint16_t ToBf16(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
+void ReferenceSgd(const SgdArgs& k, float* p, const float* g, float* b, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    float d = g[i] * k.grad_sign;
+    if (k.l2) d = d + k.weight_decay * p[i];
+    const float bi = k.first_step ? d : b[i] * k.momentum + k.one_minus_dampening * d;
+    b[i] = bi;
+    d = k.nesterov ? d + k.momentum * bi : bi;
+    p[i] = p[i] + k.neg_lr * d;
+  }
 }
+
+// Cheap deterministic values (the > 2 GiB case fills billions).
+struct Rng {
+  uint64_t s;
+  float Next() {  // roughly uniform in [-1, 1)
+    s ^= s << 13;
+    s ^= s >> 7;
+    s ^= s << 17;
+    return static_cast<float>(static_cast<int32_t>(s >> 32)) * (1.0f / 2147483648.0f);
+  }
+};
 
 struct Result {
   std::string name;
@@ -81,55 +130,75 @@ struct Result {
   std::string detail;
 };
 
-// One correctness case: `sizes` slices, `steps` steps, fp32 master + bf16 or
-// fp16 model copy; compares bitwise.
-Result CheckCase(const std::vector<int64_t>& sizes, bool adamw, ParamType model_type, int steps) {
+enum class Opt { kAdam, kAdamW, kSgd, kSgdNesterov };
+
+// One correctness case: `sizes` slices updated together (one multi-tensor
+// call per step), `steps` steps; gradients in `grad_type`; a model copy in
+// `model_type` unless `with_model` is false; `offset` elements shift every
+// device array off 16-byte alignment (the scalar path). Compares bitwise.
+Result CheckCase(const std::vector<int64_t>& sizes, Opt opt, ParamType grad_type, bool with_model,
+                 ParamType model_type, int steps, int offset = 0) {
   std::vector<std::vector<float>> p, g, m, v;
   std::vector<DeviceSlice> dev;
   std::vector<void*> allocs;
-  std::mt19937 rng(7);
-  std::normal_distribution<float> d(0, 1);
+  Rng rng{0x9e3779b97f4a7c15ull};
   for (int64_t n : sizes) {
     p.emplace_back(n);
     g.emplace_back(n);
     m.emplace_back(n, 0.0f);
     v.emplace_back(n, 0.0f);
+    std::vector<uint16_t> g16(grad_type == ParamType::kFloat32 ? 0 : n);
     for (int64_t i = 0; i < n; ++i) {
-      p.back()[i] = d(rng);
-      g.back()[i] = 0.1f * d(rng);
+      p.back()[i] = rng.Next();
+      float gi = 0.1f * rng.Next();
+      if (grad_type != ParamType::kFloat32) {
+        g16[i] = To16(gi, grad_type);
+        gi = From16(g16[i], grad_type);
+      }
+      g.back()[i] = gi;
     }
-    DeviceSlice s;
-    const size_t b = static_cast<size_t>(std::max<int64_t>(n, 1)) * 4;
-    float *dp, *dg, *dm, *dv;
-    void* dmodel;
+    const size_t b = (static_cast<size_t>(n) + offset + 4) * 4;
+    char *dp, *dg, *dm, *dv, *dmodel;
     CHECK_CUDA(cudaMalloc(&dp, b));
     CHECK_CUDA(cudaMalloc(&dg, b));
     CHECK_CUDA(cudaMalloc(&dm, b));
     CHECK_CUDA(cudaMalloc(&dv, b));
     CHECK_CUDA(cudaMalloc(&dmodel, b));
     allocs.insert(allocs.end(), {dp, dg, dm, dv, dmodel});
-    CHECK_CUDA(cudaMemcpy(dp, p.back().data(), n * 4, cudaMemcpyHostToDevice));
-    CHECK_CUDA(cudaMemcpy(dg, g.back().data(), n * 4, cudaMemcpyHostToDevice));
-    CHECK_CUDA(cudaMemset(dm, 0, b));
-    CHECK_CUDA(cudaMemset(dv, 0, b));
-    s.master = dp;
-    s.grad = dg;
-    s.state0 = dm;
-    s.state1 = dv;
-    s.model = dmodel;
+    DeviceSlice s;
+    s.master = reinterpret_cast<float*>(dp) + offset;
+    s.grad_type = grad_type;
+    s.grad = dg + offset * (grad_type == ParamType::kFloat32 ? 4 : 2);
+    s.state0 = reinterpret_cast<float*>(dm) + offset;
+    s.state1 = reinterpret_cast<float*>(dv) + offset;
+    s.model = with_model ? dmodel + offset * (model_type == ParamType::kFloat32 ? 4 : 2) : nullptr;
     s.model_type = model_type;
     s.size = n;
+    CHECK_CUDA(cudaMemcpy(s.master, p.back().data(), n * 4, cudaMemcpyHostToDevice));
+    if (grad_type == ParamType::kFloat32) {
+      CHECK_CUDA(cudaMemcpy(const_cast<void*>(s.grad), g.back().data(), n * 4, cudaMemcpyHostToDevice));
+    } else {
+      CHECK_CUDA(cudaMemcpy(const_cast<void*>(s.grad), g16.data(), n * 2, cudaMemcpyHostToDevice));
+    }
+    CHECK_CUDA(cudaMemset(dm, 0, b));
+    CHECK_CUDA(cudaMemset(dv, 0, b));
     dev.push_back(s);
   }
   char err[256];
   for (int step = 1; step <= steps; ++step) {
-    const AdamArgs a = MakeAdam(step, adamw);
-    if (impl::Adam(a, dev.data(), static_cast<int>(dev.size()), nullptr, err, sizeof(err)) != 0) {
-      return {"", false, err};
+    int rc = 0;
+    if (opt == Opt::kAdam || opt == Opt::kAdamW) {
+      const AdamArgs a = MakeAdam(step, opt == Opt::kAdamW);
+      rc = impl::Adam(a, dev.data(), static_cast<int>(dev.size()), nullptr, err, sizeof(err));
+      for (size_t i = 0; i < sizes.size(); ++i) {
+        ReferenceAdam(a, p[i].data(), g[i].data(), m[i].data(), v[i].data(), sizes[i]);
+      }
+    } else {
+      const SgdArgs a = MakeSgd(step, opt == Opt::kSgdNesterov);
+      rc = impl::Sgd(a, dev.data(), static_cast<int>(dev.size()), nullptr, err, sizeof(err));
+      for (size_t i = 0; i < sizes.size(); ++i) ReferenceSgd(a, p[i].data(), g[i].data(), m[i].data(), sizes[i]);
     }
-    for (size_t i = 0; i < sizes.size(); ++i) {
-      ReferenceAdam(a, p[i].data(), g[i].data(), m[i].data(), v[i].data(), sizes[i]);
-    }
+    if (rc != 0) return {"", false, err};
   }
   CHECK_CUDA(cudaDeviceSynchronize());
   std::string detail;
@@ -146,15 +215,26 @@ Result CheckCase(const std::vector<int64_t>& sizes, bool adamw, ParamType model_
         break;
       }
     }
+    CHECK_CUDA(cudaMemcpy(got.data(), dev[i].state0, n * 4, cudaMemcpyDeviceToHost));
+    if (ok && n > 0 && std::memcmp(got.data(), m[i].data(), n * 4) != 0) {
+      ok = false;
+      detail = "first state differs at size " + std::to_string(n);
+    }
+    if (!with_model || !ok) continue;
+    if (model_type == ParamType::kFloat32) {
+      CHECK_CUDA(cudaMemcpy(got.data(), dev[i].model, n * 4, cudaMemcpyDeviceToHost));
+      if (n > 0 && std::memcmp(got.data(), p[i].data(), n * 4) != 0) {
+        ok = false;
+        detail = "fp32 model copy differs at size " + std::to_string(n);
+      }
+      continue;
+    }
     std::vector<uint16_t> model(n);
     CHECK_CUDA(cudaMemcpy(model.data(), dev[i].model, n * 2, cudaMemcpyDeviceToHost));
-    for (int64_t k = 0; k < n && ok; k += 1 + n / 4096) {
-      const uint16_t want = model_type == ParamType::kBFloat16
-                                ? ToBf16(p[i][k])
-                                : __half_as_ushort(__float2half_rn(p[i][k]));
-      if (model[k] != want) {
+    for (int64_t k = 0; k < n && ok; ++k) {
+      if (model[k] != To16(p[i][k], model_type)) {
         ok = false;
-        detail = "model copy differs at size " + std::to_string(n) + " element " + std::to_string(k);
+        detail = "16-bit model copy differs at size " + std::to_string(n) + " element " + std::to_string(k);
       }
     }
   }
@@ -201,27 +281,36 @@ int main(int argc, char** argv) {
   std::printf("gpu_check: %s (sm_%d%d, %.0f GiB)\n", prop.name, prop.major, prop.minor,
               prop.totalGlobalMem / 1073741824.0);
   std::vector<Result> results;
-  const std::vector<int64_t> sizes = {0, 1, 7, 8, 15, 16, 1023, 65535, 65536, 65537, 1000003, 1 << 20};
-  for (bool adamw : {false, true}) {
-    for (ParamType t : {ParamType::kBFloat16, ParamType::kFloat16}) {
-      Result r = CheckCase(sizes, adamw, t, 5);
-      r.name = std::string(adamw ? "adamw" : "adam") + (t == ParamType::kBFloat16 ? "_bf16" : "_fp16") +
-               "_many_sizes";
-      results.push_back(r);
-    }
-  }
-  if (big > 0) {
-    Result r = CheckCase({big, 3}, false, ParamType::kBFloat16, 2);
-    r.name = "adam_over_2GiB_per_array";
+  const std::vector<int64_t> sizes = {0, 1, 3, 7, 8, 15, 16, 1023, 16383, 16384, 16385, 65537, 1000003, 1 << 20};
+  auto add = [&](const std::string& name, Result r) {
+    r.name = name;
+    std::printf("  %-34s %s\n", name.c_str(), r.ok ? "ok (bitwise equal)" : ("FAILED: " + r.detail).c_str());
+    std::fflush(stdout);
     results.push_back(r);
+  };
+  const ParamType kF32 = ParamType::kFloat32, kBf16 = ParamType::kBFloat16, kF16 = ParamType::kFloat16;
+  add("adam_fp32", CheckCase(sizes, Opt::kAdam, kF32, false, kF32, 5));
+  add("adamw_fp32", CheckCase(sizes, Opt::kAdamW, kF32, false, kF32, 5));
+  add("adam_fp32_model_copy", CheckCase(sizes, Opt::kAdam, kF32, true, kF32, 3));
+  add("adam_bf16_model_fp32_master", CheckCase(sizes, Opt::kAdam, kF32, true, kBf16, 5));
+  add("adamw_fp16_model_fp32_master", CheckCase(sizes, Opt::kAdamW, kF32, true, kF16, 5));
+  add("adam_bf16_grads_bf16_model", CheckCase(sizes, Opt::kAdam, kBf16, true, kBf16, 5));
+  add("adam_fp16_grads_fp16_model", CheckCase(sizes, Opt::kAdam, kF16, true, kF16, 5));
+  add("sgd_momentum_fp32", CheckCase(sizes, Opt::kSgd, kF32, false, kF32, 5));
+  add("sgd_nesterov_bf16_model", CheckCase(sizes, Opt::kSgdNesterov, kF32, true, kBf16, 5));
+  add("adam_misaligned_scalar_path", CheckCase(sizes, Opt::kAdam, kF32, true, kBf16, 3, 1));
+  add("adam_bf16_misaligned", CheckCase(sizes, Opt::kAdam, kBf16, true, kBf16, 3, 2));
+  {
+    std::vector<int64_t> many;  // more slices than one launch takes (batches of 32)
+    for (int i = 0; i < 100; ++i) many.push_back(1 + (i * 7919) % 40000);
+    add("adam_100_slices", CheckCase(many, Opt::kAdam, kF32, true, kBf16, 3));
   }
+  if (big > 0) add("adam_over_2GiB_per_array", CheckCase({big, 3}, Opt::kAdam, kF32, true, kBf16, 2));
   bool all_ok = true;
-  for (const Result& r : results) {
-    std::printf("  %-28s %s\n", r.name.c_str(), r.ok ? "ok (bitwise equal)" : ("FAILED: " + r.detail).c_str());
-    all_ok &= r.ok;
-  }
-  // Benchmark: Adam on bench_n fp32 parameters vs a device-to-device copy.
-  float *p, *g, *m, *v, *src, *dst;
+  for (const Result& r : results) all_ok &= r.ok;
+  // Benchmark: Adam on bench_n fp32 parameters vs a device-to-device copy of
+  // a buffer of the same size as one Adam pass moves, all in this run.
+  float *p, *g, *m, *v;
   const size_t b = static_cast<size_t>(bench_n) * 4;
   CHECK_CUDA(cudaMalloc(&p, b));
   CHECK_CUDA(cudaMalloc(&g, b));
@@ -239,24 +328,70 @@ int main(int argc, char** argv) {
   s.size = bench_n;
   char err[256];
   const AdamArgs a = MakeAdam(10, false);
-  const double t_adam = TimeIt([&] { impl::Adam(a, &s, 1, nullptr, err, sizeof(err)); }, 20);
-  const double t_same = TimeIt([&] { impl::SameTraffic(&s, 1, nullptr, err, sizeof(err)); }, 20);
-  CHECK_CUDA(cudaMalloc(&src, 2 * b));
-  CHECK_CUDA(cudaMalloc(&dst, 2 * b));
-  const double t_copy = TimeIt([&] { cudaMemcpyAsync(dst, src, 2 * b, cudaMemcpyDeviceToDevice); }, 20);
+  const int reps = 20;
+  auto adam = [&](const std::vector<DeviceSlice>& sl) {
+    if (impl::Adam(a, sl.data(), static_cast<int>(sl.size()), nullptr, err, sizeof(err)) != 0) {
+      std::fprintf(stderr, "Adam failed: %s\n", err);
+      std::exit(1);
+    }
+  };
+  const std::vector<DeviceSlice> one = {s};
+  // The same parameters as 148 slices of GPT-2-like uneven sizes (multi-tensor).
+  std::vector<DeviceSlice> many;
+  {
+    int64_t at = 0;
+    for (int i = 0; at < bench_n; ++i) {
+      DeviceSlice t = s;
+      const int64_t want = (i % 4 == 0) ? bench_n / 40 : (i % 4 == 1 ? bench_n / 400 : 768 * 4 + i);
+      t.size = std::min<int64_t>(want, bench_n - at);
+      t.master = p + at;
+      t.grad = g + at;
+      t.state0 = m + at;
+      t.state1 = v + at;
+      many.push_back(t);
+      at += t.size;
+    }
+  }
+  // bf16 model copy with fp32 master (mixed precision): 2 more bytes/param.
+  uint16_t* model16;
+  CHECK_CUDA(cudaMalloc(&model16, bench_n * 2));
+  DeviceSlice sm = s;
+  sm.model = model16;
+  sm.model_type = ParamType::kBFloat16;
+  const std::vector<DeviceSlice> mixed = {sm};
+  void *src, *dst;
+  const size_t copy_bytes = 14 * static_cast<size_t>(bench_n);  // 28 bytes/param moved, half each way
+  CHECK_CUDA(cudaMalloc(&src, copy_bytes));
+  CHECK_CUDA(cudaMalloc(&dst, copy_bytes));
+  CHECK_CUDA(cudaMemset(src, 0, copy_bytes));
+  double t_adam = 1e30, t_same = 1e30, t_copy = 1e30, t_many = 1e30, t_mixed = 1e30;
+  for (int round = 0; round < 3; ++round) {  // interleaved rounds, best of each
+    t_adam = std::min(t_adam, TimeIt([&] { adam(one); }, reps));
+    t_same = std::min(t_same, TimeIt([&] { impl::SameTraffic(&s, 1, nullptr, err, sizeof(err)); }, reps));
+    t_copy = std::min(t_copy, TimeIt([&] { cudaMemcpyAsync(dst, src, copy_bytes, cudaMemcpyDeviceToDevice); }, reps));
+    t_many = std::min(t_many, TimeIt([&] { adam(many); }, reps));
+    t_mixed = std::min(t_mixed, TimeIt([&] { adam(mixed); }, reps));
+  }
+  CHECK_CUDA(cudaDeviceSynchronize());
   const double adam_gbps = 28.0 * bench_n / t_adam / 1e9;
-  const double copy_gbps = 2.0 * 2 * b / t_copy / 1e9;
+  const double copy_gbps = 2.0 * copy_bytes / t_copy / 1e9;
   const double same_gbps = 28.0 * bench_n / t_same / 1e9;
-  std::printf("  Adam on %lld params: %.3f ms, %.0f GB/s; same-traffic %.0f GB/s; d2d copy %.0f GB/s; "
+  const double many_gbps = 28.0 * bench_n / t_many / 1e9;
+  const double mixed_gbps = 30.0 * bench_n / t_mixed / 1e9;
+  std::printf("  Adam on %lld fp32 params: %.3f ms, %.0f GB/s; same-traffic kernel %.0f GB/s; d2d copy %.0f GB/s; "
               "adam_copy_fraction %.3f\n",
               static_cast<long long>(bench_n), t_adam * 1e3, adam_gbps, same_gbps, copy_gbps,
               adam_gbps / copy_gbps);
+  std::printf("  Adam over %zu slices: %.0f GB/s; with a bf16 model copy: %.0f GB/s\n", many.size(),
+              many_gbps, mixed_gbps);
   std::fprintf(out,
                "{\"device\": \"%s\", \"devices\": %d, \"correctness_ok\": %s, \"bench_params\": %lld, "
                "\"adam_ms\": %.4f, \"adam_gbps\": %.2f, \"same_traffic_gbps\": %.2f, "
-               "\"d2d_copy_gbps\": %.2f, \"adam_copy_fraction\": %.4f, \"cases\": [",
+               "\"d2d_copy_gbps\": %.2f, \"adam_copy_fraction\": %.4f, \"adam_multi_slice_count\": %zu, "
+               "\"adam_multi_slice_gbps\": %.2f, \"adam_bf16_model_gbps\": %.2f, \"cases\": [",
                prop.name, devices, all_ok ? "true" : "false", static_cast<long long>(bench_n),
-               t_adam * 1e3, adam_gbps, same_gbps, copy_gbps, adam_gbps / copy_gbps);
+               t_adam * 1e3, adam_gbps, same_gbps, copy_gbps, adam_gbps / copy_gbps, many.size(),
+               many_gbps, mixed_gbps);
   for (size_t i = 0; i < results.size(); ++i) {
     std::fprintf(out, "%s{\"name\": \"%s\", \"ok\": %s}", i ? ", " : "", results[i].name.c_str(),
                  results[i].ok ? "true" : "false");
