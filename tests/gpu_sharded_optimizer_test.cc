@@ -7,7 +7,7 @@
 //
 // Tolerance: LibTorch's CUDA Adam and our kernel evaluate the same formula in
 // a different order (and LibTorch contracts to FMA), so parameters agree to a
-// few fp32 ulps per step: we require 2e-6 * max(1, |p|) after 10 steps.
+// few fp32 ulps per step: we require 1e-5 * max(1, |p|) after 10 steps.
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/utils/clip_grad.h>
 #include <torch/optim/adam.h>
@@ -137,19 +137,19 @@ double Compare(OptimizerKind kind, double max_grad_norm) {
 TEST_F(GpuShardedOptimizerTest, AdamMatchesLibTorchOnTheGpu) {
   const double worst = Compare(OptimizerKind::kAdam, 0.0);
   RecordProperty("adam_max_rel_diff", std::to_string(worst));
-  EXPECT_LE(worst, 2e-6);
+  EXPECT_LE(worst, 1e-5);
 }
 
 TEST_F(GpuShardedOptimizerTest, AdamWWithClippingMatchesLibTorchOnTheGpu) {
   const double worst = Compare(OptimizerKind::kAdamW, 0.5);
   RecordProperty("adamw_clip_max_rel_diff", std::to_string(worst));
-  EXPECT_LE(worst, 2e-6);
+  EXPECT_LE(worst, 1e-5);
 }
 
 TEST_F(GpuShardedOptimizerTest, SgdMomentumMatchesLibTorchOnTheGpu) {
   const double worst = Compare(OptimizerKind::kSgd, 0.0);
   RecordProperty("sgd_max_rel_diff", std::to_string(worst));
-  EXPECT_LE(worst, 2e-6);
+  EXPECT_LE(worst, 1e-5);
 }
 
 }  // namespace
