@@ -121,9 +121,11 @@ say "objects built"
 obj() { for n in "$@"; do echo "$b/$n.o"; done; }
 absl_libs=()
 if [[ $have_absl == 1 ]]; then
-  for l in "${DEPS:-/usr/lib/x86_64-linux-gnu}"/lib/libabsl_*.so /usr/lib/x86_64-linux-gnu/libabsl_*.so; do
-    [[ -e $l ]] && absl_libs+=("$l")
-  done
+  if [[ -n $DEPS ]]; then
+    absl_libs=("$DEPS"/lib/libabsl_*.so*)
+  else
+    absl_libs=(/usr/lib/x86_64-linux-gnu/libabsl_*.so)
+  fi
 fi
 gtest_libs=(-lgtest_main -lgtest -lpthread)
 cudart_static=(-L"$CUDA_HOME/lib64" -lcudart_static -ldl -lrt -lpthread)
@@ -213,7 +215,7 @@ print(f"  torch {torch.__version__} fused Adam: {ms:.3f} ms ({res['torch_fused_a
 PY
 say "torch comparison done"
 # Stage 4: the gtests.
-export LD_LIBRARY_PATH=${nccl_lib:+$nccl_lib:}${torch_lib:+$torch_lib:}${LD_LIBRARY_PATH:-}
+export LD_LIBRARY_PATH=${DEPS:+$DEPS/lib:}${nccl_lib:+$nccl_lib:}${torch_lib:+$torch_lib:}${LD_LIBRARY_PATH:-}
 gtests=()
 for t in gpu_kernels_test gpu_nccl_test gpu_sharded_optimizer_test; do
   if [[ -x $b/$t ]]; then

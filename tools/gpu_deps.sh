@@ -14,6 +14,12 @@ done
 rm -rf "$dir"
 mkdir -p "$dir/include" "$dir/lib" "$dir/nccl_include"
 cp -r /usr/include/absl /usr/include/gtest "$dir/include/"
-cp -a $lib/libabsl_*.so* $lib/libgtest.a $lib/libgtest_main.a "$dir/lib/"
+# Plain files named by their sonames (links may not survive a copy to the
+# GPU machine); gpu_check.sh links these by path.
+for f in $lib/libabsl_*.so.*.*.*; do
+  soname=$(objdump -p "$f" | awk '/SONAME/ {print $2}')
+  cp "$f" "$dir/lib/${soname:-$(basename "$f")}"
+done
+cp $lib/libgtest.a $lib/libgtest_main.a "$dir/lib/"
 if [[ -f /usr/local/cuda/include/nccl.h ]]; then cp /usr/local/cuda/include/nccl.h "$dir/nccl_include/"; fi
 echo "gpu_deps: $(du -sh "$dir" | cut -f1) in $dir"
