@@ -78,11 +78,35 @@ absl::Status AgreeOnSuccess(Communicator* comm, const absl::Status& mine, const 
 
 }  // namespace
 
+// GPU-resident state is read and written through host copies of the owned
+// slices; this ends the staging on every return.
+class Staging {
+ public:
+  explicit Staging(ShardedOptimizer& opt) : opt_(opt) {}
+  absl::Status Begin() {
+    if (!opt_.on_device()) return absl::OkStatus();
+    SHARDOPT_RETURN_IF_ERROR(opt_.StageToHost());
+    active_ = true;
+    return absl::OkStatus();
+  }
+  absl::Status CopyBack() {
+    if (!active_) return absl::OkStatus();
+    active_ = false;
+    return opt_.EndStaging(/*copy_back=*/true);
+  }
+  ~Staging() {
+    if (active_) (void)opt_.EndStaging(/*copy_back=*/false);
+  }
+
+ private:
+  ShardedOptimizer& opt_;
+  bool active_ = false;
+};
+
 absl::StatusOr<std::string> SaveCheckpoint(ShardedOptimizer& opt, const std::string& root,
                                            const CheckpointOptions& options) {
-  if (opt.on_device()) {
-    return absl::UnimplementedError("checkpoints of GPU-resident optimizer state are not implemented yet");
-  }
+  Staging staging(opt);
+  SHARDOPT_RETURN_IF_ERROR(staging.Begin());
   FileSystem* fs = options.fs;
   Communicator* comm = opt.communicator();
   const Layout& layout = opt.layout();
@@ -263,9 +287,8 @@ absl::Status VerifyCheckpoint(FileSystem* fs, const std::string& dir) {
 
 absl::StatusOr<nlohmann::json> LoadCheckpoint(ShardedOptimizer& opt, const std::string& path,
                                               FileSystem* fs) {
-  if (opt.on_device()) {
-    return absl::UnimplementedError("checkpoints of GPU-resident optimizer state are not implemented yet");
-  }
+  Staging staging(opt);
+  SHARDOPT_RETURN_IF_ERROR(staging.Begin());
   Communicator* comm = opt.communicator();
   const Layout& layout = opt.layout();
   const int rank = comm->rank();
@@ -379,6 +402,7 @@ absl::StatusOr<nlohmann::json> LoadCheckpoint(ShardedOptimizer& opt, const std::
   };
   absl::Status mine = read_mine();
   SHARDOPT_RETURN_IF_ERROR(AgreeOnSuccess(comm, mine, "loading the checkpoint"));
+  SHARDOPT_RETURN_IF_ERROR(staging.CopyBack());
   SHARDOPT_RETURN_IF_ERROR(opt.FinishRestore(m["step"].get<int64_t>()));
   return m;
 }

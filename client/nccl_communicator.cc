@@ -4,6 +4,8 @@
 #include <nccl.h>
 
 #include <cstring>
+#include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 
@@ -18,8 +20,15 @@ struct NcclCommunicator::State {
     cudaEvent_t done;
     CommHandlePtr handle;
     absl::Time deadline;
+    // Host buffers are staged: copied into `pinned`, moved through device
+    // memory, and copied back to `host` when the collective is done.
+    void* host = nullptr;
+    void* pinned = nullptr;
+    size_t bytes = 0;
   };
   std::deque<Pending> pending ABSL_GUARDED_BY(mu);
+  // Pinned staging buffers for reuse: {pointer, capacity}.
+  std::vector<std::pair<void*, size_t>> pinned_free ABSL_GUARDED_BY(mu);
   bool stopping ABSL_GUARDED_BY(mu) = false;
   absl::Status aborted ABSL_GUARDED_BY(mu);
   std::array<std::atomic<int64_t>, kNumCollectiveKinds> sent{};
@@ -134,27 +143,65 @@ NcclCommunicator::~NcclCommunicator() {
   if (watcher_.joinable()) watcher_.join();
   if (state_->comm != nullptr) ncclCommDestroy(state_->comm);
   if (state_->scratch != nullptr) cudaFree(state_->scratch);
+  {
+    absl::MutexLock l(&state_->mu);
+    for (auto& [p, n] : state_->pinned_free) cudaFreeHost(p);
+  }
   if (state_->stream != nullptr) cudaStreamDestroy(state_->stream);
 }
 
+bool NcclCommunicator::IsHostMemory(const void* p) {
+  cudaPointerAttributes a;
+  if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+    cudaGetLastError();
+    return true;
+  }
+  return a.type == cudaMemoryTypeUnregistered || a.type == cudaMemoryTypeHost;
+}
+
 template <typename Enqueue>
-CommHandlePtr NcclCommunicator::Submit(CollectiveKind kind, int64_t sent, Enqueue enqueue) {
+CommHandlePtr NcclCommunicator::Submit(CollectiveKind kind, int64_t sent, void* buffer,
+                                       size_t bytes, Enqueue enqueue) {
   absl::Status failed;
   auto handle = std::make_shared<CommHandle>();
+  // NCCL moves device memory only; small host buffers (control values, the
+  // model check, checkpoint agreement) are staged through device memory.
+  const bool staged = buffer != nullptr && bytes > 0 && IsHostMemory(buffer);
   {
     // Held across the enqueue so that Abort() cannot free the communicator
     // under it.
     absl::MutexLock l(&state_->mu);
     if (!state_->aborted.ok()) return Done(state_->aborted);
+    cudaStream_t stream = state_->stream;
     // Order after the work already queued on the compute stream.
     cudaEvent_t ready, done;
     cudaEventCreateWithFlags(&ready, cudaEventDisableTiming);
     cudaEventCreateWithFlags(&done, cudaEventDisableTiming);
     cudaEventRecord(ready, static_cast<cudaStream_t>(options_.compute_stream));
-    cudaStreamWaitEvent(state_->stream, ready, 0);
+    cudaStreamWaitEvent(stream, ready, 0);
     cudaEventDestroy(ready);
-    const ncclResult_t r =
-        Settle(state_->comm, enqueue(state_->stream), absl::Now() + options_.timeout);
+    void* pinned = nullptr;
+    void* dev = buffer;
+    if (staged) {
+      for (size_t i = 0; i < state_->pinned_free.size(); ++i) {
+        if (state_->pinned_free[i].second >= bytes) {
+          pinned = state_->pinned_free[i].first;
+          state_->pinned_free.erase(state_->pinned_free.begin() + static_cast<long>(i));
+          break;
+        }
+      }
+      cudaError_t e = pinned != nullptr ? cudaSuccess : cudaMallocHost(&pinned, bytes);
+      if (e == cudaSuccess) e = cudaMallocAsync(&dev, bytes, stream);
+      if (e == cudaSuccess) {
+        std::memcpy(pinned, buffer, bytes);
+        e = cudaMemcpyAsync(dev, pinned, bytes, cudaMemcpyHostToDevice, stream);
+      }
+      if (e != cudaSuccess) {
+        cudaEventDestroy(done);
+        return Done(CudaError(e, "staging a host buffer"));
+      }
+    }
+    const ncclResult_t r = Settle(state_->comm, enqueue(dev, stream), absl::Now() + options_.timeout);
     if (r != ncclSuccess) {
       cudaEventDestroy(done);
       failed = r == ncclInProgress
@@ -163,9 +210,14 @@ CommHandlePtr NcclCommunicator::Submit(CollectiveKind kind, int64_t sent, Enqueu
                          absl::FormatDuration(options_.timeout)))
                    : NcclError(r, CollectiveKindName(kind));
     } else {
-      cudaEventRecord(done, state_->stream);
+      if (staged) {
+        cudaMemcpyAsync(pinned, dev, bytes, cudaMemcpyDeviceToHost, stream);
+        cudaFreeAsync(dev, stream);
+      }
+      cudaEventRecord(done, stream);
       state_->sent[static_cast<int>(kind)] += sent;
-      state_->pending.push_back({done, handle, absl::Now() + options_.timeout});
+      state_->pending.push_back({done, handle, absl::Now() + options_.timeout,
+                                 staged ? buffer : nullptr, pinned, staged ? bytes : 0});
     }
   }
   if (!failed.ok()) {
@@ -229,6 +281,11 @@ void NcclCommunicator::Watch() {
     if (!status.ok()) Abort(status);
     if (mine) {
       cudaEventDestroy(front.done);
+      if (front.pinned != nullptr) {
+        if (status.ok()) std::memcpy(front.host, front.pinned, front.bytes);
+        absl::MutexLock l(&state_->mu);
+        state_->pinned_free.push_back({front.pinned, front.bytes});
+      }
       front.handle->Complete(status);
     }
   }
@@ -257,16 +314,18 @@ void NcclCommunicator::Abort(const absl::Status& reason) {
 CommHandlePtr NcclCommunicator::ReduceScatter(void* buffer, int64_t count, ElementType type, ReduceOp op) {
   if (type == ElementType::kByte) return Done(absl::InvalidArgumentError("byte buffers cannot be reduced"));
   const int64_t bytes = count * ElementSize(type);
-  char* base = static_cast<char*>(buffer);
-  return Submit(CollectiveKind::kReduceScatter, (world_ - 1) * bytes, [&](cudaStream_t s) {
+  return Submit(CollectiveKind::kReduceScatter, (world_ - 1) * bytes, buffer, world_ * bytes,
+                [&](void* buf, cudaStream_t s) {
+    char* base = static_cast<char*>(buf);
     return ncclReduceScatter(base, base + rank_ * bytes, count, NcclType(type), NcclOp(op), state_->comm, s);
   });
 }
 
 CommHandlePtr NcclCommunicator::AllGather(void* buffer, int64_t count, ElementType type) {
   const int64_t bytes = count * ElementSize(type);
-  char* base = static_cast<char*>(buffer);
-  return Submit(CollectiveKind::kAllGather, (world_ - 1) * bytes, [&](cudaStream_t s) {
+  return Submit(CollectiveKind::kAllGather, (world_ - 1) * bytes, buffer, world_ * bytes,
+                [&](void* buf, cudaStream_t s) {
+    char* base = static_cast<char*>(buf);
     return ncclAllGather(base + rank_ * bytes, base, count, NcclType(type), state_->comm, s);
   });
 }
@@ -274,21 +333,23 @@ CommHandlePtr NcclCommunicator::AllGather(void* buffer, int64_t count, ElementTy
 CommHandlePtr NcclCommunicator::AllReduce(void* buffer, int64_t count, ElementType type, ReduceOp op) {
   if (type == ElementType::kByte) return Done(absl::InvalidArgumentError("byte buffers cannot be reduced"));
   const int64_t bytes = count * ElementSize(type);
-  return Submit(CollectiveKind::kAllReduce, 2 * (world_ - 1) * bytes / world_, [&](cudaStream_t s) {
-    return ncclAllReduce(buffer, buffer, count, NcclType(type), NcclOp(op), state_->comm, s);
+  return Submit(CollectiveKind::kAllReduce, 2 * (world_ - 1) * bytes / world_, buffer, bytes,
+                [&](void* buf, cudaStream_t s) {
+    return ncclAllReduce(buf, buf, count, NcclType(type), NcclOp(op), state_->comm, s);
   });
 }
 
 CommHandlePtr NcclCommunicator::Broadcast(void* buffer, int64_t count, ElementType type, int root) {
   if (root < 0 || root >= world_) return Done(absl::InvalidArgumentError("broadcast root out of range"));
   const int64_t bytes = count * ElementSize(type);
-  return Submit(CollectiveKind::kBroadcast, rank_ == root ? bytes : 0, [&](cudaStream_t s) {
-    return ncclBroadcast(buffer, buffer, count, NcclType(type), root, state_->comm, s);
+  return Submit(CollectiveKind::kBroadcast, rank_ == root ? bytes : 0, buffer, bytes,
+                [&](void* buf, cudaStream_t s) {
+    return ncclBroadcast(buf, buf, count, NcclType(type), root, state_->comm, s);
   });
 }
 
 CommHandlePtr NcclCommunicator::Barrier() {
-  return Submit(CollectiveKind::kBarrier, 0, [&](cudaStream_t s) {
+  return Submit(CollectiveKind::kBarrier, 0, nullptr, 0, [&](void*, cudaStream_t s) {
     return ncclAllReduce(state_->scratch, state_->scratch, 1, ncclFloat32, ncclSum, state_->comm, s);
   });
 }

@@ -7,8 +7,11 @@
 // timeout and then calls ncclCommAbort, failing every pending and future call.
 // The NCCL unique id travels through the job's key-value store.
 //
-// UNTESTED: no GPU was available when this was written; tools/gpu_check.sh and
-// a CUDA LibTorch are needed to exercise it. It compiles in the normal build.
+// Buffers may also be in host memory (small control values: the model check,
+// the gradient norm, checkpoint agreement): they are staged through device
+// memory and pinned host memory, so callers need not know which backend runs.
+//
+// Tested on one H200 (world size 1) by tools/gpu_check.sh; see README, "GPU".
 #ifndef SHARDOPT_CLIENT_NCCL_COMMUNICATOR_H_
 #define SHARDOPT_CLIENT_NCCL_COMMUNICATOR_H_
 
@@ -54,8 +57,11 @@ class NcclCommunicator : public Communicator {
   NcclCommunicator(int rank, int world, const NcclOptions& options);
   // Orders after the compute stream, runs `enqueue` on the comm stream, and
   // returns a handle completed by the watcher.
+  // `buffer`/`bytes`: the memory the collective reads and writes; host
+  // memory is staged through the device. enqueue(device_buffer, stream).
   template <typename Enqueue>
-  CommHandlePtr Submit(CollectiveKind kind, int64_t sent, Enqueue enqueue);
+  CommHandlePtr Submit(CollectiveKind kind, int64_t sent, void* buffer, size_t bytes, Enqueue enqueue);
+  static bool IsHostMemory(const void* p);
   void Watch();
 
   const int rank_;

@@ -194,31 +194,18 @@ absl::Status ShardedOptimizer::WaitOrAbort(const CommHandlePtr& handle, const ch
                                              " failed: ", s.message()));
 }
 
-absl::Status ShardedOptimizer::OnHostBuffer(void* data, int64_t bytes, const char* what,
-                                            const std::function<CommHandlePtr(void*)>& launch) {
-  if (!device_.is_cuda()) return WaitOrAbort(launch(data), what, -1);
-  // NCCL moves device memory only: stage through a device buffer (the copies
-  // run on the current stream, which the communicator orders against).
-  torch::Tensor host = torch::from_blob(data, {bytes}, torch::kUInt8);
-  torch::Tensor dev = host.to(device_);
-  SHARDOPT_RETURN_IF_ERROR(WaitOrAbort(launch(dev.data_ptr()), what, -1));
-  host.copy_(dev);
-  return absl::OkStatus();
-}
-
 absl::Status ShardedOptimizer::CheckSameModelOnAllRanks() {
   const std::string mine = DescribeModel(layout_, options_);
   int64_t len = static_cast<int64_t>(mine.size());
-  SHARDOPT_RETURN_IF_ERROR(OnHostBuffer(&len, sizeof(len), "model check", [&](void* b) {
-    return comm_->Broadcast(b, sizeof(len), ElementType::kByte, 0);
-  }));
+  // Host buffers: the communicator stages them where it moves device memory (NCCL).
+  SHARDOPT_RETURN_IF_ERROR(
+      WaitOrAbort(comm_->Broadcast(&len, sizeof(len), ElementType::kByte, 0), "model check", -1));
   if (len < 0 || len > (int64_t{1} << 30)) {
     return absl::DataLossError("model check: rank 0 sent a corrupt description length");
   }
   std::string theirs = rank_ == 0 ? mine : std::string(static_cast<size_t>(len), '\0');
-  SHARDOPT_RETURN_IF_ERROR(OnHostBuffer(theirs.data(), len, "model check", [&](void* b) {
-    return comm_->Broadcast(b, len, ElementType::kByte, 0);
-  }));
+  SHARDOPT_RETURN_IF_ERROR(WaitOrAbort(
+      comm_->Broadcast(theirs.data(), len, ElementType::kByte, 0), "model check", -1));
   std::string detail;
   if (theirs != mine) {
     std::vector<std::string> a = absl::StrSplit(theirs, '\n');
@@ -240,9 +227,8 @@ absl::Status ShardedOptimizer::CheckSameModelOnAllRanks() {
   }
   // Every rank learns whether any rank differs, so all fail together.
   float flag = detail.empty() ? 0.0f : 1.0f;
-  SHARDOPT_RETURN_IF_ERROR(OnHostBuffer(&flag, sizeof(flag), "model check", [&](void* b) {
-    return comm_->AllReduce(b, 1, ElementType::kFloat32, ReduceOp::kMax);
-  }));
+  SHARDOPT_RETURN_IF_ERROR(WaitOrAbort(
+      comm_->AllReduce(&flag, 1, ElementType::kFloat32, ReduceOp::kMax), "model check", -1));
   if (!detail.empty()) {
     return absl::FailedPreconditionError(
         absl::StrCat("layout hash mismatch, refusing to train: ", detail));
@@ -533,9 +519,8 @@ absl::StatusOr<StepResult> ShardedOptimizer::Step() {
   };
   auto global_norm = [&]() -> absl::StatusOr<double> {
     float sq = static_cast<float>(local_sq);
-    SHARDOPT_RETURN_IF_ERROR(OnHostBuffer(&sq, sizeof(sq), "gradient norm", [&](void* b) {
-      return comm_->AllReduce(b, 1, ElementType::kFloat32, ReduceOp::kSum);
-    }));
+    SHARDOPT_RETURN_IF_ERROR(WaitOrAbort(
+        comm_->AllReduce(&sq, 1, ElementType::kFloat32, ReduceOp::kSum), "gradient norm", -1));
     return std::sqrt(static_cast<double>(sq));
   };
 
@@ -577,10 +562,53 @@ absl::StatusOr<StepResult> ShardedOptimizer::Step() {
   return result;
 }
 
+absl::Status ShardedOptimizer::StageToHost() {
+  if (staged_) return absl::FailedPreconditionError("owned slices are already staged");
+  at::NoGradGuard no_grad;
+  const auto cpu = torch::TensorOptions().dtype(torch::kFloat);
+  host_master_ = torch::empty({owned_elements_}, cpu);
+  for (const Bucket& b : layout_.buckets()) {
+    torch::Tensor src =
+        dtype_ == torch::kBFloat16
+            ? master_.narrow(0, owned_offset_[b.index], b.capacity_per_rank)
+            : param_flat_.narrow(0, b.flat_offset + rank_ * b.capacity_per_rank, b.capacity_per_rank);
+    host_master_.narrow(0, owned_offset_[b.index], b.capacity_per_rank).copy_(src);
+  }
+  if (state0_.defined()) host_state0_ = state0_.to(torch::kCPU);
+  if (state1_.defined()) host_state1_ = state1_.to(torch::kCPU);
+  staged_ = true;
+  return absl::OkStatus();
+}
+
+absl::Status ShardedOptimizer::EndStaging(bool copy_back) {
+  if (!staged_) return absl::FailedPreconditionError("owned slices are not staged");
+  at::NoGradGuard no_grad;
+  if (copy_back) {
+    for (const Bucket& b : layout_.buckets()) {
+      torch::Tensor dst =
+          dtype_ == torch::kBFloat16
+              ? master_.narrow(0, owned_offset_[b.index], b.capacity_per_rank)
+              : param_flat_.narrow(0, b.flat_offset + rank_ * b.capacity_per_rank, b.capacity_per_rank);
+      dst.copy_(host_master_.narrow(0, owned_offset_[b.index], b.capacity_per_rank));
+    }
+    if (state0_.defined()) state0_.copy_(host_state0_);
+    if (state1_.defined()) state1_.copy_(host_state1_);
+  }
+  host_master_ = host_state0_ = host_state1_ = torch::Tensor();
+  staged_ = false;
+  return absl::OkStatus();
+}
+
 ShardedOptimizer::OwnedSlice ShardedOptimizer::owned_slice(int b) {
   const Bucket& bk = layout_.buckets()[b];
   OwnedSlice s;
   s.size = bk.capacity_per_rank;
+  if (staged_) {
+    s.master = host_master_.data_ptr<float>() + owned_offset_[b];
+    s.state0 = host_state0_.defined() ? host_state0_.data_ptr<float>() + owned_offset_[b] : nullptr;
+    s.state1 = host_state1_.defined() ? host_state1_.data_ptr<float>() + owned_offset_[b] : nullptr;
+    return s;
+  }
   s.master = dtype_ == torch::kBFloat16
                  ? master_.data_ptr<float>() + owned_offset_[b]
                  : param_flat_.data_ptr<float>() + bk.flat_offset + rank_ * bk.capacity_per_rank;

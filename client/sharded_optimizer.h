@@ -146,9 +146,14 @@ class ShardedOptimizer {
   // all-gathers every bucket and sets the step count. Collective.
   absl::Status FinishRestore(int64_t step);
   Communicator* communicator() const { return comm_; }
-  // True when parameters and state live on a GPU (checkpoints of such
-  // optimizers are not implemented yet).
+  // True when parameters and state live on a GPU.
   bool on_device() const { return !device_.is_cpu(); }
+  // For checkpoints of GPU-resident state: StageToHost() copies this rank's
+  // owned slices (fp32 master values and state) into host buffers, which
+  // owned_slice() returns until EndStaging(copy_back): true writes the host
+  // buffers back to the device (a restore), false drops them (a save).
+  absl::Status StageToHost();
+  absl::Status EndStaging(bool copy_back);
   const Layout& layout() const { return layout_; }
   const ShardedOptimizerOptions& options() const { return options_; }
   MemoryReport memory() const;
@@ -164,10 +169,6 @@ class ShardedOptimizer {
   void LaunchReduceScatterLocked(int bucket);
   void Trace(TraceEvent::Kind kind, int bucket, int param);
   absl::Status WaitOrAbort(const CommHandlePtr& handle, const char* what, int bucket);
-  // Runs the collective `launch(buffer)` on `bytes` of host memory, staged
-  // through device memory when the parameters live on a GPU (NCCL).
-  absl::Status OnHostBuffer(void* data, int64_t bytes, const char* what,
-                            const std::function<CommHandlePtr(void*)>& launch);
 
   ShardedOptimizerOptions options_;
   Communicator* comm_;
@@ -184,6 +185,9 @@ class ShardedOptimizer {
   torch::Tensor state0_, state1_;  // fp32 owned slices
   std::vector<int64_t> owned_offset_;  // per bucket: offset of its slice in master_/state
   int64_t owned_elements_ = 0;
+  // Host copies of the owned slices while staged (GPU checkpoints).
+  bool staged_ = false;
+  torch::Tensor host_master_, host_state0_, host_state1_;
 
   std::vector<torch::Tensor> params_;  // the model's parameters (views)
   std::vector<std::shared_ptr<torch::autograd::Node>> grad_accumulators_;

@@ -2,6 +2,7 @@
 // the watcher, abort fails later calls. Skips (SKIPPED) without a GPU.
 #include <cuda_runtime.h>
 
+#include <string>
 #include <vector>
 
 #include "client/kv_store.h"
@@ -28,6 +29,19 @@ TEST(NcclTest, WorldSizeOneCollectivesAndAbort) {
   std::vector<float> back(4);
   ASSERT_EQ(cudaMemcpy(back.data(), dev, 16, cudaMemcpyDeviceToHost), cudaSuccess);
   EXPECT_EQ(back, host);  // one rank: every collective is the identity
+  // Host buffers are staged through the device (control values, model check).
+  std::vector<float> on_host = {5, -1, 2.5f};
+  EXPECT_TRUE((*comm)->AllReduce(on_host.data(), 3, ElementType::kFloat32, ReduceOp::kMax)->Wait(absl::Seconds(30)).ok());
+  EXPECT_EQ(on_host, (std::vector<float>{5, -1, 2.5f}));
+  std::string text = "model description";
+  EXPECT_TRUE((*comm)->Broadcast(text.data(), static_cast<int64_t>(text.size()), ElementType::kByte, 0)
+                  ->Wait(absl::Seconds(30)).ok());
+  EXPECT_EQ(text, "model description");
+  std::vector<float> gathered = {7, 8};
+  EXPECT_TRUE((*comm)->AllGather(gathered.data(), 2, ElementType::kFloat32)->Wait(absl::Seconds(30)).ok());
+  EXPECT_EQ(gathered, (std::vector<float>{7, 8}));
+  const ByteCounters counters = (*comm)->counters();
+  EXPECT_EQ(counters.sent[static_cast<int>(CollectiveKind::kAllReduce)], 0);  // one rank sends nothing
   (*comm)->Abort(absl::CancelledError("test"));
   EXPECT_EQ((*comm)->Barrier()->Wait(absl::Seconds(5)).code(), absl::StatusCode::kAborted);
   cudaFree(dev);

@@ -12,10 +12,10 @@
 #    on the same parameter count;
 # 4. the gtests: kernels vs server/reference_optimizer.cc, NcclCommunicator
 #    (world size 1), and the real ShardedOptimizer step on the GPU through
-#    NCCL against LibTorch's optimizers (built against the installed PyTorch's
+#    NCCL against LibTorch's optimizers, and a GPU checkpoint save + resume (built against the installed PyTorch's
 #    LibTorch, which must have CUDA).
 # Finds CUDA from nvcc, NCCL in $NCCL_HOME, CUDA's folder or PyTorch's
-# nvidia/nccl package, Abseil and GoogleTest in $DEPS (a folder made by
+# nvidia/nccl package, Abseil, GoogleTest and nlohmann/json in $DEPS (a folder made by
 # tools/gpu_deps.sh; default .gpu_deps when present) or /usr.
 # Results: OUT_DIR/gpu_check.json (everything), gpu_check.log, gtest XML.
 set -uo pipefail
@@ -88,7 +88,8 @@ compile impl $NVCC "${NVFLAGS[@]}" $arch -c server/cuda/cuda_kernels_impl.cu -o 
 compile check $NVCC "${NVFLAGS[@]}" $arch -c tools/gpu_check.cu -o "$b/check.o"
 common_srcs=(server/update_slice.cc server/optimizer_config.cc server/reference_optimizer.cc
              server/cuda/cuda_kernels.cc client/communicator.cc client/kv_store.cc
-             client/device_backend.cc client/cuda_backend.cc common/layout.cc common/planner.cc)
+             client/device_backend.cc client/cuda_backend.cc common/layout.cc common/planner.cc
+             common/crc32c.cc common/file_system.cc)
 if [[ $have_absl == 1 ]]; then
   for s in "${common_srcs[@]}" tests/gpu_kernels_test.cc; do
     n=$(basename "$s" .cc); compile "$n" $CXX "${CXXFLAGS[@]}" -c "$s" -o "$b/$n.o"
@@ -105,7 +106,7 @@ if [[ $have_absl == 1 ]]; then
     done
     if [[ $torch_cuda == 1 || ${BUILD_TORCH_TEST:-0} == 1 ]]; then
       tinc=(); for d in $torch_inc; do tinc+=(-isystem "$d"); done
-      for s in client/sharded_optimizer.cc tests/gpu_sharded_optimizer_test.cc; do
+      for s in client/sharded_optimizer.cc client/checkpoint.cc tests/gpu_sharded_optimizer_test.cc; do
         n=$(basename "$s" .cc)
         # LibTorch's headers may need C++20 (newer PyTorch): try 17, then 20.
         compile "$n" bash -c "$CXX ${CXXFLAGS[*]} -D_GLIBCXX_USE_CXX11_ABI=$torch_abi ${tinc[*]} -I$nccl_inc -c $s -o $b/$n.o 2>$b/$n.c17.log || $CXX ${CXXFLAGS[*]/-std=c++17/-std=c++20} -D_GLIBCXX_USE_CXX11_ABI=$torch_abi ${tinc[*]} -I$nccl_inc -c $s -o $b/$n.o"
@@ -149,7 +150,7 @@ if [[ $have_absl == 1 ]]; then
       [[ -f $torch_lib/libtorch_cuda.so ]] && tcuda=(-Wl,--no-as-needed -ltorch_cuda -lc10_cuda -Wl,--as-needed)
       # (BUILD_TORCH_TEST=1 builds it against a CPU LibTorch too, to check the build.)
       # Shared cudart here: one runtime with LibTorch's (same soname).
-      link gpu_sharded_optimizer_test $CXX $(obj gpu_sharded_optimizer_test sharded_optimizer cuda_backend device_backend \
+      link gpu_sharded_optimizer_test $CXX $(obj gpu_sharded_optimizer_test sharded_optimizer checkpoint crc32c file_system cuda_backend device_backend \
           nccl_communicator communicator kv_store layout planner cpu_kernels k_base k_avx2 k_avx512 optimizer_config \
           update_slice cuda_kernels impl) -fopenmp \
         "${deps_lib[@]}" -Wl,--start-group "${absl_libs[@]}" -Wl,--end-group "${gtest_libs[@]}" "${nccl_link[@]}" \

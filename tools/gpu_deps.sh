@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Packs what tools/gpu_check.sh needs beyond CUDA, NCCL and PyTorch (Abseil
-# and GoogleTest headers and libraries, NCCL's header as a fallback) from this
+# Packs what tools/gpu_check.sh needs beyond CUDA, NCCL and PyTorch (Abseil,
+# GoogleTest and nlohmann/json headers and libraries, NCCL's header as a fallback) from this
 # Debian machine into one folder, for a GPU machine that has no package
 # manager access:  tools/gpu_deps.sh [DIR]   (default .gpu_deps)
 # Then on the GPU machine:  DEPS=DIR tools/gpu_check.sh
@@ -13,7 +13,7 @@ for need in /usr/include/absl /usr/include/gtest $lib/libgtest.a; do
 done
 rm -rf "$dir"
 mkdir -p "$dir/include" "$dir/lib" "$dir/nccl_include"
-cp -r /usr/include/absl /usr/include/gtest "$dir/include/"
+cp -r /usr/include/absl /usr/include/gtest /usr/include/nlohmann "$dir/include/"
 # Plain files named by their sonames (links may not survive a copy to the
 # GPU machine); gpu_check.sh links these by path.
 for f in $lib/libabsl_*.so.*.*.*; do
