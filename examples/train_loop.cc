@@ -1,0 +1,135 @@
+// The smallest complete trainer on shardopt's C++ API (README, "C++ API").
+// Launch it with shardrun, which starts the ranks and a coordinator whose
+// key-value store the communicators rendezvous through:
+//
+//   shardrun --nproc 2 -- bazel-bin/examples/train_loop --steps=30 --ckpt-dir=/tmp/ckpt
+//
+// Run it again with more steps and it resumes from the latest checkpoint (at
+// any world size). --device=cuda puts the model on GPU LOCAL_RANK and uses NCCL
+// (needs a CUDA build of LibTorch; nothing else changes). tools/shardopt_train.cc
+// is the full trainer: heartbeats, layout queries, coordinated checkpoints.
+#include <torch/torch.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <string>
+
+#include "client/checkpoint.h"
+#include "client/coordinator_client.h"
+#include "client/gloo_communicator.h"
+#include "client/nccl_communicator.h"
+#include "client/sharded_optimizer.h"
+
+namespace {
+
+std::string Env(const char* name, const char* def) {
+  const char* v = std::getenv(name);
+  return v != nullptr ? v : def;
+}
+
+std::string Flag(int argc, char** argv, const std::string& name, const std::string& def) {
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a.rfind("--" + name + "=", 0) == 0) return a.substr(name.size() + 3);
+  }
+  return def;
+}
+
+int Fail(int rank, const std::string& what, const absl::Status& s) {
+  std::fprintf(stderr, "rank %d: %s: %s\n", rank, what.c_str(), s.ToString().c_str());
+  return 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  using namespace shardopt;
+  for (int i = 1; i < argc; ++i) {
+    if (std::string(argv[i]) == "--help") {
+      std::printf("usage: shardrun --nproc N -- train_loop [--steps=30] [--ckpt-dir=DIR] "
+                  "[--ckpt-every=10] [--device=cpu|cuda]\n");
+      return 0;
+    }
+  }
+  const int rank = std::atoi(Env("RANK", "0").c_str());
+  const int world = std::atoi(Env("WORLD_SIZE", "1").c_str());
+  const int steps = std::atoi(Flag(argc, argv, "steps", "30").c_str());
+  const int every = std::atoi(Flag(argc, argv, "ckpt-every", "10").c_str());
+  const std::string ckpt_dir = Flag(argc, argv, "ckpt-dir", "");
+  const std::string device_flag = Flag(argc, argv, "device", "cpu");
+  if (device_flag == "cuda" && !torch::cuda::is_available()) {
+    return Fail(rank, "--device=cuda", absl::FailedPreconditionError("LibTorch sees no CUDA device"));
+  }
+  const torch::Device device = device_flag == "cuda"
+                                   ? torch::Device(torch::kCUDA, std::atoi(Env("LOCAL_RANK", "0").c_str()))
+                                   : torch::Device(torch::kCPU);
+
+  // 1. Rendezvous through the coordinator that shardrun started.
+  CoordinatorClient client(Env("SHARDOPT_COORDINATOR", "127.0.0.1:0"), /*token=*/"");
+  GrpcKeyValueStore kv(&client);
+  PrefixKeyValueStore job_kv(&kv, Env("SHARDOPT_JOB_ID", "job"));
+
+  // 2. The model: any torch::nn module; every rank builds the same one.
+  torch::manual_seed(0);
+  torch::nn::Sequential net(torch::nn::Linear(128, 512), torch::nn::ReLU(), torch::nn::Linear(512, 10));
+  net->to(device);
+  std::vector<std::pair<std::string, torch::Tensor>> params;
+  for (const auto& p : net->named_parameters()) params.emplace_back(p.key(), p.value());
+
+  // 3. A communicator: Gloo over TCP on CPU, NCCL on GPU.
+  std::unique_ptr<Communicator> comm;
+  if (device.is_cuda()) {
+    NcclOptions o;
+    o.device = device.index();
+    auto c = NcclCommunicator::Create(&job_kv, rank, world, o);
+    if (!c.ok()) return Fail(rank, "NCCL", c.status());
+    comm = std::move(*c);
+  } else {
+    auto c = GlooCommunicator::Create(&job_kv, rank, world, GlooOptions());
+    if (!c.ok()) return Fail(rank, "Gloo", c.status());
+    comm = std::move(*c);
+  }
+
+  // 4. The sharded optimizer: this rank keeps 1/N of AdamW's state. Parameters
+  // become views of its flat buffers; rank 0's values are broadcast.
+  ShardedOptimizerOptions options;
+  options.kind = OptimizerKind::kAdamW;
+  options.adam = AdamWConfig();
+  options.max_grad_norm = 1.0;
+  auto opt = ShardedOptimizer::Create(params, options, comm.get());
+  if (!opt.ok()) return Fail(rank, "optimizer", opt.status());
+
+  // 5. Resume from the latest checkpoint, if there is one.
+  if (!ckpt_dir.empty() && ResolveCheckpoint(PosixFileSystem(), ckpt_dir).ok()) {
+    auto m = LoadCheckpoint(**opt, ckpt_dir);
+    if (!m.ok()) return Fail(rank, "resume", m.status());
+    if (rank == 0) std::printf("resumed from step %lld\n", static_cast<long long>((*opt)->step_count()));
+  }
+
+  // 6. Train: backward starts the bucket reduce-scatters; Step() updates this
+  // rank's shard and all-gathers the parameters.
+  for (int64_t step = (*opt)->step_count() + 1; step <= steps; ++step) {
+    torch::manual_seed(1000 * step + rank);  // this rank's share of the batch
+    torch::Tensor x = torch::randn({64, 128}, device);
+    torch::Tensor y = x.narrow(1, 0, 10) * 0.5;
+    (*opt)->ZeroGrad();
+    torch::Tensor loss = torch::mse_loss(net->forward(x), y);
+    loss.backward();
+    auto r = (*opt)->Step();
+    if (!r.ok()) return Fail(rank, "step", r.status());
+    if (rank == 0 && (step % 10 == 0 || step == steps)) {
+      std::printf("step %lld loss %.5f grad-norm %.4f\n", static_cast<long long>(step),
+                  loss.item<double>(), r->grad_norm);
+      std::fflush(stdout);
+    }
+    if (!ckpt_dir.empty() && every > 0 && step % every == 0) {
+      auto dir = SaveCheckpoint(**opt, ckpt_dir);  // collective; rank 0 commits
+      if (!dir.ok()) return Fail(rank, "checkpoint", dir.status());
+      if (rank == 0) std::printf("checkpoint %s\n", dir->c_str());
+    }
+  }
+  const MemoryReport mem = (*opt)->memory();
+  std::printf("rank %d: done; optimizer state on this rank %.2f MiB\n", rank, mem.state_bytes / 1048576.0);
+  return 0;
+}
