@@ -10,7 +10,10 @@
 
 #include <cstdint>
 
+#include <vector>
+
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "server/optimizer_config.h"
 #include "server/update_slice.h"
 
@@ -23,6 +26,10 @@ class DeviceBackend {
   // semantics as server/cpu_kernels.h), enqueued on the current stream.
   virtual absl::Status Update(OptimizerKind kind, const AdamConfig& adam, const SgdConfig& sgd,
                               int64_t step, const UpdateSlice& slice) = 0;
+  // Sum of squares of the gradients (`grad` or `grad_bf16`) of every slice,
+  // in one launch on the current stream; returns once that one value is on
+  // the host.
+  virtual absl::StatusOr<double> SquaredNorm(const std::vector<UpdateSlice>& slices) = 0;
 };
 
 // The registered CUDA backend, or nullptr.

@@ -470,6 +470,7 @@ absl::StatusOr<StepResult> ShardedOptimizer::Step() {
                              bk.capacity_per_rank);
   };
   double local_sq = 0.0;
+  const bool on_gpu = device_.is_cuda();
   auto finish_reduce = [&](int b) -> absl::Status {
     SHARDOPT_RETURN_IF_ERROR(WaitOrAbort(rs[b], "reduce-scatter", b));
     {
@@ -482,12 +483,14 @@ absl::StatusOr<StepResult> ShardedOptimizer::Step() {
       g.copy_(comm_scratch_.narrow(0, bk.flat_offset + rank_ * bk.capacity_per_rank,
                                    bk.capacity_per_rank));
     }
-    const double norm = g.norm().item<double>();
-    local_sq += norm * norm;
+    if (!on_gpu) {  // on a GPU one kernel takes the norm of every bucket (global_norm)
+      const double norm = g.norm().item<double>();
+      local_sq += norm * norm;
+    }
     return absl::OkStatus();
   };
-  std::vector<CommHandlePtr> ag(nb);
-  auto update = [&](int b) -> absl::Status {
+  // This rank's slice of bucket `b`: parameters (or master), gradients, state.
+  auto owned_update_slice = [&](int b) {
     const Bucket& bk = layout_.buckets()[b];
     const int64_t off = bk.flat_offset + rank_ * bk.capacity_per_rank;
     UpdateSlice s;
@@ -502,9 +505,15 @@ absl::StatusOr<StepResult> ShardedOptimizer::Step() {
       s.param = reinterpret_cast<float*>(pbase) + off;
       s.grad = reinterpret_cast<const float*>(gbase) + off;
     }
+    return s;
+  };
+  std::vector<CommHandlePtr> ag(nb);
+  auto update = [&](int b) -> absl::Status {
+    const Bucket& bk = layout_.buckets()[b];
+    UpdateSlice s = owned_update_slice(b);
     const int64_t t0 = NowNs();
     absl::Status st =
-        device_.is_cuda() ? CudaBackend()->Update(options_.kind, options_.adam, options_.sgd, step, s)
+        on_gpu ? CudaBackend()->Update(options_.kind, options_.adam, options_.sgd, step, s)
         : options_.kind == OptimizerKind::kSgd ? SgdStep(options_.sgd, step, {&s, 1}, ko)
                                                : AdamStep(options_.adam, step, {&s, 1}, ko);
     update_ns += NowNs() - t0;
@@ -518,6 +527,11 @@ absl::StatusOr<StepResult> ShardedOptimizer::Step() {
     return absl::OkStatus();
   };
   auto global_norm = [&]() -> absl::StatusOr<double> {
+    if (on_gpu) {
+      std::vector<UpdateSlice> slices;
+      for (int b = 0; b < nb; ++b) slices.push_back(owned_update_slice(b));
+      SHARDOPT_ASSIGN_OR_RETURN(local_sq, CudaBackend()->SquaredNorm(slices));
+    }
     float sq = static_cast<float>(local_sq);
     SHARDOPT_RETURN_IF_ERROR(WaitOrAbort(
         comm_->AllReduce(&sq, 1, ElementType::kFloat32, ReduceOp::kSum), "gradient norm", -1));

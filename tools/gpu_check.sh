@@ -10,6 +10,8 @@
 #    copy of the same bytes;
 # 3. where Python PyTorch with CUDA is installed: torch.optim.Adam(fused=True)
 #    on the same parameter count;
+# 5. bench_gpu_step: one step on GPT-2 small shapes, ShardedOptimizer vs the
+#    bare kernel vs ATen's fused Adam (tools/bench_gpu_step.cc);
 # 4. the gtests: kernels vs server/reference_optimizer.cc, NcclCommunicator
 #    (world size 1), and the real ShardedOptimizer step on the GPU through
 #    NCCL against LibTorch's optimizers, and a GPU checkpoint save + resume (built against the installed PyTorch's
@@ -106,7 +108,8 @@ if [[ $have_absl == 1 ]]; then
     done
     if [[ $torch_cuda == 1 || ${BUILD_TORCH_TEST:-0} == 1 ]]; then
       tinc=(); for d in $torch_inc; do tinc+=(-isystem "$d"); done
-      for s in client/sharded_optimizer.cc client/checkpoint.cc tests/gpu_sharded_optimizer_test.cc; do
+      for s in client/sharded_optimizer.cc client/checkpoint.cc tests/gpu_sharded_optimizer_test.cc \
+               tools/bench_gpu_step.cc; do
         n=$(basename "$s" .cc)
         # LibTorch's headers may need C++20 (newer PyTorch): try 17, then 20.
         compile "$n" bash -c "$CXX ${CXXFLAGS[*]} -D_GLIBCXX_USE_CXX11_ABI=$torch_abi ${tinc[*]} -I$nccl_inc -c $s -o $b/$n.o 2>$b/$n.c17.log || $CXX ${CXXFLAGS[*]/-std=c++17/-std=c++20} -D_GLIBCXX_USE_CXX11_ABI=$torch_abi ${tinc[*]} -I$nccl_inc -c $s -o $b/$n.o"
@@ -157,6 +160,13 @@ if [[ $have_absl == 1 ]]; then
         -L"$torch_lib" -Wl,-rpath,"$torch_lib" -Wl,--allow-shlib-undefined "${tcuda[@]}" \
         -ltorch -ltorch_cpu -lc10 -L"$CUDA_HOME/lib64" -Wl,-rpath,"$CUDA_HOME/lib64" -lcudart \
         -o "$b/gpu_sharded_optimizer_test"
+      [[ -f $b/bench_gpu_step.o ]] && link bench_gpu_step $CXX $(obj bench_gpu_step sharded_optimizer cuda_backend \
+          device_backend nccl_communicator communicator kv_store layout planner cpu_kernels k_base k_avx2 k_avx512 \
+          optimizer_config update_slice cuda_kernels impl) -fopenmp \
+        "${deps_lib[@]}" -Wl,--start-group "${absl_libs[@]}" -Wl,--end-group -lpthread "${nccl_link[@]}" \
+        -L"$torch_lib" -Wl,-rpath,"$torch_lib" -Wl,--allow-shlib-undefined "${tcuda[@]}" \
+        -ltorch -ltorch_cpu -lc10 -L"$CUDA_HOME/lib64" -Wl,-rpath,"$CUDA_HOME/lib64" -lcudart \
+        -o "$b/bench_gpu_step"
     fi
   fi
 fi
@@ -230,6 +240,11 @@ for t in gpu_kernels_test gpu_nccl_test gpu_sharded_optimizer_test; do
     gtests+=("$t=not_built"); rc=1
   fi
 done
+# Stage 5: one optimizer step on GPT-2 small shapes (ShardedOptimizer vs bare kernel vs ATen fused Adam).
+if [[ -x $b/bench_gpu_step ]]; then
+  say "running bench_gpu_step"
+  timeout 180 "$b/bench_gpu_step" --json="$out/bench_gpu_step.json" || say "bench_gpu_step failed"
+fi
 $PY - "$out/gpu_check.json" "${gtests[*]}" "$build_ok" $((SECONDS - start)) <<'PY' || true
 import json, sys, glob, os, xml.etree.ElementTree as ET
 path, g, ok, secs = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
@@ -245,6 +260,9 @@ for x in glob.glob(os.path.join(os.path.dirname(path), "*.xml")):
         props.update({k: v for k, v in case.attrib.items() if k.endswith("_diff")})
         detail[name] = {"status": st, **props}
 res["gtest_cases"] = detail
+step = os.path.join(os.path.dirname(path), "bench_gpu_step.json")
+if os.path.exists(step):
+    res["gpu_step"] = json.load(open(step))
 res["build_ok"] = ok == "1"
 res["seconds"] = int(secs)
 json.dump(res, open(path, "w"), indent=1)

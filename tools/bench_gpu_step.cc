@@ -1,0 +1,249 @@
+// bench_gpu_step: one optimizer step on one GPU, GPT-2 small's 148 parameter
+// tensors (124M fp32 parameters), three ways in one run, interleaved rounds:
+//   shardopt  ZeroGrad + backward + ShardedOptimizer::Step() (world size 1:
+//             NCCL reduce-scatter/all-gather per bucket, CUDA Adam, norm)
+//   bare      backward + one multi-tensor CUDA Adam call on the same tensors
+//             (our kernel without the optimizer around it)
+//   torch     backward + ATen's fused Adam (_fused_adam_, what
+//             torch.optim.Adam(fused=True) runs), where this LibTorch has it
+// The "model" is loss = sum_i (p_i * c_i).sum(), so backward is one cheap
+// elementwise kernel per tensor and the step dominates. Needs a CUDA
+// LibTorch and a GPU (tools/gpu_check.sh builds and runs it); elsewhere it
+// says so and exits 2.
+//   bench_gpu_step [--json=PATH] [--iters=20] [--rounds=5]
+#include <torch/torch.h>
+#include <torch/version.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "client/kv_store.h"
+#include "client/nccl_communicator.h"
+#include "client/sharded_optimizer.h"
+#include "server/cuda/cuda_kernels.h"
+
+using namespace shardopt;
+
+namespace {
+
+std::vector<std::pair<std::string, std::vector<int64_t>>> Gpt2Shapes() {
+  std::vector<std::pair<std::string, std::vector<int64_t>>> s = {{"wte", {50257, 768}},
+                                                                 {"wpe", {1024, 768}}};
+  for (int l = 0; l < 12; ++l) {
+    const std::string h = "h." + std::to_string(l) + ".";
+    s.push_back({h + "ln_1.weight", {768}});
+    s.push_back({h + "ln_1.bias", {768}});
+    s.push_back({h + "attn.c_attn.weight", {768, 2304}});
+    s.push_back({h + "attn.c_attn.bias", {2304}});
+    s.push_back({h + "attn.c_proj.weight", {768, 768}});
+    s.push_back({h + "attn.c_proj.bias", {768}});
+    s.push_back({h + "ln_2.weight", {768}});
+    s.push_back({h + "ln_2.bias", {768}});
+    s.push_back({h + "mlp.c_fc.weight", {768, 3072}});
+    s.push_back({h + "mlp.c_fc.bias", {3072}});
+    s.push_back({h + "mlp.c_proj.weight", {3072, 768}});
+    s.push_back({h + "mlp.c_proj.bias", {768}});
+  }
+  s.push_back({"ln_f.weight", {768}});
+  s.push_back({"ln_f.bias", {768}});
+  return s;
+}
+
+struct Model {
+  std::vector<torch::Tensor> params, consts;
+};
+
+Model Make(const torch::Device& d) {
+  torch::manual_seed(3);
+  Model m;
+  for (const auto& [name, shape] : Gpt2Shapes()) {
+    m.params.push_back((torch::randn(shape, d) * 0.02).set_requires_grad(true));
+    m.consts.push_back(torch::randn(shape, d) * 1e-3);
+  }
+  return m;
+}
+
+void Backward(Model& m) {
+  torch::Tensor loss = torch::zeros({}, m.params[0].options());
+  for (size_t i = 0; i < m.params.size(); ++i) loss = loss + (m.params[i] * m.consts[i]).sum();
+  loss.backward();
+}
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string json;
+  int iters = 20, rounds = 5;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a.rfind("--json=", 0) == 0) json = a.substr(7);
+    else if (a.rfind("--iters=", 0) == 0) iters = std::atoi(a.c_str() + 8);
+    else if (a.rfind("--rounds=", 0) == 0) rounds = std::atoi(a.c_str() + 9);
+    else {
+      std::fprintf(stderr, "usage: bench_gpu_step [--json=PATH] [--iters=20] [--rounds=5]\n");
+      return a == "--help" ? 0 : 1;
+    }
+  }
+  if (!torch::cuda::is_available() || cuda::DeviceCount() == 0) {
+    std::printf("bench_gpu_step: needs a GPU and a CUDA build of LibTorch; nothing measured\n");
+    return 2;
+  }
+  const torch::Device gpu(torch::kCUDA, 0);
+
+  // shardopt
+  Model a = Make(gpu);
+  InMemoryKeyValueStore store;
+  auto comm = NcclCommunicator::Create(&store, 0, 1, NcclOptions());
+  if (!comm.ok()) {
+    std::fprintf(stderr, "NCCL: %s\n", comm.status().ToString().c_str());
+    return 1;
+  }
+  std::vector<std::pair<std::string, torch::Tensor>> named;
+  const auto shapes = Gpt2Shapes();
+  for (size_t i = 0; i < a.params.size(); ++i) named.emplace_back(shapes[i].first, a.params[i]);
+  ShardedOptimizerOptions opt;
+  auto so = ShardedOptimizer::Create(named, opt, comm->get());
+  if (!so.ok()) {
+    std::fprintf(stderr, "ShardedOptimizer: %s\n", so.status().ToString().c_str());
+    return 1;
+  }
+  int64_t nparams = 0;
+  for (auto& p : a.params) nparams += p.numel();
+  auto shardopt_iter = [&]() {
+    (*so)->ZeroGrad();
+    Backward(a);
+    auto r = (*so)->Step();
+    if (!r.ok()) {
+      std::fprintf(stderr, "step: %s\n", r.status().ToString().c_str());
+      std::exit(1);
+    }
+  };
+
+  // bare: our kernel on the same tensors, no optimizer around it
+  Model b = Make(gpu);
+  std::vector<torch::Tensor> bm, bv;
+  for (auto& p : b.params) {
+    bm.push_back(torch::zeros_like(p));
+    bv.push_back(torch::zeros_like(p));
+  }
+  int64_t bare_step = 0;
+  auto bare_iter = [&]() {
+    for (auto& p : b.params) {
+      if (p.grad().defined()) p.mutable_grad().zero_();
+    }
+    Backward(b);
+    ++bare_step;
+    std::vector<cuda::DeviceSlice> slices;
+    for (size_t i = 0; i < b.params.size(); ++i) {
+      cuda::DeviceSlice s;
+      s.master = b.params[i].data_ptr<float>();
+      s.grad = b.params[i].grad().data_ptr<float>();
+      s.state0 = bm[i].data_ptr<float>();
+      s.state1 = bv[i].data_ptr<float>();
+      s.size = b.params[i].numel();
+      slices.push_back(s);
+    }
+    absl::Status st = cuda::AdamStep(MakeAdamScalars(AdamConfig(), bare_step), slices, nullptr);
+    if (!st.ok()) {
+      std::fprintf(stderr, "bare: %s\n", st.ToString().c_str());
+      std::exit(1);
+    }
+  };
+
+#if TORCH_VERSION_MAJOR >= 2
+  Model c = Make(gpu);
+  std::vector<torch::Tensor> cm, cv, cmax, csteps;
+  for (auto& p : c.params) {
+    cm.push_back(torch::zeros_like(p));
+    cv.push_back(torch::zeros_like(p));
+    csteps.push_back(torch::zeros({}, p.options()));
+  }
+  auto torch_iter = [&]() {
+    for (auto& p : c.params) {
+      if (p.grad().defined()) p.mutable_grad().zero_();
+    }
+    Backward(c);
+    torch::NoGradGuard ng;
+    std::vector<torch::Tensor> grads;
+    for (auto& p : c.params) grads.push_back(p.grad());
+    at::_foreach_add_(csteps, 1);
+    at::_fused_adam_(c.params, grads, cm, cv, cmax, csteps, 1e-3, 0.9, 0.999, 0.0, 1e-8,
+                     /*amsgrad=*/false, /*maximize=*/false);
+  };
+  const bool have_torch = true;
+#else
+  auto torch_iter = [] {};
+  const bool have_torch = false;
+#endif
+
+  auto time_it = [&](const std::function<void()>& fn) {
+    torch::cuda::synchronize();
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < iters; ++i) fn();
+    torch::cuda::synchronize();
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / iters;
+  };
+  for (int w = 0; w < 3; ++w) {  // warm-up
+    shardopt_iter();
+    bare_iter();
+    if (have_torch) torch_iter();
+  }
+  std::vector<double> ts, tb, tt;
+  for (int r = 0; r < rounds; ++r) {
+    ts.push_back(time_it(shardopt_iter));
+    tb.push_back(time_it(bare_iter));
+    if (have_torch) tt.push_back(time_it(torch_iter));
+  }
+  // The backward alone, to separate the step from it.
+  Model d = Make(gpu);
+  std::vector<double> tback;
+  for (int r = 0; r < rounds; ++r) {
+    tback.push_back(time_it([&] {
+      for (auto& p : d.params) {
+        if (p.grad().defined()) p.mutable_grad().zero_();
+      }
+      Backward(d);
+    }));
+  }
+  const double s_ms = Median(ts) * 1e3, b_ms = Median(tb) * 1e3, back_ms = Median(tback) * 1e3;
+  const double t_ms = have_torch ? Median(tt) * 1e3 : 0.0;
+  std::printf("bench_gpu_step: %lld parameters in %zu tensors, %zu buckets; per iteration (median of %d "
+              "rounds of %d):\n  backward alone %.3f ms\n  shardopt (backward + Step) %.3f ms\n"
+              "  bare kernel (backward + one CUDA Adam call) %.3f ms\n",
+              static_cast<long long>(nparams), a.params.size(), (*so)->layout().buckets().size(), rounds,
+              iters, back_ms, s_ms, b_ms);
+  if (have_torch) {
+    std::printf("  torch fused Adam (backward + _fused_adam_) %.3f ms\n", t_ms);
+    std::printf("  step alone (minus backward): shardopt %.3f ms, bare %.3f ms, torch fused %.3f ms; "
+                "shardopt step is %.2fx faster than torch fused\n",
+                s_ms - back_ms, b_ms - back_ms, t_ms - back_ms, (t_ms - back_ms) / (s_ms - back_ms));
+  }
+  if (!json.empty()) {
+    FILE* f = std::fopen(json.c_str(), "w");
+    if (f == nullptr) {
+      std::fprintf(stderr, "cannot write %s\n", json.c_str());
+      return 1;
+    }
+    std::fprintf(f,
+                 "{\"params\": %lld, \"tensors\": %zu, \"buckets\": %zu, \"iters\": %d, \"rounds\": %d, "
+                 "\"backward_ms\": %.4f, \"shardopt_ms\": %.4f, \"bare_kernel_ms\": %.4f, "
+                 "\"torch_fused_ms\": %s, \"shardopt_step_ms\": %.4f, \"bare_step_ms\": %.4f, "
+                 "\"torch_fused_step_ms\": %s}\n",
+                 static_cast<long long>(nparams), a.params.size(), (*so)->layout().buckets().size(), iters,
+                 rounds, back_ms, s_ms, b_ms, have_torch ? std::to_string(t_ms).c_str() : "null",
+                 s_ms - back_ms, b_ms - back_ms,
+                 have_torch ? std::to_string(t_ms - back_ms).c_str() : "null");
+    std::fclose(f);
+  }
+  return 0;
+}
