@@ -16,7 +16,6 @@ struct NcclCommunicator::State {
   cudaStream_t stream = nullptr;
   void* scratch = nullptr;  // one float for Barrier
   absl::Mutex mu;
-  absl::CondVar work;  // signalled when a collective is queued
   struct Pending {
     cudaEvent_t done;
     CommHandlePtr handle;
@@ -140,7 +139,6 @@ NcclCommunicator::~NcclCommunicator() {
   {
     absl::MutexLock l(&state_->mu);
     state_->stopping = true;
-    state_->work.Signal();
   }
   if (watcher_.joinable()) watcher_.join();
   if (state_->comm != nullptr) ncclCommDestroy(state_->comm);
@@ -220,7 +218,6 @@ CommHandlePtr NcclCommunicator::Submit(CollectiveKind kind, int64_t sent, void* 
       state_->sent[static_cast<int>(kind)] += sent;
       state_->pending.push_back({done, handle, absl::Now() + options_.timeout,
                                  staged ? buffer : nullptr, pinned, staged ? bytes : 0});
-      state_->work.Signal();
     }
   }
   if (!failed.ok()) {
@@ -237,11 +234,13 @@ void NcclCommunicator::Watch() {
       absl::MutexLock l(&state_->mu);
       if (state_->pending.empty()) {
         if (state_->stopping) return;
-        // Idle: woken by the next Submit (or every 10 ms to look at `stopping`).
-        state_->work.WaitWithTimeout(&state_->mu, absl::Milliseconds(10));
-        continue;
+      } else {
+        front = state_->pending.front();
       }
-      front = state_->pending.front();
+    }
+    if (!front.handle) {
+      absl::SleepFor(absl::Microseconds(200));
+      continue;
     }
     const cudaError_t q = cudaEventQuery(front.done);
     absl::Status status;
@@ -268,9 +267,7 @@ void NcclCommunicator::Watch() {
       }
     }
     if (!finished) {
-      // Completion is seen within ~10 us (it bounds the latency of every
-      // collective a caller waits for); one core polls only while work is pending.
-      absl::SleepFor(absl::Microseconds(10));
+      absl::SleepFor(absl::Microseconds(50));
       continue;
     }
     bool mine = false;  // false: an Abort() elsewhere already failed it
