@@ -47,5 +47,28 @@ TEST(NcclTest, WorldSizeOneCollectivesAndAbort) {
   cudaFree(dev);
 }
 
+// A peer that never comes: rank 0 of two gives up after the timeout, through
+// ncclCommAbort, with a status that says so (one GPU is enough: the second
+// rank never starts).
+TEST(NcclTest, MissingPeerTimesOutWithAClearStatus) {
+  if (cuda::DeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
+  InMemoryKeyValueStore store;
+  NcclOptions o;
+  o.timeout = absl::Seconds(3);
+  const absl::Time start = absl::Now();
+  auto comm = NcclCommunicator::Create(&store, 0, 2, o);
+  const absl::Duration took = absl::Now() - start;
+  ASSERT_FALSE(comm.ok());
+  EXPECT_EQ(comm.status().code(), absl::StatusCode::kDeadlineExceeded) << comm.status();
+  EXPECT_NE(comm.status().message().find("timed out"), absl::string_view::npos) << comm.status();
+  EXPECT_GE(took, absl::Seconds(3));
+  EXPECT_LT(took, absl::Seconds(20));
+  // Rank 1 whose rank 0 never publishes the NCCL id: the store's wait ends it.
+  InMemoryKeyValueStore empty;
+  o.timeout = absl::Seconds(1);
+  auto lonely = NcclCommunicator::Create(&empty, 1, 2, o);
+  EXPECT_FALSE(lonely.ok());
+}
+
 }  // namespace
 }  // namespace shardopt
