@@ -45,11 +45,20 @@ int Fail(int rank, const std::string& what, const absl::Status& s) {
 
 int main(int argc, char** argv) {
   using namespace shardopt;
+  const char* usage =
+      "usage: shardrun --nproc N -- train_loop [--steps=30] [--ckpt-dir=DIR] [--ckpt-every=10] "
+      "[--device=cpu|cuda]\n";
   for (int i = 1; i < argc; ++i) {
-    if (std::string(argv[i]) == "--help") {
-      std::printf("usage: shardrun --nproc N -- train_loop [--steps=30] [--ckpt-dir=DIR] "
-                  "[--ckpt-every=10] [--device=cpu|cuda]\n");
+    const std::string a = argv[i];
+    if (a == "--help") {
+      std::printf("%s", usage);
       return 0;
+    }
+    bool known = false;
+    for (const char* f : {"--steps=", "--ckpt-dir=", "--ckpt-every=", "--device="}) known |= a.rfind(f, 0) == 0;
+    if (!known) {
+      std::fprintf(stderr, "train_loop: unknown argument '%s'\n%s", a.c_str(), usage);
+      return 2;
     }
   }
   const int rank = std::atoi(Env("RANK", "0").c_str());
@@ -58,6 +67,10 @@ int main(int argc, char** argv) {
   const int every = std::atoi(Flag(argc, argv, "ckpt-every", "10").c_str());
   const std::string ckpt_dir = Flag(argc, argv, "ckpt-dir", "");
   const std::string device_flag = Flag(argc, argv, "device", "cpu");
+  if (device_flag != "cpu" && device_flag != "cuda") {
+    std::fprintf(stderr, "train_loop: --device must be cpu or cuda, not '%s'\n", device_flag.c_str());
+    return 2;
+  }
   if (device_flag == "cuda" && !torch::cuda::is_available()) {
     return Fail(rank, "--device=cuda", absl::FailedPreconditionError("LibTorch sees no CUDA device"));
   }

@@ -31,6 +31,9 @@ if grep -q 'LibTorch sees no CUDA device' "$tmp/c.log"; then
 else
   check "--device=cuda runs where CUDA is present" test $rc -eq 0
 fi
+$ex --stpes=3 >"$tmp/d.log" 2>&1
+check "a misspelt flag is refused" test $? -eq 2
+check "and named" grep -q "unknown argument '--stpes=3'" "$tmp/d.log"
 if [[ $fails -ne 0 ]]; then
   echo "--- logs"; cat "$tmp/a.log" "$tmp/b.log" "$tmp/c.log"
 fi
