@@ -1,5 +1,6 @@
 // bench_gpu_step: one optimizer step on one GPU, GPT-2 small's 148 parameter
-// tensors (124M fp32 parameters), three ways in one run, interleaved rounds:
+// tensors (124M fp32 parameters, from the shapes fixture), three ways in one
+// run, interleaved rounds:
 //   shardopt  ZeroGrad + backward + ShardedOptimizer::Step() (world size 1:
 //             NCCL reduce-scatter/all-gather per bucket, CUDA Adam, norm)
 //   bare      backward + one multi-tensor CUDA Adam call on the same tensors
@@ -13,6 +14,7 @@
 // LibTorch and a GPU (tools/gpu_check.sh builds and runs it); elsewhere it
 // says so and exits 2.
 //   bench_gpu_step [--json=PATH] [--iters=20] [--rounds=5]
+//                  [--fixture=tests/fixtures/gpt2_small_params.json]
 #include <torch/torch.h>
 #include <torch/version.h>
 
@@ -27,45 +29,23 @@
 #include "client/kv_store.h"
 #include "client/nccl_communicator.h"
 #include "client/sharded_optimizer.h"
+#include "common/model_shapes.h"
 #include "server/cuda/cuda_kernels.h"
 
 using namespace shardopt;
 
 namespace {
 
-std::vector<std::pair<std::string, std::vector<int64_t>>> Gpt2Shapes() {
-  std::vector<std::pair<std::string, std::vector<int64_t>>> s = {{"wte", {50257, 768}},
-                                                                 {"wpe", {1024, 768}}};
-  for (int l = 0; l < 12; ++l) {
-    const std::string h = "h." + std::to_string(l) + ".";
-    s.push_back({h + "ln_1.weight", {768}});
-    s.push_back({h + "ln_1.bias", {768}});
-    s.push_back({h + "attn.c_attn.weight", {768, 2304}});
-    s.push_back({h + "attn.c_attn.bias", {2304}});
-    s.push_back({h + "attn.c_proj.weight", {768, 768}});
-    s.push_back({h + "attn.c_proj.bias", {768}});
-    s.push_back({h + "ln_2.weight", {768}});
-    s.push_back({h + "ln_2.bias", {768}});
-    s.push_back({h + "mlp.c_fc.weight", {768, 3072}});
-    s.push_back({h + "mlp.c_fc.bias", {3072}});
-    s.push_back({h + "mlp.c_proj.weight", {3072, 768}});
-    s.push_back({h + "mlp.c_proj.bias", {768}});
-  }
-  s.push_back({"ln_f.weight", {768}});
-  s.push_back({"ln_f.bias", {768}});
-  return s;
-}
-
 struct Model {
   std::vector<torch::Tensor> params, consts;
 };
 
-Model Make(const torch::Device& d) {
+Model Make(const ModelShapes& shapes, const torch::Device& d) {
   torch::manual_seed(3);
   Model m;
-  for (const auto& [name, shape] : Gpt2Shapes()) {
-    m.params.push_back((torch::randn(shape, d) * 0.02).set_requires_grad(true));
-    m.consts.push_back(torch::randn(shape, d) * 1e-3);
+  for (const ParamSpec& p : shapes.params) {
+    m.params.push_back((torch::randn(p.shape, d) * 0.02).set_requires_grad(true));
+    m.consts.push_back(torch::randn(p.shape, d) * 1e-3);
   }
   return m;
 }
@@ -84,17 +64,23 @@ double Median(std::vector<double> v) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string json;
+  std::string json, fixture = "tests/fixtures/gpt2_small_params.json";
   int iters = 20, rounds = 5;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a.rfind("--json=", 0) == 0) json = a.substr(7);
+    else if (a.rfind("--fixture=", 0) == 0) fixture = a.substr(10);
     else if (a.rfind("--iters=", 0) == 0) iters = std::atoi(a.c_str() + 8);
     else if (a.rfind("--rounds=", 0) == 0) rounds = std::atoi(a.c_str() + 9);
     else {
-      std::fprintf(stderr, "usage: bench_gpu_step [--json=PATH] [--iters=20] [--rounds=5]\n");
+      std::fprintf(stderr, "usage: bench_gpu_step [--json=PATH] [--iters=20] [--rounds=5] [--fixture=PATH]\n");
       return a == "--help" ? 0 : 1;
     }
+  }
+  auto shapes = LoadModelShapes(fixture);
+  if (!shapes.ok()) {
+    std::fprintf(stderr, "bench_gpu_step: %s\n", shapes.status().ToString().c_str());
+    return 1;
   }
   if (!torch::cuda::is_available() || cuda::DeviceCount() == 0) {
     std::printf("bench_gpu_step: needs a GPU and a CUDA build of LibTorch; nothing measured\n");
@@ -103,7 +89,7 @@ int main(int argc, char** argv) {
   const torch::Device gpu(torch::kCUDA, 0);
 
   // shardopt
-  Model a = Make(gpu);
+  Model a = Make(*shapes, gpu);
   InMemoryKeyValueStore store;
   auto comm = NcclCommunicator::Create(&store, 0, 1, NcclOptions());
   if (!comm.ok()) {
@@ -111,8 +97,7 @@ int main(int argc, char** argv) {
     return 1;
   }
   std::vector<std::pair<std::string, torch::Tensor>> named;
-  const auto shapes = Gpt2Shapes();
-  for (size_t i = 0; i < a.params.size(); ++i) named.emplace_back(shapes[i].first, a.params[i]);
+  for (size_t i = 0; i < a.params.size(); ++i) named.emplace_back(shapes->params[i].name, a.params[i]);
   ShardedOptimizerOptions opt;
   auto so = ShardedOptimizer::Create(named, opt, comm->get());
   if (!so.ok()) {
@@ -134,7 +119,7 @@ int main(int argc, char** argv) {
   };
 
   // bare: our kernel on the same tensors, no optimizer around it
-  Model b = Make(gpu);
+  Model b = Make(*shapes, gpu);
   std::vector<torch::Tensor> bm, bv;
   for (auto& p : b.params) {
     bm.push_back(torch::zeros_like(p));
@@ -167,7 +152,7 @@ int main(int argc, char** argv) {
   };
 
 #if TORCH_VERSION_MAJOR >= 2
-  Model c = Make(gpu);
+  Model c = Make(*shapes, gpu);
   std::vector<torch::Tensor> cm, cv, cmax, csteps;
   for (auto& p : c.params) {
     cm.push_back(torch::zeros_like(p));

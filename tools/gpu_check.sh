@@ -91,7 +91,7 @@ compile check $NVCC "${NVFLAGS[@]}" $arch -c tools/gpu_check.cu -o "$b/check.o"
 common_srcs=(server/update_slice.cc server/optimizer_config.cc server/reference_optimizer.cc
              server/cuda/cuda_kernels.cc client/communicator.cc client/kv_store.cc
              client/device_backend.cc client/cuda_backend.cc common/layout.cc common/planner.cc
-             common/crc32c.cc common/file_system.cc)
+             common/crc32c.cc common/file_system.cc common/model_shapes.cc)
 if [[ $have_absl == 1 ]]; then
   for s in "${common_srcs[@]}" tests/gpu_kernels_test.cc; do
     n=$(basename "$s" .cc); compile "$n" $CXX "${CXXFLAGS[@]}" -c "$s" -o "$b/$n.o"
@@ -160,7 +160,7 @@ if [[ $have_absl == 1 ]]; then
         -L"$torch_lib" -Wl,-rpath,"$torch_lib" -Wl,--allow-shlib-undefined "${tcuda[@]}" \
         -ltorch -ltorch_cpu -lc10 -L"$CUDA_HOME/lib64" -Wl,-rpath,"$CUDA_HOME/lib64" -lcudart \
         -o "$b/gpu_sharded_optimizer_test"
-      [[ -f $b/bench_gpu_step.o ]] && link bench_gpu_step $CXX $(obj bench_gpu_step sharded_optimizer cuda_backend \
+      [[ -f $b/bench_gpu_step.o ]] && link bench_gpu_step $CXX $(obj bench_gpu_step model_shapes sharded_optimizer cuda_backend \
           device_backend nccl_communicator communicator kv_store layout planner cpu_kernels k_base k_avx2 k_avx512 \
           optimizer_config update_slice cuda_kernels impl) -fopenmp \
         "${deps_lib[@]}" -Wl,--start-group "${absl_libs[@]}" -Wl,--end-group -lpthread "${nccl_link[@]}" \
