@@ -130,49 +130,44 @@ CommHandlePtr QueuedCommunicator::Enqueue(std::function<absl::Status()> run,
   return handle;
 }
 
-namespace {
-
-absl::Status CheckBuffer(const void* buffer, int64_t count) {
+absl::Status CheckCollectiveArgs(const void* buffer, int64_t count, ElementType type, bool reduces) {
   if (count < 0) return absl::InvalidArgumentError(absl::StrCat("negative count ", count));
   if (count > 0 && buffer == nullptr) return absl::InvalidArgumentError("null buffer");
-  return absl::OkStatus();
-}
-
-absl::Status CheckOp(ElementType type, ReduceOp op) {
-  if (type == ElementType::kByte) {
+  if (reduces && type == ElementType::kByte) {
     return absl::InvalidArgumentError("byte buffers cannot be reduced");
   }
-  (void)op;
   return absl::OkStatus();
 }
 
-}  // namespace
+absl::Status CheckRoot(int root, int world_size) {
+  if (root < 0 || root >= world_size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("broadcast root ", root, " out of range [0, ", world_size, ")"));
+  }
+  return absl::OkStatus();
+}
 
 CommHandlePtr QueuedCommunicator::ReduceScatter(void* buffer, int64_t count, ElementType type,
                                                 ReduceOp op) {
-  absl::Status err = CheckBuffer(buffer, count);
-  if (err.ok()) err = CheckOp(type, op);
-  return Enqueue([=] { return RunReduceScatter(buffer, count, type, op); }, err);
+  return Enqueue([=] { return RunReduceScatter(buffer, count, type, op); },
+                 CheckCollectiveArgs(buffer, count, type, /*reduces=*/true));
 }
 
 CommHandlePtr QueuedCommunicator::AllGather(void* buffer, int64_t count, ElementType type) {
-  return Enqueue([=] { return RunAllGather(buffer, count, type); }, CheckBuffer(buffer, count));
+  return Enqueue([=] { return RunAllGather(buffer, count, type); },
+                 CheckCollectiveArgs(buffer, count, type, /*reduces=*/false));
 }
 
 CommHandlePtr QueuedCommunicator::AllReduce(void* buffer, int64_t count, ElementType type,
                                             ReduceOp op) {
-  absl::Status err = CheckBuffer(buffer, count);
-  if (err.ok()) err = CheckOp(type, op);
-  return Enqueue([=] { return RunAllReduce(buffer, count, type, op); }, err);
+  return Enqueue([=] { return RunAllReduce(buffer, count, type, op); },
+                 CheckCollectiveArgs(buffer, count, type, /*reduces=*/true));
 }
 
 CommHandlePtr QueuedCommunicator::Broadcast(void* buffer, int64_t count, ElementType type,
                                             int root) {
-  absl::Status err = CheckBuffer(buffer, count);
-  if (err.ok() && (root < 0 || root >= world_size_)) {
-    err = absl::InvalidArgumentError(
-        absl::StrCat("broadcast root ", root, " out of range [0, ", world_size_, ")"));
-  }
+  absl::Status err = CheckCollectiveArgs(buffer, count, type, /*reduces=*/false);
+  if (err.ok()) err = CheckRoot(root, world_size_);
   return Enqueue([=] { return RunBroadcast(buffer, count, type, root); }, err);
 }
 

@@ -88,6 +88,12 @@ class Communicator {
   virtual ByteCounters counters() const = 0;
 };
 
+// Argument checks every implementation applies before it starts a collective
+// (InvalidArgument, naming what is wrong): `reduces` for reduce-scatter and
+// all-reduce; CheckRoot for broadcasts.
+absl::Status CheckCollectiveArgs(const void* buffer, int64_t count, ElementType type, bool reduces);
+absl::Status CheckRoot(int root, int world_size);
+
 // Shared machinery for implementations: the queue, the worker thread, handles,
 // abort, argument checks and byte counters. Subclasses implement Run*(), which
 // execute one collective synchronously on the worker thread.

@@ -312,7 +312,7 @@ void NcclCommunicator::Abort(const absl::Status& reason) {
 }
 
 CommHandlePtr NcclCommunicator::ReduceScatter(void* buffer, int64_t count, ElementType type, ReduceOp op) {
-  if (type == ElementType::kByte) return Done(absl::InvalidArgumentError("byte buffers cannot be reduced"));
+  if (absl::Status s = CheckCollectiveArgs(buffer, count, type, /*reduces=*/true); !s.ok()) return Done(s);
   const int64_t bytes = count * ElementSize(type);
   return Submit(CollectiveKind::kReduceScatter, (world_ - 1) * bytes, buffer, world_ * bytes,
                 [&](void* buf, cudaStream_t s) {
@@ -322,6 +322,7 @@ CommHandlePtr NcclCommunicator::ReduceScatter(void* buffer, int64_t count, Eleme
 }
 
 CommHandlePtr NcclCommunicator::AllGather(void* buffer, int64_t count, ElementType type) {
+  if (absl::Status s = CheckCollectiveArgs(buffer, count, type, /*reduces=*/false); !s.ok()) return Done(s);
   const int64_t bytes = count * ElementSize(type);
   return Submit(CollectiveKind::kAllGather, (world_ - 1) * bytes, buffer, world_ * bytes,
                 [&](void* buf, cudaStream_t s) {
@@ -331,7 +332,7 @@ CommHandlePtr NcclCommunicator::AllGather(void* buffer, int64_t count, ElementTy
 }
 
 CommHandlePtr NcclCommunicator::AllReduce(void* buffer, int64_t count, ElementType type, ReduceOp op) {
-  if (type == ElementType::kByte) return Done(absl::InvalidArgumentError("byte buffers cannot be reduced"));
+  if (absl::Status s = CheckCollectiveArgs(buffer, count, type, /*reduces=*/true); !s.ok()) return Done(s);
   const int64_t bytes = count * ElementSize(type);
   return Submit(CollectiveKind::kAllReduce, 2 * (world_ - 1) * bytes / world_, buffer, bytes,
                 [&](void* buf, cudaStream_t s) {
@@ -340,7 +341,9 @@ CommHandlePtr NcclCommunicator::AllReduce(void* buffer, int64_t count, ElementTy
 }
 
 CommHandlePtr NcclCommunicator::Broadcast(void* buffer, int64_t count, ElementType type, int root) {
-  if (root < 0 || root >= world_) return Done(absl::InvalidArgumentError("broadcast root out of range"));
+  absl::Status err = CheckCollectiveArgs(buffer, count, type, /*reduces=*/false);
+  if (err.ok()) err = CheckRoot(root, world_);
+  if (!err.ok()) return Done(err);
   const int64_t bytes = count * ElementSize(type);
   return Submit(CollectiveKind::kBroadcast, rank_ == root ? bytes : 0, buffer, bytes,
                 [&](void* buf, cudaStream_t s) {
