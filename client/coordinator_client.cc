@@ -60,13 +60,13 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials
     return grpc::InsecureChannelCredentials();
   }
   grpc::SslCredentialsOptions o;
-  auto ca = ReadWholeFile(PosixFileSystem(), tls.ca_file);
+  auto ca = ReadConfigFile(tls.ca_file);
   if (!ca.ok()) return ca.status();
   o.pem_root_certs = *ca;
   if (!tls.cert_file.empty() || !tls.key_file.empty()) {
-    auto cert = ReadWholeFile(PosixFileSystem(), tls.cert_file);
+    auto cert = ReadConfigFile(tls.cert_file);
     if (!cert.ok()) return cert.status();
-    auto key = ReadWholeFile(PosixFileSystem(), tls.key_file);
+    auto key = ReadConfigFile(tls.key_file);
     if (!key.ok()) return key.status();
     o.pem_cert_chain = *cert;
     o.pem_private_key = *key;

@@ -398,6 +398,27 @@ void ShardedOptimizer::SetLearningRate(double lr) {
   }
 }
 
+absl::Status ShardedOptimizer::SetHyperParameters(const AdamConfig& adam, const SgdConfig& sgd) {
+  if (options_.kind == OptimizerKind::kSgd) {
+    SHARDOPT_RETURN_IF_ERROR(ValidateSgdConfig(sgd));
+    if ((sgd.momentum != 0.0) != (options_.sgd.momentum != 0.0)) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "SGD momentum ", sgd.momentum, " cannot replace ", options_.sgd.momentum,
+          ": one keeps a momentum buffer and the other does not"));
+    }
+    SgdConfig c = sgd;
+    c.maximize = options_.sgd.maximize;
+    options_.sgd = c;
+  } else {
+    SHARDOPT_RETURN_IF_ERROR(ValidateAdamConfig(adam));
+    AdamConfig c = adam;
+    c.decoupled_weight_decay = options_.adam.decoupled_weight_decay;
+    c.maximize = options_.adam.maximize;
+    options_.adam = c;
+  }
+  return absl::OkStatus();
+}
+
 double ShardedOptimizer::learning_rate() const {
   return options_.kind == OptimizerKind::kSgd ? options_.sgd.lr : options_.adam.lr;
 }

@@ -125,6 +125,10 @@ class ShardedOptimizer {
   // Takes effect at the next Step().
   void SetLearningRate(double lr);
   double learning_rate() const;
+  // Replaces the hyper-parameters of this optimizer's kind (lr, betas, eps,
+  // weight decay; SGD momentum, dampening, nesterov), e.g. those a checkpoint
+  // saved. The kind, and whether SGD keeps a momentum buffer, cannot change.
+  absl::Status SetHyperParameters(const AdamConfig& adam, const SgdConfig& sgd);
 
   int64_t step_count() const { return step_; }
 

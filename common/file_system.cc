@@ -5,7 +5,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <climits>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -21,6 +23,10 @@ absl::Status Errno(const std::string& what, const std::string& path) {
   if (e == ENOENT) return absl::NotFoundError(msg);
   if (e == EACCES || e == EPERM) return absl::PermissionDeniedError(msg);
   return absl::UnavailableError(msg);
+}
+
+absl::Status NotRegular(const std::string& path, const char* what) {
+  return absl::FailedPreconditionError(absl::StrCat("'", path, "' is ", what, "; refusing to use it"));
 }
 
 class PosixWritableFile : public WritableFile {
@@ -61,13 +67,39 @@ class PosixWritableFile : public WritableFile {
 class Posix : public FileSystem {
  public:
   absl::StatusOr<std::unique_ptr<WritableFile>> NewWritableFile(const std::string& path) override {
-    const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    // A leftover (or planted) file or symlink of this name is removed, never
+    // written through; then the file is created anew, exclusively.
+    const EntryKind k = Kind(path);
+    if (k == EntryKind::kDirectory || k == EntryKind::kOther) {
+      return absl::FailedPreconditionError(absl::StrCat("cannot create '", path, "': a ",
+                                                        k == EntryKind::kDirectory ? "directory" : "special file",
+                                                        " of that name is in the way"));
+    }
+    if (k != EntryKind::kMissing && ::unlink(path.c_str()) != 0 && errno != ENOENT) {
+      return Errno("cannot replace", path);
+    }
+    const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
     if (fd < 0) return Errno("cannot create", path);
     return std::unique_ptr<WritableFile>(new PosixWritableFile(fd, path));
   }
   absl::Status ReadAt(const std::string& path, uint64_t offset, size_t n, void* out) override {
-    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return Errno("cannot open", path);
+    // O_NOFOLLOW: a symlink is refused; O_NONBLOCK: a FIFO never blocks the
+    // open; the fstat below then refuses anything but a regular file.
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+    if (fd < 0) {
+      if (errno == ELOOP) return NotRegular(path, "a symbolic link");
+      return Errno("cannot open", path);
+    }
+    struct stat st;
+    if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+      ::close(fd);
+      return NotRegular(path, "not a regular file");
+    }
+    if (offset > static_cast<uint64_t>(st.st_size) || n > static_cast<uint64_t>(st.st_size) - offset) {
+      ::close(fd);
+      return absl::DataLossError(absl::StrCat("'", path, "' is truncated: wanted ", n, " bytes at offset ", offset,
+                                              ", it has ", st.st_size));
+    }
     char* p = static_cast<char*>(out);
     size_t done = 0;
     while (done < n) {
@@ -88,8 +120,18 @@ class Posix : public FileSystem {
   }
   absl::StatusOr<uint64_t> FileSize(const std::string& path) override {
     struct stat st;
-    if (::stat(path.c_str(), &st) != 0) return Errno("cannot stat", path);
+    if (::lstat(path.c_str(), &st) != 0) return Errno("cannot stat", path);
+    if (S_ISLNK(st.st_mode)) return NotRegular(path, "a symbolic link");
+    if (!S_ISREG(st.st_mode)) return NotRegular(path, "not a regular file");
     return static_cast<uint64_t>(st.st_size);
+  }
+  EntryKind Kind(const std::string& path) override {
+    struct stat st;
+    if (::lstat(path.c_str(), &st) != 0) return EntryKind::kMissing;
+    if (S_ISLNK(st.st_mode)) return EntryKind::kSymlink;
+    if (S_ISREG(st.st_mode)) return EntryKind::kFile;
+    if (S_ISDIR(st.st_mode)) return EntryKind::kDirectory;
+    return EntryKind::kOther;
   }
   absl::Status Rename(const std::string& from, const std::string& to) override {
     if (::rename(from.c_str(), to.c_str()) != 0) return Errno("cannot rename", from);
@@ -193,6 +235,7 @@ absl::Status FaultInjectingFileSystem::ReadAt(const std::string& p, uint64_t o, 
 absl::StatusOr<uint64_t> FaultInjectingFileSystem::FileSize(const std::string& p) {
   return base_->FileSize(p);
 }
+EntryKind FaultInjectingFileSystem::Kind(const std::string& p) { return base_->Kind(p); }
 absl::Status FaultInjectingFileSystem::Rename(const std::string& a, const std::string& b) {
   if (absl::Status s = Op(); !s.ok()) return s;
   return base_->Rename(a, b);
@@ -219,6 +262,14 @@ absl::Status FaultInjectingFileSystem::RemoveDir(const std::string& d) {
   return base_->RemoveDir(d);
 }
 
+absl::StatusOr<std::string> ReadConfigFile(const std::string& path, int64_t max_bytes) {
+  // Symlinks are followed here (mounted secrets are symlinks), but the target
+  // must be a regular file: no FIFO, device or directory.
+  char resolved[PATH_MAX];
+  if (::realpath(path.c_str(), resolved) == nullptr) return Errno("cannot open", path);
+  return ReadWholeFile(PosixFileSystem(), resolved, max_bytes);
+}
+
 absl::Status WriteFileAtomically(FileSystem* fs, const std::string& path, const std::string& data) {
   const std::string tmp = path + ".tmp";
   auto f = fs->NewWritableFile(tmp);
@@ -236,9 +287,13 @@ absl::Status WriteFileAtomically(FileSystem* fs, const std::string& path, const 
   return fs->SyncDir(slash == std::string::npos ? "." : path.substr(0, slash));
 }
 
-absl::StatusOr<std::string> ReadWholeFile(FileSystem* fs, const std::string& path) {
+absl::StatusOr<std::string> ReadWholeFile(FileSystem* fs, const std::string& path, int64_t max_bytes) {
   auto size = fs->FileSize(path);
   if (!size.ok()) return size.status();
+  if (*size > static_cast<uint64_t>(max_bytes)) {
+    return absl::FailedPreconditionError(absl::StrCat("'", path, "' has ", *size, " bytes, more than the ",
+                                                      max_bytes, " this file may have"));
+  }
   std::string out(*size, '\0');
   if (absl::Status s = fs->ReadAt(path, 0, out.size(), out.data()); !s.ok()) return s;
   return out;

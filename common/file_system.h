@@ -22,13 +22,24 @@ class WritableFile {
   virtual absl::Status Close() = 0;
 };
 
+// What a path names, without following a final symlink.
+enum class EntryKind { kMissing, kFile, kDirectory, kSymlink, kOther };
+
+// Paths are followed through directories, but the last component is never
+// followed: a symlink, FIFO, device or directory where a file is expected is
+// an error, never something written through, read or waited on.
 class FileSystem {
  public:
   virtual ~FileSystem() = default;
+  // Creates a new file at `path`, replacing a file or symlink of that name
+  // (the link itself, never its target); O_EXCL | O_NOFOLLOW.
   virtual absl::StatusOr<std::unique_ptr<WritableFile>> NewWritableFile(const std::string& path) = 0;
-  // Reads exactly `n` bytes at `offset`; DataLoss if the file is shorter.
+  // Reads exactly `n` bytes at `offset` of a regular file; DataLoss if the
+  // file is shorter.
   virtual absl::Status ReadAt(const std::string& path, uint64_t offset, size_t n, void* out) = 0;
+  // Size of a regular file (FailedPrecondition for anything else).
   virtual absl::StatusOr<uint64_t> FileSize(const std::string& path) = 0;
+  virtual EntryKind Kind(const std::string& path) = 0;
   virtual absl::Status Rename(const std::string& from, const std::string& to) = 0;
   // fsync of a directory, so that renames and creations in it are durable.
   virtual absl::Status SyncDir(const std::string& dir) = 0;
@@ -56,6 +67,7 @@ class FaultInjectingFileSystem : public FileSystem {
   absl::StatusOr<std::unique_ptr<WritableFile>> NewWritableFile(const std::string& path) override;
   absl::Status ReadAt(const std::string& path, uint64_t offset, size_t n, void* out) override;
   absl::StatusOr<uint64_t> FileSize(const std::string& path) override;
+  EntryKind Kind(const std::string& path) override;
   absl::Status Rename(const std::string& from, const std::string& to) override;
   absl::Status SyncDir(const std::string& dir) override;
   absl::Status MakeDirs(const std::string& dir) override;
@@ -78,7 +90,14 @@ class FaultInjectingFileSystem : public FileSystem {
 // Writes `data` to `path` crash-safely: temporary file, fsync, rename,
 // directory fsync.
 absl::Status WriteFileAtomically(FileSystem* fs, const std::string& path, const std::string& data);
-absl::StatusOr<std::string> ReadWholeFile(FileSystem* fs, const std::string& path);
+// Reads a whole regular file of at most `max_bytes` bytes (larger ones are
+// refused before anything is read).
+absl::StatusOr<std::string> ReadWholeFile(FileSystem* fs, const std::string& path,
+                                          int64_t max_bytes = 256LL << 20);
+
+// Reads a file the user named (a token, a certificate): symlinks are followed,
+// but it must be a regular file of at most `max_bytes`.
+absl::StatusOr<std::string> ReadConfigFile(const std::string& path, int64_t max_bytes = 1 << 20);
 
 }  // namespace shardopt
 

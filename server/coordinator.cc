@@ -1,13 +1,65 @@
 #include "server/coordinator.h"
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
+#include <memory>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/synchronization/notification.h"
 #include "common/planner.h"
 
 namespace shardopt {
+
+namespace {
+
+constexpr char kShuttingDown[] = "coordinator shutting down";
+
+void Run(std::vector<std::function<void()>>* completions) {
+  for (auto& f : *completions) f();
+  completions->clear();
+}
+
+// Blocks on an asynchronous wait: ends it at `deadline` if nothing else has.
+template <typename T, typename Start>
+absl::StatusOr<T> Block(Coordinator* c, absl::Time deadline, Start start) {
+  struct State {
+    absl::Notification done;
+    absl::StatusOr<T> result;
+  };
+  auto st = std::make_shared<State>();
+  const Coordinator::WaitId id = start([st](absl::StatusOr<T> r) {
+    st->result = std::move(r);
+    st->done.Notify();
+  });
+  if (id != 0 && !st->done.WaitForNotificationWithDeadline(deadline)) {
+    c->ExpireWaits(std::max(deadline, absl::Now()));
+  }
+  st->done.WaitForNotification();
+  return std::move(st->result);
+}
+
+}  // namespace
+
+absl::Status ValidateLearningRate(double lr) {
+  if (!std::isfinite(lr) || !(lr > 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("learning rate must be finite and > 0, got ", lr));
+  }
+  const float f = static_cast<float>(lr);
+  if (!std::isfinite(f)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "learning rate ", lr, " is inf as a float (the optimizer kernels compute in float); "
+        "it must be at most ", FLT_MAX));
+  }
+  if (!std::isnormal(f)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "learning rate ", lr, " is ", f == 0 ? "0" : "a denormal",
+        " as a float (the optimizer kernels compute in float); it must be at least ", FLT_MIN));
+  }
+  return absl::OkStatus();
+}
 
 const char* JobStateName(JobState state) {
   switch (state) {
@@ -22,6 +74,13 @@ const char* JobStateName(JobState state) {
 Coordinator::Coordinator(CoordinatorOptions options) : options_(std::move(options)) {
   ranks_.resize(std::max(0, options_.world_size));
   for (int r = 0; r < options_.world_size; ++r) ranks_[r].rank = r;
+  joining_.assign(ranks_.size(), 0);
+}
+
+Coordinator::~Coordinator() { Shutdown(); }
+
+int Coordinator::MaxKvWaiters() const {
+  return std::max(options_.max_kv_waiters, 2 * options_.world_size);
 }
 
 absl::Status Coordinator::ValidateJoin(const JoinInfo& info) const {
@@ -49,6 +108,11 @@ absl::Status Coordinator::ValidateJoin(const JoinInfo& info) const {
   if (info.params.empty() || info.params.size() > static_cast<size_t>(kMaxParams)) {
     return absl::InvalidArgumentError(
         absl::StrCat("parameter count ", info.params.size(), " out of range [1, ", kMaxParams, "]"));
+  }
+  // Reported, not applied: any finite value >= 0 (0: not reported).
+  if (!std::isfinite(info.learning_rate) || info.learning_rate < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("reported learning rate ", info.learning_rate, " is not finite and >= 0"));
   }
   for (const ParamSpec& p : info.params) {
     if (p.shape.size() > 16) {
@@ -93,30 +157,74 @@ std::string FirstDifference(const JoinInfo& a, const JoinInfo& b) {
 }  // namespace
 
 absl::StatusOr<JoinResult> Coordinator::Join(const JoinInfo& info, absl::Duration wait) {
-  if (absl::Status s = ValidateJoin(info); !s.ok()) return s;
-  absl::MutexLock lock(&mu_);
-  if (state_ == JobState::kFailed) return absl::AbortedError("job failed: " + failure_);
+  // Waits use the real clock; the injectable one only ages heartbeats.
+  const absl::Time deadline = absl::Now() + wait;
+  return Block<JoinResult>(this, deadline, [&](JoinCallback done) {
+    return JoinAsync(info, deadline, std::move(done));
+  });
+}
+
+Coordinator::WaitId Coordinator::JoinAsync(JoinInfo info, absl::Time deadline,
+                                           JoinCallback done) {
+  if (absl::Status s = ValidateJoin(info); !s.ok()) {
+    done(s);
+    return 0;
+  }
+  Completions ready;
+  WaitId id = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    const int rank = info.rank;
+    absl::Status refused;
+    if (shutting_down_) {
+      refused = absl::UnavailableError(kShuttingDown);
+    } else if (state_ == JobState::kFailed) {
+      refused = absl::AbortedError("job failed: " + failure_);
+    } else if (ranks_[rank].joined) {
+      refused = absl::AlreadyExistsError(absl::StrCat("rank ", rank, " has already joined"));
+    } else if (joining_[rank] != 0) {
+      refused = absl::AlreadyExistsError(
+          absl::StrCat("rank ", rank, " is already joining (another Join for it is waiting)"));
+    } else if (rank == 0) {
+      auto layout = Plan(info.params, options_.world_size, info.plan);
+      if (!layout.ok()) {
+        refused = absl::InvalidArgumentError(
+            absl::StrCat("cannot plan rank 0's model: ", layout.status().message()));
+      } else {
+        layout_ = std::make_shared<const Layout>(std::move(*layout));
+        rank0_ = info;
+      }
+    }
+    if (!refused.ok()) {
+      ready.push_back([done = std::move(done), refused] { done(refused); });
+    } else {
+      id = next_wait_id_++;
+      JoinWait& w = join_waits_[id];
+      w.rank = rank;
+      w.deadline = deadline;
+      w.info = std::make_unique<JoinInfo>(std::move(info));
+      w.done = std::move(done);
+      joining_[rank] = id;
+      AdvanceJoinsLocked(&ready);
+      auto it = join_waits_.find(id);
+      if (it == join_waits_.end()) {
+        id = 0;  // answered already
+      } else if (deadline <= absl::Now()) {
+        const absl::Status timeout = JoinTimeoutLocked(it->second);
+        JoinWait expired = TakeJoinLocked(it);
+        ready.push_back([f = std::move(expired.done), timeout] { f(timeout); });
+        id = 0;
+      }
+    }
+  }
+  Run(&ready);
+  return id;
+}
+
+absl::Status Coordinator::AdmitLocked(const JoinInfo& info) {
   RankState& rs = ranks_[info.rank];
   if (rs.joined) {
     return absl::AlreadyExistsError(absl::StrCat("rank ", info.rank, " has already joined"));
-  }
-  if (info.rank == 0) {
-    auto layout = Plan(info.params, options_.world_size, info.plan);
-    if (!layout.ok()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("cannot plan rank 0's model: ", layout.status().message()));
-    }
-    layout_ = std::make_shared<const Layout>(std::move(*layout));
-    rank0_ = info;
-  }
-  // Waits use the real clock; the injectable one only ages heartbeats.
-  const absl::Time deadline = absl::Now() + wait;
-  auto have_rank0 = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
-    return rank0_.has_value() || state_ == JobState::kFailed;
-  };
-  if (!mu_.AwaitWithDeadline(absl::Condition(&have_rank0), deadline) || !rank0_) {
-    if (state_ == JobState::kFailed) return absl::AbortedError("job failed: " + failure_);
-    return absl::DeadlineExceededError("rank 0 did not join in time");
   }
   if (info.rank != 0) {
     const std::string diff = FirstDifference(*rank0_, info);
@@ -133,25 +241,66 @@ absl::StatusOr<JoinResult> Coordinator::Join(const JoinInfo& info, absl::Duratio
   rs.joined = true;
   rs.address = absl::StrCat(info.host, ":", info.shard_owner_port);
   rs.last_heartbeat = options_.now();
+  if (info.learning_rate > 0) rs.learning_rate = info.learning_rate;
   if (++joined_ == options_.world_size && state_ == JobState::kStarting) {
     state_ = JobState::kRunning;
   }
-  auto all_joined = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
-    return joined_ == options_.world_size || state_ == JobState::kFailed;
-  };
-  if (!mu_.AwaitWithDeadline(absl::Condition(&all_joined), deadline)) {
-    std::vector<int> missing;
-    for (const RankState& r : ranks_) {
-      if (!r.joined) missing.push_back(r.rank);
+  return absl::OkStatus();
+}
+
+void Coordinator::AdvanceJoinsLocked(Completions* out) {
+  if (!rank0_) return;
+  for (auto it = join_waits_.begin(); it != join_waits_.end();) {
+    auto next = std::next(it);
+    JoinWait& w = it->second;
+    if (w.info) {
+      absl::Status s = AdmitLocked(*w.info);
+      if (!s.ok()) {
+        JoinWait refused = TakeJoinLocked(it);
+        out->push_back([f = std::move(refused.done), s] { f(s); });
+      } else {
+        w.info.reset();  // admitted: now waits for every rank
+      }
     }
-    return absl::DeadlineExceededError(
-        absl::StrCat("ranks ", absl::StrJoin(missing, ", "), " did not join in time"));
+    it = next;
   }
-  if (state_ == JobState::kFailed) return absl::AbortedError("job failed: " + failure_);
+  if (joined_ != options_.world_size) return;
+  const JoinResult result = JoinResultLocked();
+  while (!join_waits_.empty()) {
+    JoinWait w = TakeJoinLocked(join_waits_.begin());
+    out->push_back([f = std::move(w.done), result] { f(result); });
+  }
+}
+
+JoinResult Coordinator::JoinResultLocked() {
   JoinResult out;
   out.layout_hash = layout_->hash();
   for (const RankState& r : ranks_) out.peers.push_back(r.address);
   return out;
+}
+
+absl::Status Coordinator::JoinTimeoutLocked(const JoinWait& w) {
+  if (w.info) return absl::DeadlineExceededError("rank 0 did not join in time");
+  std::vector<int> missing;
+  for (const RankState& r : ranks_) {
+    if (!r.joined) missing.push_back(r.rank);
+  }
+  return absl::DeadlineExceededError(
+      absl::StrCat("ranks ", absl::StrJoin(missing, ", "), " did not join in time"));
+}
+
+Coordinator::JoinWait Coordinator::TakeJoinLocked(std::map<WaitId, JoinWait>::iterator it) {
+  JoinWait w = std::move(it->second);
+  if (joining_[w.rank] == it->first) joining_[w.rank] = 0;
+  join_waits_.erase(it);
+  return w;
+}
+
+Coordinator::KvWait Coordinator::TakeKvLocked(std::map<WaitId, KvWait>::iterator it) {
+  KvWait w = std::move(it->second);
+  kv_waits_by_key_.erase(w.index);
+  kv_waits_.erase(it);
+  return w;
 }
 
 absl::Status Coordinator::KvSet(const std::string& key, const std::string& value) {
@@ -161,31 +310,140 @@ absl::Status Coordinator::KvSet(const std::string& key, const std::string& value
   if (value.size() > kMaxValueBytes) {
     return absl::InvalidArgumentError(absl::StrCat("value over ", kMaxValueBytes, " bytes"));
   }
-  absl::MutexLock lock(&mu_);
-  auto it = kv_.find(key);
-  const size_t old = it == kv_.end() ? 0 : it->second.size() + key.size();
-  if (kv_bytes_ - old + key.size() + value.size() > kMaxStoreBytes) {
-    return absl::ResourceExhaustedError("rendezvous store is full");
+  Completions ready;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = kv_.find(key);
+    const size_t old = it == kv_.end() ? 0 : it->second.size() + key.size();
+    if (kv_bytes_ - old + key.size() + value.size() > kMaxStoreBytes) {
+      return absl::ResourceExhaustedError("rendezvous store is full");
+    }
+    kv_bytes_ = kv_bytes_ - old + key.size() + value.size();
+    kv_[key] = value;
+    // Answer whoever waits for this key.
+    for (auto w = kv_waits_by_key_.find(key);
+         w != kv_waits_by_key_.end() && w->first == key; w = kv_waits_by_key_.find(key)) {
+      KvWait done = TakeKvLocked(kv_waits_.find(w->second));
+      ready.push_back([f = std::move(done.done), value] { f(value); });
+    }
   }
-  kv_bytes_ = kv_bytes_ - old + key.size() + value.size();
-  kv_[key] = value;
+  Run(&ready);
   return absl::OkStatus();
 }
 
 absl::StatusOr<std::string> Coordinator::KvGet(const std::string& key, absl::Duration wait) {
+  const absl::Time deadline = absl::Now() + wait;
+  return Block<std::string>(this, deadline, [&](KvCallback done) {
+    return KvGetAsync(key, deadline, std::move(done));
+  });
+}
+
+Coordinator::WaitId Coordinator::KvGetAsync(const std::string& key, absl::Time deadline,
+                                            KvCallback done) {
   if (key.empty() || key.size() > kMaxKeyBytes) {
-    return absl::InvalidArgumentError(absl::StrCat("key must be 1..", kMaxKeyBytes, " bytes"));
+    done(absl::InvalidArgumentError(absl::StrCat("key must be 1..", kMaxKeyBytes, " bytes")));
+    return 0;
   }
+  absl::StatusOr<std::string> now;
+  {
+    absl::MutexLock lock(&mu_);
+    const absl::Time t = absl::Now();
+    if (auto it = kv_.find(key); it != kv_.end()) {
+      now = it->second;
+    } else if (state_ == JobState::kFailed) {
+      now = absl::AbortedError("job failed: " + failure_);
+    } else if (shutting_down_) {
+      now = absl::UnavailableError(kShuttingDown);
+    } else if (deadline <= t) {
+      now = absl::DeadlineExceededError(absl::StrCat("key '", key, "' not set within 0"));
+    } else if (static_cast<int>(kv_waits_.size()) >= MaxKvWaiters()) {
+      now = absl::ResourceExhaustedError(absl::StrCat(
+          kv_waits_.size(), " KvGet calls are already waiting (the limit); try again later"));
+    } else {
+      const WaitId id = next_wait_id_++;
+      KvWait& w = kv_waits_[id];
+      w.key = key;
+      w.deadline = deadline;
+      w.wait = deadline - t;
+      w.done = std::move(done);
+      w.index = kv_waits_by_key_.emplace(key, id);
+      return id;
+    }
+  }
+  done(std::move(now));
+  return 0;
+}
+
+bool Coordinator::CancelWait(WaitId id) {
+  // The callback is destroyed outside the lock.
+  KvWait kv;
+  JoinWait join;
   absl::MutexLock lock(&mu_);
-  auto present = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
-    return kv_.count(key) > 0 || state_ == JobState::kFailed;
-  };
-  if (!mu_.AwaitWithTimeout(absl::Condition(&present), wait)) {
-    return absl::DeadlineExceededError(absl::StrCat("key '", key, "' not set within ",
-                                                    absl::FormatDuration(wait)));
+  if (auto it = kv_waits_.find(id); it != kv_waits_.end()) {
+    kv = TakeKvLocked(it);
+    return true;
   }
-  if (kv_.count(key) == 0) return absl::AbortedError("job failed: " + failure_);
-  return kv_[key];
+  if (auto it = join_waits_.find(id); it != join_waits_.end()) {
+    join = TakeJoinLocked(it);
+    return true;
+  }
+  return false;
+}
+
+int Coordinator::ExpireWaits(absl::Time now) {
+  Completions ready;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto it = kv_waits_.begin(); it != kv_waits_.end();) {
+      auto next = std::next(it);
+      if (it->second.deadline <= now) {
+        KvWait w = TakeKvLocked(it);
+        const absl::Status s = absl::DeadlineExceededError(
+            absl::StrCat("key '", w.key, "' not set within ", absl::FormatDuration(w.wait)));
+        ready.push_back([f = std::move(w.done), s] { f(s); });
+      }
+      it = next;
+    }
+    for (auto it = join_waits_.begin(); it != join_waits_.end();) {
+      auto next = std::next(it);
+      if (it->second.deadline <= now) {
+        const absl::Status s = JoinTimeoutLocked(it->second);
+        JoinWait w = TakeJoinLocked(it);
+        ready.push_back([f = std::move(w.done), s] { f(s); });
+      }
+      it = next;
+    }
+  }
+  const int n = static_cast<int>(ready.size());
+  Run(&ready);
+  return n;
+}
+
+void Coordinator::EndAllWaitsLocked(const absl::Status& status, Completions* out) {
+  while (!kv_waits_.empty()) {
+    KvWait w = TakeKvLocked(kv_waits_.begin());
+    out->push_back([f = std::move(w.done), status] { f(status); });
+  }
+  while (!join_waits_.empty()) {
+    JoinWait w = TakeJoinLocked(join_waits_.begin());
+    out->push_back([f = std::move(w.done), status] { f(status); });
+  }
+}
+
+void Coordinator::Shutdown() {
+  Completions ready;
+  {
+    absl::MutexLock lock(&mu_);
+    if (shutting_down_) return;
+    shutting_down_ = true;
+    EndAllWaitsLocked(absl::UnavailableError(kShuttingDown), &ready);
+  }
+  Run(&ready);
+}
+
+int Coordinator::pending_waits() {
+  absl::MutexLock lock(&mu_);
+  return static_cast<int>(kv_waits_.size() + join_waits_.size());
 }
 
 absl::StatusOr<HeartbeatReply> Coordinator::Heartbeat(const HeartbeatInfo& info) {
@@ -194,6 +452,11 @@ absl::StatusOr<HeartbeatReply> Coordinator::Heartbeat(const HeartbeatInfo& info)
   }
   if (info.step < 0 || !std::isfinite(info.samples_per_s)) {
     return absl::InvalidArgumentError("bad step or throughput");
+  }
+  // Reported, not applied: any finite value >= 0 (0: not reported).
+  if (!std::isfinite(info.learning_rate) || info.learning_rate < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("reported learning rate ", info.learning_rate, " is not finite and >= 0"));
   }
   absl::MutexLock lock(&mu_);
   RankState& r = ranks_[info.rank];
@@ -205,10 +468,12 @@ absl::StatusOr<HeartbeatReply> Coordinator::Heartbeat(const HeartbeatInfo& info)
   r.loss = info.loss;
   r.samples_per_s = info.samples_per_s;
   r.progress = info.progress;
+  if (info.learning_rate > 0) r.learning_rate = info.learning_rate;
   return NoticeLocked();
 }
 
 bool Coordinator::CheckHeartbeats() {
+  Completions ready;
   {
     absl::MutexLock lock(&mu_);
     if (state_ != JobState::kRunning) return false;
@@ -218,13 +483,15 @@ bool Coordinator::CheckHeartbeats() {
       if (r.joined && !r.finished && now - r.last_heartbeat > options_.heartbeat_timeout) {
         FailLocked(absl::StrCat("rank ", r.rank, " sent no heartbeat for ",
                                 absl::FormatDuration(now - r.last_heartbeat), " (last step ",
-                                r.step, ")"));
+                                r.step, ")"),
+                   &ready);
         failed = true;
         break;
       }
     }
     if (!failed) return false;
   }
+  Run(&ready);
   Notify();
   return true;
 }
@@ -258,10 +525,11 @@ void Coordinator::Notify() {
   if (l) l();
 }
 
-void Coordinator::FailLocked(const std::string& reason) {
+void Coordinator::FailLocked(const std::string& reason, Completions* out) {
   if (state_ == JobState::kFailed) return;
   state_ = JobState::kFailed;
   failure_ = reason;
+  EndAllWaitsLocked(absl::AbortedError("job failed: " + failure_), out);
 }
 
 JobStatus Coordinator::GetJob() {
@@ -273,7 +541,14 @@ JobStatus Coordinator::GetJob() {
   s.ranks = ranks_;
   s.failure = failure_;
   s.layout_hash = layout_ ? layout_->hash() : 0;
+  s.requested_learning_rate = learning_rate_;
   s.learning_rate = learning_rate_;
+  for (const RankState& r : ranks_) {
+    if (r.joined && r.learning_rate > 0) {
+      s.learning_rate = r.learning_rate;
+      break;
+    }
+  }
   s.now = options_.now();
   int64_t min_step = -1;
   for (const RankState& r : ranks_) {
@@ -297,9 +572,7 @@ std::vector<std::string> Coordinator::ShardOwnerAddresses() {
 }
 
 absl::StatusOr<int64_t> Coordinator::SetLearningRate(double lr) {
-  if (!(lr > 0) || !std::isfinite(lr)) {
-    return absl::InvalidArgumentError(absl::StrCat("learning rate must be > 0, got ", lr));
-  }
+  if (absl::Status s = ValidateLearningRate(lr); !s.ok()) return s;
   int64_t version;
   {
     absl::MutexLock lock(&mu_);
@@ -329,10 +602,12 @@ absl::StatusOr<int64_t> Coordinator::RequestCheckpoint() {
 }
 
 void Coordinator::Abort(const std::string& reason, int rank) {
+  Completions ready;
   {
     absl::MutexLock lock(&mu_);
-    FailLocked(rank >= 0 ? absl::StrCat("rank ", rank, ": ", reason) : reason);
+    FailLocked(rank >= 0 ? absl::StrCat("rank ", rank, ": ", reason) : reason, &ready);
   }
+  Run(&ready);
   Notify();
 }
 

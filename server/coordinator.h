@@ -2,6 +2,11 @@
 // its check across ranks, heartbeats and failure detection, job state and
 // step, hyper-parameter changes, abort. No gRPC here: server/
 // coordinator_service.h adapts it. Thread-safe.
+//
+// Waiting (Join for the other ranks, KvGet for a key) costs no thread: the
+// *Async calls register a callback that whatever settles the wait runs (a
+// Join, a KvSet, a failure, Shutdown, ExpireWaits). The blocking Join/KvGet
+// wrap them for callers that have a thread to spare.
 #ifndef SHARDOPT_SERVER_COORDINATOR_H_
 #define SHARDOPT_SERVER_COORDINATOR_H_
 
@@ -13,6 +18,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
@@ -27,13 +33,22 @@ inline constexpr size_t kMaxKeyBytes = 512;
 inline constexpr size_t kMaxValueBytes = 1 << 20;
 inline constexpr size_t kMaxStoreBytes = 256 << 20;
 
+// What the optimizer kernels can use as a learning rate: they compute in
+// float, so the value as a float must be finite, > 0 and normal (1e39 becomes
+// inf, 1e-46 becomes 0, 1e-40 a denormal). InvalidArgument saying why
+// otherwise. Checked where a value enters (SetLearningRate) and by the ranks.
+absl::Status ValidateLearningRate(double lr);
+
 struct CoordinatorOptions {
   std::string job_id = "job";
   int world_size = 1;
   // A rank that sends no heartbeat for this long is dead; the job fails.
   absl::Duration heartbeat_timeout = absl::Seconds(10);
-  // Injectable clock for tests.
+  // Injectable clock for tests (heartbeat ages only; waits use the real clock).
   std::function<absl::Time()> now = [] { return absl::Now(); };
+  // At most this many KvGets wait at once (more: ResourceExhausted). Raised
+  // to 2 * world_size when that is more (every rank may wait for a key).
+  int max_kv_waiters = 4096;
 };
 
 struct JoinInfo {
@@ -46,6 +61,7 @@ struct JoinInfo {
   std::vector<ParamSpec> params;
   PlanOptions plan;
   uint64_t layout_hash = 0;
+  double learning_rate = 0;  // the rank's, 0 = not reported
 };
 
 struct JoinResult {
@@ -59,6 +75,7 @@ struct HeartbeatInfo {
   double loss = 0;
   double samples_per_s = 0;
   int64_t progress = 0;
+  double learning_rate = 0;  // what the rank trains with now, 0 = not reported
 };
 
 struct HeartbeatReply {
@@ -80,6 +97,7 @@ struct RankState {
   double loss = 0;
   double samples_per_s = 0;
   int64_t progress = 0;
+  double learning_rate = 0;  // as last reported (join or heartbeat), 0 = never
   absl::Time last_heartbeat;
   bool finished = false;
 };
@@ -92,24 +110,57 @@ struct JobStatus {
   std::vector<RankState> ranks;
   std::string failure;
   uint64_t layout_hash = 0;
+  // What the ranks train with: reported by the lowest joined rank that
+  // reports it; the last requested one when none does.
   double learning_rate = 0;
+  double requested_learning_rate = 0;  // the last SetLearningRate, 0 = none
   absl::Time now;
 };
 
 class Coordinator {
  public:
+  using WaitId = uint64_t;
+  using JoinCallback = std::function<void(absl::StatusOr<JoinResult>)>;
+  using KvCallback = std::function<void(absl::StatusOr<std::string>)>;
+
   explicit Coordinator(CoordinatorOptions options);
+  // Shutdown(): pending waits end with Unavailable.
+  ~Coordinator();
 
   // Registers a rank. Waits up to `wait` for rank 0 (whose model defines the
   // plan) and then for every rank. Errors: bad fields (InvalidArgument), a
   // model that differs from rank 0's (FailedPrecondition naming the first
-  // differing parameter), a rank joining twice (AlreadyExists), a failed job
-  // (Aborted), timeout (DeadlineExceeded).
+  // differing parameter), a rank joining twice or while another Join for it
+  // waits (AlreadyExists), a failed job (Aborted), timeout
+  // (DeadlineExceeded), shutdown (Unavailable).
   absl::StatusOr<JoinResult> Join(const JoinInfo& info, absl::Duration wait);
+  // Join without a waiting thread: `done` gets what Join would return. See
+  // "Asynchronous waits" below.
+  WaitId JoinAsync(JoinInfo info, absl::Time deadline, JoinCallback done);
 
   absl::Status KvSet(const std::string& key, const std::string& value);
-  // Waits up to `wait` for the key.
+  // Waits up to `wait` for the key. Errors: a bad key (InvalidArgument),
+  // timeout (DeadlineExceeded), a failed job (Aborted), too many waiting
+  // (ResourceExhausted), shutdown (Unavailable).
   absl::StatusOr<std::string> KvGet(const std::string& key, absl::Duration wait);
+  WaitId KvGetAsync(const std::string& key, absl::Time deadline, KvCallback done);
+
+  // Asynchronous waits: `done` runs exactly once, never with the
+  // coordinator's lock held: before the *Async call returns when the answer
+  // is known at once (it then returns 0), otherwise on the thread that
+  // settles the wait: a Join, KvSet, Abort, a missed heartbeat, Shutdown, or
+  // ExpireWaits once `deadline` has passed (someone must call it: the service's
+  // watchdog does, every 20 ms).
+  // Forgets a pending wait (its caller went away): true when `done` had not
+  // run; it never will.
+  bool CancelWait(WaitId id);
+  // Ends the waits whose deadline is <= now with DeadlineExceeded. Returns
+  // how many.
+  int ExpireWaits(absl::Time now);
+  // Ends every pending wait with Unavailable "coordinator shutting down" and
+  // refuses new ones the same way; everything else keeps working. Idempotent.
+  void Shutdown();
+  int pending_waits();
 
   absl::StatusOr<HeartbeatReply> Heartbeat(const HeartbeatInfo& info);
   // Marks the job failed if a joined rank missed heartbeats; returns whether
@@ -122,6 +173,7 @@ class Coordinator {
   std::vector<std::string> ShardOwnerAddresses();
 
   // Applied by every rank at its next step boundary. Returns the new version.
+  // InvalidArgument unless ValidateLearningRate(lr) is ok.
   absl::StatusOr<int64_t> SetLearningRate(double lr);
   // Asks every rank to checkpoint at the next step boundary they agree on.
   // Returns the request number.
@@ -139,8 +191,38 @@ class Coordinator {
   void SetListener(std::function<void()> listener);
 
  private:
+  // Callbacks to run once the lock is released.
+  using Completions = std::vector<std::function<void()>>;
+  struct KvWait {
+    std::string key;
+    absl::Time deadline;
+    absl::Duration wait;  // for the timeout message
+    KvCallback done;
+    std::multimap<std::string, WaitId>::iterator index;
+  };
+  struct JoinWait {
+    int rank = -1;
+    absl::Time deadline;
+    std::unique_ptr<JoinInfo> info;  // until admitted (rank 0's plan known)
+    JoinCallback done;
+  };
+
   absl::Status ValidateJoin(const JoinInfo& info) const;
-  void FailLocked(const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void FailLocked(const std::string& reason, Completions* out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Admits the joins that waited for rank 0's plan; answers them all once
+  // every rank has joined.
+  void AdvanceJoinsLocked(Completions* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status AdmitLocked(const JoinInfo& info) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  JoinResult JoinResultLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status JoinTimeoutLocked(const JoinWait& w) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  KvWait TakeKvLocked(std::map<WaitId, KvWait>::iterator it) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  JoinWait TakeJoinLocked(std::map<WaitId, JoinWait>::iterator it)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Ends every pending wait with `status`.
+  void EndAllWaitsLocked(const absl::Status& status, Completions* out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  int MaxKvWaiters() const;
 
   const CoordinatorOptions options_;
   absl::Mutex mu_;
@@ -152,10 +234,16 @@ class Coordinator {
   std::shared_ptr<const Layout> layout_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::string> kv_ ABSL_GUARDED_BY(mu_);
   size_t kv_bytes_ ABSL_GUARDED_BY(mu_) = 0;
-  double learning_rate_ ABSL_GUARDED_BY(mu_) = 0;
+  double learning_rate_ ABSL_GUARDED_BY(mu_) = 0;  // requested
   int64_t hyper_version_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t checkpoint_request_ ABSL_GUARDED_BY(mu_) = 0;
   std::function<void()> listener_ ABSL_GUARDED_BY(mu_);
+  bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
+  WaitId next_wait_id_ ABSL_GUARDED_BY(mu_) = 1;
+  std::map<WaitId, KvWait> kv_waits_ ABSL_GUARDED_BY(mu_);
+  std::multimap<std::string, WaitId> kv_waits_by_key_ ABSL_GUARDED_BY(mu_);
+  std::map<WaitId, JoinWait> join_waits_ ABSL_GUARDED_BY(mu_);
+  std::vector<WaitId> joining_ ABSL_GUARDED_BY(mu_);  // per rank: its pending Join, or 0
   void Notify();  // calls listener_ without holding mu_
   HeartbeatReply NoticeLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 };

@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <fstream>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "common/planner.h"
@@ -12,19 +13,7 @@ namespace shardopt {
 
 namespace {
 
-// Handlers that may wait (Join, KvGet, GetMemory) run on their own thread so
-// they never block gRPC's callback threads. Counted, so the service can wait
-// for them on destruction.
-std::atomic<int> g_in_flight{0};
-
-template <typename Fn>
-void RunDetached(Fn fn) {
-  ++g_in_flight;
-  std::thread([fn = std::move(fn)]() mutable {
-    fn();
-    --g_in_flight;
-  }).detach();
-}
+constexpr char kShuttingDown[] = "coordinator shutting down";
 
 grpc::ServerUnaryReactor* Done(grpc::CallbackServerContext* ctx, const grpc::Status& s) {
   auto* r = ctx->DefaultReactor();
@@ -52,6 +41,12 @@ int64_t ProcessRssBytes() {
 
 namespace {
 
+HeartbeatInfo FromProto(const v1::HeartbeatRequest& r) {
+  HeartbeatInfo info{r.rank(), r.step(), r.loss(), r.samples_per_s(), r.progress()};
+  info.learning_rate = r.learning_rate();
+  return info;
+}
+
 void FillReply(const HeartbeatReply& r, v1::HeartbeatResponse* resp) {
   resp->set_abort(r.abort);
   resp->set_abort_reason(r.abort_reason);
@@ -69,15 +64,20 @@ class CoordinatorService::SessionReactor
     : public grpc::ServerBidiReactor<v1::HeartbeatRequest, v1::HeartbeatResponse> {
  public:
   SessionReactor(CoordinatorService* service, grpc::Status auth) : service_(service) {
+    service_->CallStarted();
+    if (auth.ok()) {
+      absl::MutexLock l(&service_->sessions_mu_);
+      if (service_->shutting_down_.load()) {
+        auth = grpc::Status(grpc::StatusCode::UNAVAILABLE, kShuttingDown);
+      } else {
+        service_->sessions_.insert(this);
+        registered_ = true;
+      }
+    }
     if (!auth.ok()) {
       done_reading_ = true;
       Finish(auth);
       return;
-    }
-    {
-      absl::MutexLock l(&service_->sessions_mu_);
-      service_->sessions_.insert(this);
-      registered_ = true;
     }
     StartRead(&request_);
   }
@@ -87,9 +87,7 @@ class CoordinatorService::SessionReactor
       Close(grpc::Status::OK);
       return;
     }
-    HeartbeatInfo info{request_.rank(), request_.step(), request_.loss(), request_.samples_per_s(),
-                       request_.progress()};
-    auto r = service_->coordinator_->Heartbeat(info);
+    auto r = service_->coordinator_->Heartbeat(FromProto(request_));
     if (!r.ok()) {
       Close(ToGrpc(r.status()));
       return;
@@ -98,6 +96,8 @@ class CoordinatorService::SessionReactor
       first_ = false;
       Push(*r);
     }
+    absl::MutexLock l(&mu_);
+    if (closing_) return;  // ended meanwhile (shutdown): no reads after Finish
     StartRead(&request_);
   }
 
@@ -123,12 +123,17 @@ class CoordinatorService::SessionReactor
   }
 
   void OnDone() override {
+    CoordinatorService* service = service_;
     if (registered_) {
-      absl::MutexLock l(&service_->sessions_mu_);
-      service_->sessions_.erase(this);
+      absl::MutexLock l(&service->sessions_mu_);
+      service->sessions_.erase(this);
     }
     delete this;
+    service->CallDone();
   }
+
+  // Ends the session now (the coordinator is shutting down).
+  void End(const grpc::Status& status) { Close(status); }
 
  private:
   void WriteLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -164,7 +169,7 @@ class CoordinatorService::SessionReactor
 
 grpc::ServerBidiReactor<v1::HeartbeatRequest, v1::HeartbeatResponse>* CoordinatorService::Session(
     grpc::CallbackServerContext* ctx) {
-  return new SessionReactor(this, CheckToken(ctx, token_));
+  return new SessionReactor(this, CheckToken(ctx, token_));  // refused after shutdown
 }
 
 void CoordinatorService::PushToSessions() {
@@ -173,12 +178,139 @@ void CoordinatorService::PushToSessions() {
   for (SessionReactor* s : sessions_) s->Push(notice);
 }
 
+// A unary call that waits in the Coordinator (Join, KvGet). The
+// coordinator's callback finishes it; if the client goes away first (or its
+// deadline passes), OnCancel withdraws the wait.
+class CoordinatorService::WaitingCall : public grpc::ServerUnaryReactor {
+ public:
+  explicit WaitingCall(CoordinatorService* service) : service_(service) {
+    service_->CallStarted();
+  }
+  // Before the handler returns (gRPC calls OnCancel only after that).
+  void set_wait(Coordinator::WaitId id) { id_ = id; }
+  void OnCancel() override {
+    if (id_ != 0 && service_->coordinator_->CancelWait(id_)) {
+      Finish(grpc::Status(grpc::StatusCode::CANCELLED, "the call was cancelled while waiting"));
+    }
+  }
+  void OnDone() override {
+    CoordinatorService* service = service_;
+    delete this;
+    service->CallDone();
+  }
+
+ private:
+  CoordinatorService* const service_;
+  Coordinator::WaitId id_ = 0;
+};
+
+// GetMemory: asks every joined rank's shard owner at once (asynchronous
+// calls, 5 s each at most), finishes when the last one answers.
+class CoordinatorService::MemoryCall : public grpc::ServerUnaryReactor {
+ public:
+  MemoryCall(CoordinatorService* service, v1::GetMemoryResponse* resp)
+      : service_(service), resp_(resp) {
+    service_->CallStarted();
+  }
+
+  void Start(const std::vector<std::string>& addresses, absl::Time deadline) {
+    const size_t n = addresses.size();
+    infos_.resize(n);
+    contexts_.resize(n);
+    {
+      absl::MutexLock l(&mu_);
+      for (size_t r = 0; r < n; ++r) {
+        v1::RankMemory* m = resp_->add_ranks();
+        m->set_rank(static_cast<int>(r));
+        if (addresses[r].empty()) {
+          m->set_error("not joined");
+          continue;
+        }
+        auto ctx = std::make_unique<grpc::ClientContext>();
+        ctx->set_deadline(absl::ToChronoTime(deadline));
+        if (!service_->token_.empty()) {
+          ctx->AddMetadata("authorization", "Bearer " + service_->token_);
+        }
+        if (cancelled_) ctx->TryCancel();  // takes effect when the call starts
+        contexts_[r] = std::move(ctx);
+        ++pending_;
+      }
+    }
+    for (size_t r = 0; r < n; ++r) {
+      if (!contexts_[r]) continue;
+      const std::string address = addresses[r];
+      service_->OwnerStub(address)->async()->GetShardInfo(
+          contexts_[r].get(), &request_, &infos_[r],
+          [this, r, address](grpc::Status s) { Answer(r, address, s); });
+    }
+    Release();  // Start's own hold
+  }
+
+  // Ends the outstanding calls to shard owners (they answer CANCELLED).
+  void CancelOutgoing() {
+    absl::MutexLock l(&mu_);
+    cancelled_ = true;
+    for (auto& c : contexts_) {
+      if (c) c->TryCancel();
+    }
+  }
+
+  void OnCancel() override { CancelOutgoing(); }
+
+  void OnDone() override {
+    CoordinatorService* service = service_;
+    {
+      absl::MutexLock l(&service->calls_mu_);
+      service->memory_calls_.erase(this);
+    }
+    delete this;
+    service->CallDone();
+  }
+
+ private:
+  void Answer(size_t r, const std::string& address, const grpc::Status& s) {
+    {
+      absl::MutexLock l(&mu_);
+      v1::RankMemory* m = resp_->mutable_ranks(static_cast<int>(r));
+      if (!s.ok()) {
+        m->set_error(absl::StrCat("shard owner at ", address, ": ", s.error_message()));
+      } else {
+        const v1::GetShardInfoResponse& info = infos_[r];
+        m->set_master_bytes(info.master_bytes());
+        m->set_state_bytes(info.state_bytes());
+        m->set_grad_bytes(info.grad_bytes());
+        m->set_param_bytes(info.param_bytes());
+        m->set_rss_bytes(info.rss_bytes());
+      }
+    }
+    Release();
+  }
+  void Release() {
+    bool last;
+    {
+      absl::MutexLock l(&mu_);
+      last = --pending_ == 0;
+    }
+    if (last) Finish(grpc::Status::OK);
+  }
+
+  CoordinatorService* const service_;
+  v1::GetMemoryResponse* const resp_;
+  const v1::GetShardInfoRequest request_;
+  std::vector<v1::GetShardInfoResponse> infos_;
+  std::vector<std::unique_ptr<grpc::ClientContext>> contexts_;
+  absl::Mutex mu_;
+  int pending_ ABSL_GUARDED_BY(mu_) = 1;  // Start's hold
+  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
+};
+
 CoordinatorService::CoordinatorService(Coordinator* coordinator, std::string token)
     : coordinator_(coordinator), token_(std::move(token)) {
   coordinator_->SetListener([this] { PushToSessions(); });
   watchdog_ = std::thread([this] {
     while (!stop_.load()) {
       coordinator_->CheckHeartbeats();
+      coordinator_->ExpireWaits(absl::Now());
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
   });
@@ -186,11 +318,50 @@ CoordinatorService::CoordinatorService(Coordinator* coordinator, std::string tok
 
 CoordinatorService::~CoordinatorService() {
   coordinator_->SetListener(nullptr);
+  BeginShutdown();
   stop_ = true;
   watchdog_.join();
-  for (int i = 0; i < 7000 && g_in_flight.load() > 0; ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  // Normally none: the server (shut down first) waits for every call.
+  absl::MutexLock l(&calls_mu_);
+  auto idle = [this]() ABSL_SHARED_LOCKS_REQUIRED(calls_mu_) { return calls_ == 0; };
+  calls_mu_.AwaitWithTimeout(absl::Condition(&idle), absl::Seconds(10));
+}
+
+void CoordinatorService::BeginShutdown() {
+  if (shutting_down_.exchange(true)) return;
+  coordinator_->Shutdown();
+  const grpc::Status unavailable(grpc::StatusCode::UNAVAILABLE, kShuttingDown);
+  {
+    absl::MutexLock l(&sessions_mu_);
+    for (SessionReactor* s : sessions_) s->End(unavailable);
   }
+  absl::MutexLock l(&calls_mu_);
+  for (MemoryCall* m : memory_calls_) m->CancelOutgoing();
+}
+
+void CoordinatorService::CallStarted() {
+  absl::MutexLock l(&calls_mu_);
+  ++calls_;
+}
+
+void CoordinatorService::CallDone() {
+  absl::MutexLock l(&calls_mu_);
+  --calls_;
+}
+
+int CoordinatorService::calls_in_flight() {
+  absl::MutexLock l(&calls_mu_);
+  return calls_;
+}
+
+v1::ShardOwner::Stub* CoordinatorService::OwnerStub(const std::string& address) {
+  absl::MutexLock l(&stubs_mu_);
+  auto& stub = owner_stubs_[address];
+  if (!stub) {
+    stub = v1::ShardOwner::NewStub(
+        grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  }
+  return stub.get();
 }
 
 grpc::ServerUnaryReactor* CoordinatorService::Join(grpc::CallbackServerContext* ctx,
@@ -205,6 +376,7 @@ grpc::ServerUnaryReactor* CoordinatorService::Join(grpc::CallbackServerContext* 
   info.shard_owner_port = req->shard_owner_port();
   info.device = req->device();
   info.layout_hash = req->layout_hash();
+  info.learning_rate = req->learning_rate();
   if (req->params_size() > kMaxParams) {
     return Done(ctx, grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "too many parameters"));
   }
@@ -224,20 +396,21 @@ grpc::ServerUnaryReactor* CoordinatorService::Join(grpc::CallbackServerContext* 
   info.plan.bucket_cap_elements = req->plan().bucket_cap_elements();
   info.plan.alignment_elements = req->plan().alignment_elements();
   info.plan.allow_cut = req->plan().allow_cut();
-  auto* reactor = ctx->DefaultReactor();
   // Wait for the other ranks at most until the client's deadline (<= 10 min).
-  const absl::Duration wait = std::min(
-      absl::Minutes(10), absl::FromChrono(ctx->deadline()) - absl::Now() - absl::Milliseconds(200));
-  Coordinator* c = coordinator_;
-  RunDetached([c, info = std::move(info), wait, reactor, resp] {
-    auto r = c->Join(info, std::max(wait, absl::ZeroDuration()));
-    if (r.ok()) {
-      resp->set_layout_hash(r->layout_hash);
-      for (const auto& p : r->peers) resp->add_peers(p);
-    }
-    reactor->Finish(ToGrpc(r.status()));
-  });
-  return reactor;
+  const absl::Time now = absl::Now();
+  const absl::Duration wait =
+      std::min(absl::Minutes(10), absl::FromChrono(ctx->deadline()) - now - absl::Milliseconds(200));
+  auto* call = new WaitingCall(this);
+  call->set_wait(coordinator_->JoinAsync(
+      std::move(info), now + std::max(wait, absl::ZeroDuration()),
+      [call, resp](absl::StatusOr<JoinResult> r) {
+        if (r.ok()) {
+          resp->set_layout_hash(r->layout_hash);
+          for (const auto& p : r->peers) resp->add_peers(p);
+        }
+        call->Finish(ToGrpc(r.status()));
+      }));
+  return call;
 }
 
 grpc::ServerUnaryReactor* CoordinatorService::KvSet(grpc::CallbackServerContext* ctx,
@@ -254,22 +427,22 @@ grpc::ServerUnaryReactor* CoordinatorService::KvGet(grpc::CallbackServerContext*
   if (req->wait_ms() < 0 || req->wait_ms() > 600000) {
     return Done(ctx, grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "wait_ms out of range"));
   }
-  auto* reactor = ctx->DefaultReactor();
-  Coordinator* c = coordinator_;
-  RunDetached([c, key = req->key(), wait = absl::Milliseconds(req->wait_ms()), reactor, resp] {
-    auto v = c->KvGet(key, wait);
-    if (v.ok()) resp->set_value(*v);
-    reactor->Finish(ToGrpc(v.status()));
-  });
-  return reactor;
+  const absl::Time deadline = std::min(absl::Now() + absl::Milliseconds(req->wait_ms()),
+                                      absl::FromChrono(ctx->deadline()));
+  auto* call = new WaitingCall(this);
+  call->set_wait(coordinator_->KvGetAsync(req->key(), deadline,
+                                          [call, resp](absl::StatusOr<std::string> v) {
+                                            if (v.ok()) resp->set_value(*std::move(v));
+                                            call->Finish(ToGrpc(v.status()));
+                                          }));
+  return call;
 }
 
 grpc::ServerUnaryReactor* CoordinatorService::Heartbeat(grpc::CallbackServerContext* ctx,
                                                         const v1::HeartbeatRequest* req,
                                                         v1::HeartbeatResponse* resp) {
   if (auto s = CheckToken(ctx, token_); !s.ok()) return Done(ctx, s);
-  HeartbeatInfo info{req->rank(), req->step(), req->loss(), req->samples_per_s(), req->progress()};
-  auto r = coordinator_->Heartbeat(info);
+  auto r = coordinator_->Heartbeat(FromProto(*req));
   if (r.ok()) FillReply(*r, resp);
   return Done(ctx, ToGrpc(r.status()));
 }
@@ -286,6 +459,7 @@ grpc::ServerUnaryReactor* CoordinatorService::GetJob(grpc::CallbackServerContext
   resp->set_failure(j.failure);
   resp->set_layout_hash(j.layout_hash);
   resp->set_learning_rate(j.learning_rate);
+  resp->set_requested_learning_rate(j.requested_learning_rate);
   for (const RankState& r : j.ranks) {
     v1::RankStatus* rs = resp->add_ranks();
     rs->set_rank(r.rank);
@@ -298,6 +472,7 @@ grpc::ServerUnaryReactor* CoordinatorService::GetJob(grpc::CallbackServerContext
     rs->set_loss(r.loss);
     rs->set_samples_per_s(r.samples_per_s);
     rs->set_progress(r.progress);
+    rs->set_learning_rate(r.learning_rate);
   }
   return Done(ctx, grpc::Status::OK);
 }
@@ -344,35 +519,29 @@ grpc::ServerUnaryReactor* CoordinatorService::GetMemory(grpc::CallbackServerCont
                                                         const v1::GetMemoryRequest*,
                                                         v1::GetMemoryResponse* resp) {
   if (auto s = CheckToken(ctx, token_); !s.ok()) return Done(ctx, s);
-  auto* reactor = ctx->DefaultReactor();
-  RunDetached([addresses = coordinator_->ShardOwnerAddresses(), token = token_, reactor, resp] {
-    for (size_t r = 0; r < addresses.size(); ++r) {
-      v1::RankMemory* m = resp->add_ranks();
-      m->set_rank(static_cast<int>(r));
-      if (addresses[r].empty()) {
-        m->set_error("not joined");
-        continue;
-      }
-      auto stub = v1::ShardOwner::NewStub(
-          grpc::CreateChannel(addresses[r], grpc::InsecureChannelCredentials()));
-      grpc::ClientContext cctx;
-      cctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
-      if (!token.empty()) cctx.AddMetadata("authorization", "Bearer " + token);
-      v1::GetShardInfoResponse info;
-      grpc::Status s = stub->GetShardInfo(&cctx, v1::GetShardInfoRequest(), &info);
-      if (!s.ok()) {
-        m->set_error(absl::StrCat("shard owner at ", addresses[r], ": ", s.error_message()));
-        continue;
-      }
-      m->set_master_bytes(info.master_bytes());
-      m->set_state_bytes(info.state_bytes());
-      m->set_grad_bytes(info.grad_bytes());
-      m->set_param_bytes(info.param_bytes());
-      m->set_rss_bytes(info.rss_bytes());
+  auto* call = new MemoryCall(this, resp);
+  grpc::Status refused;
+  {
+    absl::MutexLock l(&calls_mu_);
+    if (shutting_down_.load()) {
+      refused = grpc::Status(grpc::StatusCode::UNAVAILABLE, kShuttingDown);
+    } else if (memory_calls_.size() >= static_cast<size_t>(kMaxMemoryCalls)) {
+      refused = grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                             absl::StrCat(memory_calls_.size(),
+                                          " GetMemory calls are in progress (the limit); try again "
+                                          "later"));
+    } else {
+      memory_calls_.insert(call);
     }
-    reactor->Finish(grpc::Status::OK);
-  });
-  return reactor;
+  }
+  if (!refused.ok()) {
+    call->Finish(refused);
+    return call;
+  }
+  const absl::Time deadline =
+      std::min(absl::Now() + absl::Seconds(5), absl::FromChrono(ctx->deadline()));
+  call->Start(coordinator_->ShardOwnerAddresses(), deadline);
+  return call;
 }
 
 grpc::ServerUnaryReactor* CoordinatorService::SetHyperParams(grpc::CallbackServerContext* ctx,

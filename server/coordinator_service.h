@@ -1,26 +1,51 @@
 // gRPC adapters (callback API) over Coordinator and over a rank's shard-owner
 // information. They translate protobuf to domain types and back; no logic.
+//
+// No RPC holds a thread while it waits: a Join or KvGet waiting for other
+// ranks is a pending callback in the Coordinator (completed by whatever
+// settles it, or by the watchdog at its deadline, or by shutdown), a
+// GetMemory asks every shard owner at once with asynchronous calls, a
+// session is a reactor. Bounds: one waiting Join per rank, at most
+// CoordinatorOptions::max_kv_waiters waiting KvGets and kMaxMemoryCalls
+// GetMemory calls at once (more: RESOURCE_EXHAUSTED).
 #ifndef SHARDOPT_SERVER_COORDINATOR_SERVICE_H_
 #define SHARDOPT_SERVER_COORDINATOR_SERVICE_H_
 
 #include <atomic>
-#include <set>
 #include <functional>
+#include <map>
+#include <memory>
+#include <set>
 #include <string>
 #include <thread>
 
 #include "absl/synchronization/mutex.h"
 #include "proto/shardopt.grpc.pb.h"
 #include "server/coordinator.h"
+#include "server/rpc_server.h"
 
 namespace shardopt {
 
-class CoordinatorService final : public v1::Coordinator::CallbackService {
+class CoordinatorService final : public v1::Coordinator::CallbackService, public ManagedService {
  public:
+  static constexpr int kMaxMemoryCalls = 32;
+
   // `coordinator` must outlive the service. `token`: required bearer token
-  // ("" = none). A watchdog thread checks heartbeats every 20 ms.
+  // ("" = none). A watchdog thread checks heartbeats and expires waits every
+  // 20 ms.
   CoordinatorService(Coordinator* coordinator, std::string token);
+  // BeginShutdown(), then waits (at most 10 s) for calls still running;
+  // the server should have been shut down first.
   ~CoordinatorService() override;
+
+  bool RequiresToken() const override { return !token_.empty(); }
+  // Shuts the coordinator down (waiting Join/KvGet calls end at once with
+  // UNAVAILABLE "coordinator shutting down", later ones are refused so),
+  // ends every session the same way and cancels GetMemory's calls to the
+  // shard owners. RpcServer::Shutdown calls it; idempotent.
+  void BeginShutdown() override;
+  // Calls (unary ones and sessions) that have not completed yet.
+  int calls_in_flight();
 
   grpc::ServerUnaryReactor* Join(grpc::CallbackServerContext* ctx, const v1::JoinRequest* req,
                                  v1::JoinResponse* resp) override;
@@ -53,23 +78,39 @@ class CoordinatorService final : public v1::Coordinator::CallbackService {
       grpc::CallbackServerContext* ctx) override;
 
   class SessionReactor;
+  class WaitingCall;
+  class MemoryCall;
 
  private:
   void PushToSessions();
-  absl::Mutex sessions_mu_;
-  std::set<SessionReactor*> sessions_ ABSL_GUARDED_BY(sessions_mu_);
+  void CallStarted();
+  void CallDone();
+  // A cached stub for a shard owner's address.
+  v1::ShardOwner::Stub* OwnerStub(const std::string& address);
+
   Coordinator* coordinator_;
   const std::string token_;
+  absl::Mutex sessions_mu_;
+  std::set<SessionReactor*> sessions_ ABSL_GUARDED_BY(sessions_mu_);
+  absl::Mutex calls_mu_;
+  int calls_ ABSL_GUARDED_BY(calls_mu_) = 0;
+  std::set<MemoryCall*> memory_calls_ ABSL_GUARDED_BY(calls_mu_);
+  absl::Mutex stubs_mu_;
+  std::map<std::string, std::unique_ptr<v1::ShardOwner::Stub>> owner_stubs_
+      ABSL_GUARDED_BY(stubs_mu_);
+  // Set once; read under sessions_mu_ / calls_mu_ where registration races.
+  std::atomic<bool> shutting_down_{false};
   std::atomic<bool> stop_{false};
   std::thread watchdog_;
 };
 
 // Serves GetShardInfo from a provider the trainer installs.
-class ShardOwnerService final : public v1::ShardOwner::CallbackService {
+class ShardOwnerService final : public v1::ShardOwner::CallbackService, public ManagedService {
  public:
   using Provider = std::function<v1::GetShardInfoResponse()>;
   ShardOwnerService(Provider provider, std::string token)
       : provider_(std::move(provider)), token_(std::move(token)) {}
+  bool RequiresToken() const override { return !token_.empty(); }
   grpc::ServerUnaryReactor* GetShardInfo(grpc::CallbackServerContext* ctx,
                                          const v1::GetShardInfoRequest* req,
                                          v1::GetShardInfoResponse* resp) override;

@@ -2,7 +2,10 @@
 
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/impl/server_builder_option.h>
+#include <grpcpp/impl/service_type.h>
 
+#include <algorithm>
 #include <fstream>
 #include <sstream>
 
@@ -32,7 +35,7 @@ grpc::Status CheckToken(const grpc::CallbackServerContext* ctx, const std::strin
 }
 
 absl::StatusOr<std::string> ReadPemFile(const std::string& path) {
-  auto pem = ReadWholeFile(PosixFileSystem(), path);
+  auto pem = ReadConfigFile(path);
   if (!pem.ok()) return pem.status();
   if (pem->find("-----BEGIN") == std::string::npos) {
     return absl::InvalidArgumentError(absl::StrCat("'", path, "' is not a PEM file"));
@@ -40,15 +43,48 @@ absl::StatusOr<std::string> ReadPemFile(const std::string& path) {
   return pem;
 }
 
+namespace {
+
+// Adds server reflection to one builder (InitProtoReflectionServerBuilderPlugin
+// would add it to every server of the process), or removes it.
+class ReflectionOption : public grpc::ServerBuilderOption {
+ public:
+  explicit ReflectionOption(bool on) : on_(on) {}
+  void UpdateArguments(grpc::ChannelArguments*) override {}
+  void UpdatePlugins(std::vector<std::unique_ptr<grpc::ServerBuilderPlugin>>* plugins) override {
+    const std::string name = grpc::reflection::ProtoServerReflectionPlugin().name();
+    auto is_reflection = [&](const std::unique_ptr<grpc::ServerBuilderPlugin>& p) {
+      return p->name() == name;
+    };
+    plugins->erase(std::remove_if(plugins->begin(), plugins->end(), is_reflection),
+                   plugins->end());
+    if (on_) plugins->push_back(std::make_unique<grpc::reflection::ProtoServerReflectionPlugin>());
+  }
+
+ private:
+  const bool on_;
+};
+
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<RpcServer>> RpcServer::Start(
     const RpcServerOptions& options, const std::vector<grpc::Service*>& services) {
   static const bool init = [] {
     grpc::EnableDefaultHealthCheckService(true);
-    grpc::reflection::InitProtoReflectionServerBuilderPlugin();
     return true;
   }();
   (void)init;
+  std::vector<ManagedService*> managed;
+  bool token_required = false;
+  for (grpc::Service* s : services) {
+    if (auto* m = dynamic_cast<ManagedService*>(s)) {
+      managed.push_back(m);
+      token_required = token_required || m->RequiresToken();
+    }
+  }
+  const bool reflection = options.reflection && !token_required;
   grpc::ServerBuilder builder;
+  builder.SetOption(std::make_unique<ReflectionOption>(reflection));
   int port = 0;
   std::shared_ptr<grpc::ServerCredentials> creds = grpc::InsecureServerCredentials();
   if (!options.tls_cert_file.empty() || !options.tls_key_file.empty()) {
@@ -75,6 +111,8 @@ absl::StatusOr<std::unique_ptr<RpcServer>> RpcServer::Start(
         absl::StrCat("cannot listen on ", options.address, " (address in use or invalid?)"));
   }
   out->port_ = port;
+  out->managed_ = std::move(managed);
+  out->reflection_ = reflection;
   const std::string host = options.address.substr(0, options.address.rfind(':'));
   out->address_ = absl::StrCat(host, ":", port);
   return out;
@@ -84,6 +122,7 @@ RpcServer::~RpcServer() { Shutdown(); }
 
 void RpcServer::Shutdown(absl::Duration deadline) {
   if (!server_) return;
+  for (ManagedService* m : managed_) m->BeginShutdown();
   server_->Shutdown(std::chrono::system_clock::now() +
                     std::chrono::milliseconds(absl::ToInt64Milliseconds(deadline)));
   server_->Wait();

@@ -1,9 +1,13 @@
 // Coordinator (domain logic, no network) and its gRPC service (over
 // 127.0.0.1 with an OS-assigned port): joins and the layout check,
 // rendezvous, heartbeats and failure detection with a fake clock,
-// hyper-parameters, abort, bearer tokens, health, layout and memory queries.
+// hyper-parameters, abort, bearer tokens, health, layout and memory queries;
+// learning-rate validation and reporting, and which services need the token.
 #include "server/coordinator.h"
 
+#include <grpcpp/generic/generic_stub.h>
+
+#include <cmath>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -367,6 +371,197 @@ TEST(SessionTest, WrongTokenEndsTheSession) {
   auto session = client.OpenSession();
   v1::HeartbeatResponse notice;
   EXPECT_FALSE(session->Receive(&notice));
+}
+
+}  // namespace
+}  // namespace shardopt
+
+// Issue 12: bad learning rates, the learning rate status reports, and which
+// services answer without the token.
+namespace shardopt {
+namespace {
+
+TEST(LearningRateTest, OnlyFiniteNormalPositiveFloatsAreAccepted) {
+  // 1e39 is finite as a double but inf as the float the kernels use; 1e-46
+  // is 0 as a float, 1e-40 a denormal.
+  for (double bad : std::vector<double>{1e39, std::nan(""), INFINITY, -INFINITY, -1.0, 0.0, 1e-46, 1e-40, -1e-3}) {
+    absl::Status s = ValidateLearningRate(bad);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << bad;
+  }
+  EXPECT_NE(ValidateLearningRate(1e39).message().find("inf as a float"), absl::string_view::npos)
+      << ValidateLearningRate(1e39);
+  EXPECT_NE(ValidateLearningRate(1e-46).message().find("is 0 as a float"), absl::string_view::npos)
+      << ValidateLearningRate(1e-46);
+  for (double good : {1e-3, 1e-4, 3e38, 1.2e-38, 10.0}) {
+    EXPECT_TRUE(ValidateLearningRate(good).ok()) << good;
+  }
+}
+
+TEST(LearningRateTest, SetLrRefusesBadValuesOverGrpcAndTheJobKeepsRunning) {
+  Served s("sesame", 1);
+  ASSERT_TRUE(s.coordinator.Join(Info(0, 1, {P("w", {8})}), absl::Seconds(5)).ok());
+  CoordinatorClient client(s.server->address(), "sesame");
+  for (double bad : std::vector<double>{1e39, std::nan(""), INFINITY, -1.0, 0.0, 1e-46}) {
+    auto v = client.SetLearningRate(bad);
+    EXPECT_EQ(v.status().code(), absl::StatusCode::kInvalidArgument) << bad << ": " << v.status();
+    EXPECT_NE(v.status().message().find("learning rate"), absl::string_view::npos) << v.status();
+  }
+  auto v = client.SetLearningRate(1e-3);
+  ASSERT_TRUE(v.ok()) << v.status();
+  EXPECT_EQ(*v, 1);  // the refused ones took no version
+  auto job = client.GetJob();
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_EQ(job->state(), "running");
+  EXPECT_EQ(job->requested_learning_rate(), 1e-3);
+  EXPECT_EQ(s.coordinator.Notice().learning_rate, 1e-3);
+}
+
+TEST(LearningRateTest, StatusReportsTheLearningRateTheRanksTrainWith) {
+  FakeClock clock;
+  Coordinator c(Options(2, &clock));
+  std::vector<ParamSpec> model = {P("w", {8})};
+  JoinInfo j0 = Info(0, 2, model), j1 = Info(1, 2, model);
+  j0.learning_rate = j1.learning_rate = 1e-4;
+  std::thread t0([&] { ASSERT_TRUE(c.Join(j0, absl::Seconds(10)).ok()); });
+  ASSERT_TRUE(c.Join(j1, absl::Seconds(10)).ok());
+  t0.join();
+  // Never set with set-lr: the ranks' own (this was "lr 0").
+  EXPECT_EQ(c.GetJob().learning_rate, 1e-4);
+  EXPECT_EQ(c.GetJob().requested_learning_rate, 0);
+  // Requested, not applied yet: still the ranks' one.
+  ASSERT_TRUE(c.SetLearningRate(1e-3).ok());
+  EXPECT_EQ(c.GetJob().learning_rate, 1e-4);
+  EXPECT_EQ(c.GetJob().requested_learning_rate, 1e-3);
+  HeartbeatInfo hb{0, 5, 0.5, 100, 7};
+  hb.learning_rate = 1e-3;
+  ASSERT_TRUE(c.Heartbeat(hb).ok());
+  hb.rank = 1;
+  ASSERT_TRUE(c.Heartbeat(hb).ok());
+  EXPECT_EQ(c.GetJob().learning_rate, 1e-3);
+  EXPECT_EQ(c.GetJob().ranks[1].learning_rate, 1e-3);
+  // A heartbeat that does not report it (0) keeps the last report.
+  ASSERT_TRUE(c.Heartbeat({0, 6, 0.5, 100}).ok());
+  EXPECT_EQ(c.GetJob().learning_rate, 1e-3);
+  hb.learning_rate = std::nan("");
+  EXPECT_EQ(c.Heartbeat(hb).status().code(), absl::StatusCode::kInvalidArgument);
+
+  // Ranks that report nothing: the requested one, as before.
+  Coordinator d(Options(1, &clock));
+  ASSERT_TRUE(d.Join(Info(0, 1, model), absl::Seconds(5)).ok());
+  EXPECT_EQ(d.GetJob().learning_rate, 0);
+  ASSERT_TRUE(d.SetLearningRate(0.25).ok());
+  EXPECT_EQ(d.GetJob().learning_rate, 0.25);
+}
+
+TEST(LearningRateTest, GetJobCarriesTheRanksLearningRateOverGrpc) {
+  Served s("", 1);
+  CoordinatorClient client(s.server->address(), "");
+  v1::JoinRequest join;
+  join.set_job_id("job");
+  join.set_rank(0);
+  join.set_world_size(1);
+  join.set_host("127.0.0.1");
+  join.set_shard_owner_port(1000);
+  join.set_learning_rate(1e-4);
+  auto* pi = join.add_params();
+  pi->set_name("w");
+  pi->add_shape(8);
+  pi->set_dtype("float32");
+  pi->set_trainable(true);
+  join.mutable_plan()->set_bucket_cap_elements(PlanOptions().bucket_cap_elements);
+  join.mutable_plan()->set_alignment_elements(PlanOptions().alignment_elements);
+  join.mutable_plan()->set_allow_cut(PlanOptions().allow_cut);
+  join.set_layout_hash(Plan({P("w", {8})}, 1)->hash());
+  ASSERT_TRUE(client.Join(join, absl::Seconds(10)).ok());
+  auto job = client.GetJob();
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_EQ(job->learning_rate(), 1e-4);
+  EXPECT_EQ(job->ranks(0).learning_rate(), 1e-4);
+  v1::HeartbeatRequest hb;
+  hb.set_rank(0);
+  hb.set_learning_rate(2e-4);
+  ASSERT_TRUE(client.Heartbeat(hb).ok());
+  EXPECT_EQ(client.GetJob()->learning_rate(), 2e-4);
+}
+
+// grpc.reflection.v1alpha ListServices over a generic stream: the names of
+// the services, or the call's error.
+absl::StatusOr<std::string> ListServices(const std::string& address) {
+  auto channel = grpc::CreateChannel(address, grpc::InsecureChannelCredentials());
+  grpc::GenericStub stub(channel);
+  grpc::CompletionQueue cq;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  auto call = stub.PrepareCall(&ctx, "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+                               &cq);
+  auto step = [&](intptr_t want) {
+    void* tag = nullptr;
+    bool ok = false;
+    const auto r = cq.AsyncNext(&tag, &ok, std::chrono::system_clock::now() + std::chrono::seconds(10));
+    return r == grpc::CompletionQueue::GOT_EVENT && reinterpret_cast<intptr_t>(tag) == want && ok;
+  };
+  call->StartCall(reinterpret_cast<void*>(1));
+  step(1);
+  // ServerReflectionRequest{list_services: ""}: field 7, length 0.
+  grpc::Slice req_slice(std::string("\x3a\x00", 2));
+  grpc::ByteBuffer req(&req_slice, 1), resp;
+  call->Write(req, reinterpret_cast<void*>(2));
+  step(2);
+  call->Read(&resp, reinterpret_cast<void*>(3));
+  const bool got = step(3);
+  call->WritesDone(reinterpret_cast<void*>(4));
+  step(4);
+  grpc::Status status;
+  call->Finish(&status, reinterpret_cast<void*>(5));
+  step(5);
+  cq.Shutdown();
+  void* tag;
+  bool ok;
+  while (cq.Next(&tag, &ok)) {
+  }
+  if (!status.ok()) {
+    return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+  }
+  if (!got) return absl::UnknownError("no reflection response");
+  std::vector<grpc::Slice> slices;
+  (void)resp.Dump(&slices);
+  std::string bytes;
+  for (const auto& s : slices) bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  return bytes;
+}
+
+TEST(AccessPolicyTest, WithATokenOnlyHealthIsOpenAndReflectionIsNotServed) {
+  Served s("sesame");
+  EXPECT_FALSE(s.server->serves_reflection());
+  CoordinatorClient none(s.server->address(), "");
+  auto h = none.Health();
+  ASSERT_TRUE(h.ok()) << h.status();
+  EXPECT_EQ(*h, "SERVING");  // probes carry no token
+  EXPECT_EQ(none.GetJob().status().code(), absl::StatusCode::kUnauthenticated);
+  EXPECT_EQ(none.KvGet("k", absl::Milliseconds(10)).status().code(),
+            absl::StatusCode::kUnauthenticated);
+  EXPECT_EQ(ListServices(s.server->address()).status().code(), absl::StatusCode::kUnimplemented);
+  // A shard owner with the token: the same.
+  ShardOwnerService owner([] { return v1::GetShardInfoResponse(); }, "sesame");
+  auto owner_server = RpcServer::Start(RpcServerOptions(), {&owner});
+  ASSERT_TRUE(owner_server.ok());
+  EXPECT_EQ(ListServices((*owner_server)->address()).status().code(),
+            absl::StatusCode::kUnimplemented);
+}
+
+TEST(AccessPolicyTest, WithoutATokenReflectionListsTheServices) {
+  Served s("");
+  EXPECT_TRUE(s.server->serves_reflection());
+  auto names = ListServices(s.server->address());
+  ASSERT_TRUE(names.ok()) << names.status();
+  EXPECT_NE(names->find("shardopt.v1.Coordinator"), std::string::npos) << *names;
+  RpcServerOptions off;
+  off.reflection = false;
+  Coordinator c2{CoordinatorOptions()};
+  CoordinatorService service2(&c2, "");
+  auto server2 = RpcServer::Start(off, {&service2});
+  ASSERT_TRUE(server2.ok());
+  EXPECT_EQ(ListServices((*server2)->address()).status().code(), absl::StatusCode::kUnimplemented);
 }
 
 }  // namespace

@@ -130,7 +130,7 @@ check "training with checkpoints" test $? -eq 0
 check "checkpoint written" grep -q "checkpoint $tmp/ck/step-3 written" "$tmp/ck1.log"
 timeout 120 $B/shardrun --nproc 3 -- $B/shardopt_train --model=tiny --steps=9 --batch=8 --resume="$tmp/ck" --ckpt-dir="$tmp/ck" \
   >"$tmp/ck2.log" 2>&1
-check "resume with 3 ranks" grep -q 'resumed from .* at step 6 (saved by 2 ranks)' "$tmp/ck2.log"
+check "resume with 3 ranks" grep -q 'resumed from .* (sharded, saved by 2 ranks) at step 6, lr 0.0001 as saved' "$tmp/ck2.log"
 check "resumed job finishes" grep -q 'step 9/9' "$tmp/ck2.log"
 $B/shardctl checkpoints "$tmp/ck" >"$tmp/list.txt"
 check "checkpoints listed" grep -q 'step-9 .* 3 .*complete, LATEST' "$tmp/list.txt"

@@ -28,7 +28,7 @@ int main(int argc, char** argv) {
   auto comm = world.Connect(0);
   auto model = *MakeModel("tiny", 1);
   ShardedOptimizerOptions o;
-  o.adam.lr = (*manifest)["optimizer"]["lr"].get<double>();
+  o.adam.lr = manifest->optimizer.lr;
   auto opt = ShardedOptimizer::Create(model->NamedParameters(), o, comm.get());
   auto loaded = LoadCheckpoint(**opt, argv[1]);
   if (!loaded.ok()) {

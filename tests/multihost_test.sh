@@ -62,6 +62,6 @@ check "checkpoint committed" grep -q "checkpoint $tmp/ck/step-6 written" "$tmp/f
 check "host 2's rank ran" grep -q 'shardrun: all 1 ranks finished' "$tmp/first.1"
 run_job 2 9 "$tmp/second" --ckpt-dir="$tmp/ck" --resume="$tmp/ck" --batch=3
 check "resumed with 2 ranks per host" test $? -eq 0
-check "resume read the 2-rank checkpoint" grep -q 'resumed from .* at step 6 (saved by 2 ranks)' "$tmp/second.0"
+check "resume read the 2-rank checkpoint" grep -q 'resumed from .* (sharded, saved by 2 ranks) at step 6' "$tmp/second.0"
 check "4-rank job finished" grep -q 'step 9/9' "$tmp/second.0"
 if [[ $fails -ne 0 ]]; then tail -n 15 "$tmp"/*.0 "$tmp"/*.1; exit 1; fi

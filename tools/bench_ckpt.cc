@@ -96,8 +96,7 @@ int Main(int argc, char** argv) {
     }
     last_ckpt = *dirs[0];
     bytes = 0;
-    const nlohmann::json manifest = *ReadManifest(fs, last_ckpt);
-    for (const auto& fj : manifest["files"]) bytes += fj["bytes"].get<int64_t>();
+    bytes = ReadManifest(fs, last_ckpt)->total_file_bytes();
     // Plain read, then load, each from a cold cache when permitted.
     auto drop = [&] {
       sync();

@@ -1,6 +1,8 @@
 // shardctl: ask a running shardopt job what is going on.
 #include <google/protobuf/util/json_util.h>
 
+#include <cfloat>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <algorithm>
@@ -8,6 +10,7 @@
 #include <vector>
 #include <string>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -50,12 +53,41 @@ flags:
   --tls-ca=PEM        TLS, verifying the coordinator against this CA (default $SHARDOPT_TLS_CA)
   --tls-cert=PEM      client certificate for mutual TLS (default $SHARDOPT_TLS_CERT)
   --tls-key=PEM       its key (default $SHARDOPT_TLS_KEY)
-  --json              machine-readable output
-  --wait=SECONDS      status: wait until the job is running (or failed) first
-  --rate=N            load: queries per second (default 50)
-  --duration=S        load: seconds (default 10)
+  --json              machine-readable output (--json=false: off)
+  --wait=SECONDS      status: wait until the job is running (or failed) first, seconds in
+                      [0, 604800] (default 0)
+  --rate=N            load: queries per second, in (0, 100000] (default 50)
+  --duration=S        load: seconds, in (0, 31536000] (default 10)
+  --format=F          consolidate: safetensors | torch (default safetensors)
+  --optimizer=NAME    import: adam | adamw | sgd (default adam)
+  --params=MODEL.pt   import: the model's state_dict
   --help              this text
+Every flag is checked, whatever the command: a malformed or out-of-range value
+is refused by name (exit status 2).
 )";
+
+// Limits of the flags (see kUsage).
+constexpr double kMaxWaitSeconds = 604800;
+constexpr double kMaxRate = 100000;
+constexpr double kMaxDurationSeconds = 31536000;
+
+// Checks every flag (also those the command does not use); the first error.
+absl::Status CheckFlags(const Flags& f) {
+  absl::Status bad;
+  auto check = [&bad](const absl::Status& s) {
+    if (!s.ok() && bad.ok()) bad = s;
+  };
+  check(f.Bool("json", false).status());
+  check(f.Seconds("wait", 0, 0, kMaxWaitSeconds).status());
+  check(f.Double("rate", 50, 0, kMaxRate, /*min_exclusive=*/true).status());
+  check(f.Seconds("duration", 10, 0, kMaxDurationSeconds, /*min_exclusive=*/true).status());
+  check(f.Choice("format", "safetensors", {"safetensors", "torch"}).status());
+  check(f.Choice("optimizer", "adam", {"adam", "adamw", "sgd"}).status());
+  for (const char* name : {"coordinator", "token-file", "tls-ca", "tls-cert", "tls-key", "params"}) {
+    check(f.NonEmpty(name, "").status());
+  }
+  return bad;
+}
 
 int Fail(const std::string& msg) {
   std::fprintf(stderr, "shardctl: %s\n", msg.c_str());
@@ -81,7 +113,7 @@ int PrintJson(const Msg& m) {
 }
 
 int CheckpointCommand(const std::vector<std::string>& args, const Flags& flags) {
-  const bool json = flags.Has("json");
+  const bool json = *flags.Bool("json", false);  // checked by CheckFlags
   FileSystem* fs = PosixFileSystem();
   const std::string& cmd = args[0];
   if (cmd == "import") {
@@ -102,23 +134,26 @@ int CheckpointCommand(const std::vector<std::string>& args, const Flags& flags) 
     auto latest = ResolveCheckpoint(fs, args[1]);
     std::vector<std::pair<int64_t, std::string>> steps;
     for (const auto& e : *entries) {
-      if (e.rfind("step-", 0) == 0) steps.push_back({std::atoll(e.c_str() + 5), e});
+      int64_t step = 0;
+      if (e.size() > 5 && e.rfind("step-", 0) == 0 && absl::SimpleAtoi(e.substr(5), &step) &&
+          e == absl::StrCat("step-", step)) {
+        steps.push_back({step, e});
+      }
     }
     std::sort(steps.begin(), steps.end());
     nlohmann::json out = nlohmann::json::array();
     if (!json) std::printf("%-14s %8s %6s %12s  %s\n", "checkpoint", "step", "ranks", "size", "status");
     for (const auto& [step, name] : steps) {
       const std::string dir = args[1] + "/" + name;
-      auto m = ReadManifest(fs, dir);
-      std::string status = m.ok() ? "complete" : "incomplete (no valid manifest)";
-      int64_t bytes = 0;
-      if (m.ok()) {
-        for (const auto& f : (*m)["files"]) bytes += f["bytes"].get<int64_t>();
-        if (latest.ok() && *latest == dir) status += ", LATEST";
-      }
-      const int ranks = m.ok() ? (*m)["world_size"].get<int>() : 0;
+      auto m = fs->Kind(dir) == EntryKind::kDirectory
+                   ? ReadManifest(fs, dir)
+                   : absl::StatusOr<Manifest>(absl::FailedPreconditionError("not a directory"));
+      std::string status = m.ok() ? "complete" : absl::StrCat("incomplete (", m.status().message(), ")");
+      const int64_t bytes = m.ok() ? m->total_file_bytes() : 0;
+      if (m.ok() && latest.ok() && *latest == dir) status += ", LATEST";
+      const int ranks = m.ok() ? m->world_size : 0;
       out.push_back({{"name", name}, {"step", step}, {"world_size", ranks}, {"bytes", bytes},
-                     {"status", status}});
+                     {"complete", m.ok()}, {"status", status}});
       if (!json) {
         std::printf("%-14s %8lld %6d %12s  %s\n", name.c_str(), static_cast<long long>(step), ranks,
                     Bytes(bytes).c_str(), status.c_str());
@@ -134,25 +169,43 @@ int CheckpointCommand(const std::vector<std::string>& args, const Flags& flags) 
     auto m = ReadManifest(fs, *dir);
     if (!m.ok()) return Fail(std::string(m.status().message()));
     absl::Status v = VerifyCheckpoint(fs, *dir);
+    const std::string verdict = !v.ok()            ? std::string(v.message())
+                                : m->self_checked ? "every CRC matches (manifest and shards)"
+                                                   : "every shard CRC matches (a v1 manifest has no CRC of its own)";
     if (json) {
-      nlohmann::json out = *m;
-      out.erase("pieces");
+      nlohmann::json out;
+      out["path"] = *dir;
+      out["format"] = m->format;
+      out["step"] = m->step;
+      out["world_size"] = m->world_size;
+      out["optimizer"] = nlohmann::json::parse(SavedOptimizerJson(m->optimizer));
+      out["layout_hash"] = m->layout_hash;
+      out["states"] = m->states;
+      out["params"] = nlohmann::json::array();
+      for (const auto& p : m->params) {
+        out["params"].push_back({{"name", p.name}, {"shape", p.shape}, {"dtype", DTypeName(p.dtype)},
+                                 {"trainable", p.trainable}});
+      }
+      out["pieces"] = m->pieces.size();
+      out["files"] = nlohmann::json::array();
+      for (const auto& f : m->files) out["files"].push_back({{"name", f.name}, {"bytes", f.bytes}, {"crc32c", f.crc32c}});
+      out["user_metadata"] = m->user_metadata;
       out["verified"] = v.ok();
       if (!v.ok()) out["error"] = std::string(v.message());
       std::printf("%s\n", out.dump(1).c_str());
     } else {
-      std::printf("checkpoint %s\n  step %lld, saved by %d ranks, optimizer %s, layout %s\n",
-                  dir->c_str(), static_cast<long long>((*m)["step"].get<int64_t>()),
-                  (*m)["world_size"].get<int>(), (*m)["optimizer"].dump().c_str(),
-                  (*m)["layout_hash"].get<std::string>().c_str());
-      std::printf("  %zu parameters, %zu pieces, states %s\n", (*m)["params"].size(),
-                  (*m)["pieces"].size(), (*m)["states"].dump().c_str());
-      for (const auto& f : (*m)["files"]) {
-        std::printf("  %-28s %12s  crc32c %08x\n", f["name"].get<std::string>().c_str(),
-                    Bytes(f["bytes"].get<int64_t>()).c_str(), f["crc32c"].get<uint32_t>());
+      std::printf("checkpoint %s\n  step %lld, saved by %d ranks, optimizer %s, layout %s\n", dir->c_str(),
+                  static_cast<long long>(m->step), m->world_size, SavedOptimizerJson(m->optimizer).c_str(),
+                  m->layout_hash.c_str());
+      std::printf("  %zu parameters, %zu pieces, states %s\n", m->params.size(), m->pieces.size(),
+                  nlohmann::json(m->states).dump().c_str());
+      for (const auto& f : m->files) {
+        std::printf("  %-28s %12s  crc32c %08x\n", f.name.c_str(), Bytes(f.bytes).c_str(), f.crc32c);
       }
-      if (!(*m)["user_metadata"].empty()) std::printf("  user metadata %s\n", (*m)["user_metadata"].dump().c_str());
-      std::printf("  verify: %s\n", v.ok() ? "every CRC matches" : std::string(v.message()).c_str());
+      if (!m->user_metadata.empty()) {
+        std::printf("  user metadata %s\n", nlohmann::json(m->user_metadata).dump().c_str());
+      }
+      std::printf("  verify: %s\n", verdict.c_str());
     }
     return v.ok() ? 0 : 1;
   }
@@ -191,6 +244,9 @@ int Main(int argc, char** argv) {
                                          "tls-ca", "tls-cert", "tls-key", "format", "params",
                                          "optimizer", "help"});
   if (!flags.ok()) return Fail(std::string(flags.status().message()));
+  if (absl::Status s = CheckFlags(*flags); !s.ok() && !flags->Has("help")) {
+    return Fail(std::string(s.message()));
+  }
   if (flags->Has("help") || flags->positional().empty()) {
     std::printf("%s", kUsage);
     return flags->Has("help") ? 0 : 2;
@@ -211,7 +267,7 @@ int Main(int argc, char** argv) {
     if (!t.ok()) return Fail(std::string(t.status().message()));
     token = *t;
   }
-  const bool json = flags->Has("json");
+  const bool json = *flags->Bool("json", false);  // checked by CheckFlags
   auto env_or = [](const char* name) {
     const char* v = std::getenv(name);
     return std::string(v ? v : "");
@@ -223,6 +279,14 @@ int Main(int argc, char** argv) {
   if (!creds.ok()) return Fail(std::string(creds.status().message()));
   CoordinatorClient client(address, token, *creds);
   const std::string cmd = flags->positional()[0];
+  const size_t nargs = flags->positional().size();
+  if ((cmd == "status" || cmd == "layout" || cmd == "memory" || cmd == "health" || cmd == "checkpoint" ||
+       cmd == "load") && nargs != 1) {
+    return Fail(absl::StrCat(cmd, " takes no argument, got '", flags->positional()[1], "' (see --help)"));
+  }
+  if (cmd == "abort" && nargs > 2) {
+    return Fail("usage: shardctl abort REASON (one argument: quote a reason with spaces)");
+  }
   auto unreachable = [&](const absl::Status& s) {
     return Fail(absl::StrCat(s.message(), " [", address, "]"));
   };
@@ -240,9 +304,17 @@ int Main(int argc, char** argv) {
     }
     if (!job.ok()) return unreachable(job.status());
     if (json) return PrintJson(*job);
-    std::printf("job %s: %s, %d ranks, step %lld, lr %g, layout %016llx\n", job->job_id().c_str(),
+    // The ranks' learning rate; a requested one they have not applied yet
+    // (compared as the float they train with) is shown beside it.
+    std::string lr = absl::StrFormat("%g", job->learning_rate());
+    if (job->requested_learning_rate() > 0 &&
+        static_cast<float>(job->requested_learning_rate()) !=
+            static_cast<float>(job->learning_rate())) {
+      lr += absl::StrFormat(" (%g requested)", job->requested_learning_rate());
+    }
+    std::printf("job %s: %s, %d ranks, step %lld, lr %s, layout %016llx\n", job->job_id().c_str(),
                 job->state().c_str(), job->world_size(), static_cast<long long>(job->step()),
-                job->learning_rate(), static_cast<unsigned long long>(job->layout_hash()));
+                lr.c_str(), static_cast<unsigned long long>(job->layout_hash()));
     if (!job->failure().empty()) std::printf("failure: %s\n", job->failure().c_str());
     std::printf("%5s  %-22s %8s %10s %14s %12s\n", "rank", "shard owner", "step", "loss",
                 "samples/s", "heartbeat");
@@ -317,8 +389,16 @@ int Main(int argc, char** argv) {
   if (cmd == "set-lr") {
     if (flags->positional().size() != 2) return Fail("usage: shardctl set-lr VALUE");
     double lr = 0;
-    if (!absl::SimpleAtod(flags->positional()[1], &lr)) return Fail("set-lr expects a number");
+    if (!absl::SimpleAtod(flags->positional()[1], &lr) || !std::isfinite(lr) || lr < FLT_MIN || lr > FLT_MAX) {
+      return Fail(absl::StrCat("set-lr: the learning rate must be a positive number that a float holds, in [",
+                               absl::StrFormat("%g, %g", FLT_MIN, FLT_MAX), "], got '",
+                               flags->positional()[1], "'"));
+    }
     auto v = client.SetLearningRate(lr);
+    if (!v.ok() && v.status().code() == absl::StatusCode::kInvalidArgument) {
+      // Refused by the coordinator (not finite and > 0 as a float, ...).
+      return Fail(absl::StrCat(v.status().message(), "; the job's learning rate is unchanged"));
+    }
     if (!v.ok()) return unreachable(v.status());
     std::printf("learning rate %g requested (version %lld); ranks apply it at their next step\n",
                 lr, static_cast<long long>(*v));

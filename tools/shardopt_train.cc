@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cfloat>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -13,9 +14,12 @@
 #include <mutex>
 #include <thread>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "client/checkpoint.h"
+#include "client/torch_interop.h"
 #include "client/coordinator_client.h"
 #include "client/gloo_communicator.h"
 #include "client/models.h"
@@ -36,15 +40,16 @@ SHARDOPT_COORDINATOR:
 
   shardrun --nproc 2 -- shardopt_train --model=mlp --steps=20
 
-flags:
-  --model=NAME         tiny | small | mlp (default tiny)
-  --steps=N            optimizer steps (default 20)
-  --lr=X               learning rate (default 1e-4)
+flags (a malformed or out-of-range value is refused, naming the flag; exit status 2):
+  --model=NAME         tiny | small | mlp | resnet101 (default tiny)
+  --steps=N            optimizer steps, 1..100000000 (default 20)
+  --lr=X               learning rate: > 0 and representable as a float,
+                       1.17549e-38..3.40282e+38 (default 1e-4)
   --optimizer=NAME     adam | adamw | sgd (SGD uses momentum 0.9; default adam)
-  --batch=N            samples per rank per step (default: the model's)
-  --clip=X             clip gradients to global L2 norm X (default off)
-  --bucket-cap=N       bucket cap in elements (default 26214400)
-  --threads=N          compute threads per rank (default 1)
+  --batch=N            samples per rank per step, 1..65536 (default: the model's)
+  --clip=X             clip gradients to global L2 norm X, 0..1e+30 (default 0: off)
+  --bucket-cap=N       bucket cap in elements, 1..2147483647 (default 26214400)
+  --threads=N          compute threads per rank, 1..256 (default 1)
   --malloc=MODE        tuned | default (default tuned: see README, "allocator")
   --coordinator=H:P    coordinator address (default $SHARDOPT_COORDINATOR)
   --job-id=ID          job id (default $SHARDOPT_JOB_ID or "job")
@@ -53,18 +58,44 @@ flags:
   --tls-ca=PEM         TLS to the coordinator, verified against this CA (default $SHARDOPT_TLS_CA)
   --tls-cert=PEM       client certificate for mutual TLS (default $SHARDOPT_TLS_CERT)
   --tls-key=PEM        its key (default $SHARDOPT_TLS_KEY)
-  --log-every=N        progress line every N steps (default: about 10 lines per run)
+  --log-every=N        progress line every N steps, 1..100000000 (default: about 10 lines per run)
   --ckpt-dir=DIR       write sharded checkpoints under DIR (step-N/, LATEST)
-  --ckpt-every=K       ... every K steps (default: only at the end when --ckpt-dir is set)
-  --ckpt-keep=N        keep only the newest N checkpoints (default: keep all)
-  --resume=PATH        resume from a checkpoint directory, or a root with LATEST
-                       (any world size); training continues at the saved step
-  --collective-timeout=S  bound on every collective wait (default 120)
+  --ckpt-every=K       ... every K steps, 0..100000000 (default 0: only at the end;
+                       needs --ckpt-dir)
+  --ckpt-keep=N        keep only the newest N checkpoints, 0..1000000 (default 0: keep all;
+                       needs --ckpt-dir)
+  --resume=PATH        resume from a checkpoint directory, a root with LATEST, a consolidated
+                       .safetensors file or a torch.save file (.pt, see shardctl import); the
+                       saved step and hyper-parameters are restored (an explicit --lr wins),
+                       at any world size; training continues at the saved step
+  --collective-timeout=S  bound on every collective wait (steps, the per-step agreement,
+                       checkpoints), seconds in [0.1, 86400] (default 120)
   --debug-stall-rank=R, --debug-stall-step=N
-                       testing: rank R stops taking part in collectives before step N
-                       while its heartbeats go on (a stalled rank)
+                       testing: rank R (-1..WORLD_SIZE-1) stops taking part in collectives
+                       before step N (-1..100000000) while its heartbeats go on (a stalled
+                       rank); -1: off (default)
+  --debug-nan-rank=R, --debug-nan-step=N
+                       testing: rank R takes its loss at step N for nan (same ranges)
   --help               this text
+
+Environment: RANK in [0, WORLD_SIZE), WORLD_SIZE in [1, 1048576] (defaults 0 and 1).
+
+A step whose global gradient norm, or whose loss on any rank, is not finite
+(nan or inf) stops every rank at that step with a message naming it, before
+anything is checkpointed; the job then exits non-zero. Lower --lr if it happens.
+
+Exit status: 0 trained, 1 the job failed, 2 a bad flag or environment variable.
 )";
+
+// Limits of the flags (see kUsage): nothing may allocate or loop absurdly.
+constexpr int64_t kMaxSteps = 100000000;
+constexpr int64_t kMaxBatch = 65536;
+constexpr int64_t kMaxThreads = 256;
+constexpr int64_t kMaxBucketCap = 2147483647;
+constexpr int64_t kMaxCkptKeep = 1000000;
+constexpr int64_t kMaxWorldSize = 1 << 20;
+constexpr double kMaxClip = 1e30;
+constexpr double kMaxTimeoutSeconds = 86400;
 
 // Set by SIGTERM/SIGINT; the heartbeat thread turns it into an abort.
 std::atomic<int> g_signal{0};
@@ -75,9 +106,23 @@ int Fail(int rank, const std::string& msg) {
   return 1;
 }
 
-int EnvInt(const char* name, int def) {
-  const char* v = std::getenv(name);
-  return v == nullptr ? def : std::atoi(v);
+// A bad flag or environment variable: one line, exit status 2.
+int UsageError(absl::string_view msg) {
+  std::fprintf(stderr, "shardopt_train: %s\n", std::string(msg).c_str());
+  return 2;
+}
+
+// A number for messages: "nan" rather than "-nan".
+std::string Num(double v) { return std::isnan(v) ? "nan" : absl::StrFormat("%g", v); }
+
+// The value of a checked flag; the first error lands in *first_error.
+template <typename T>
+T Take(absl::StatusOr<T> v, absl::Status* first_error) {
+  if (!v.ok()) {
+    if (first_error->ok()) *first_error = v.status();
+    return T();
+  }
+  return *std::move(v);
 }
 
 std::string EnvStr(const char* name, const std::string& def) {
@@ -97,84 +142,102 @@ int Main(int argc, char** argv) {
                              "threads", "malloc", "coordinator", "job-id", "token-file", "bind",
                              "log-every", "tls-ca", "tls-cert", "tls-key", "ckpt-dir", "ckpt-every",
                              "resume", "ckpt-keep", "collective-timeout", "debug-stall-rank", "debug-stall-step",
+                             "debug-nan-rank", "debug-nan-step",
                              "help"});
-  if (!flags.ok()) return Fail(-1, std::string(flags.status().message()));
+  if (!flags.ok()) return UsageError(flags.status().message());
   if (flags->Has("help")) {
     std::printf("%s", kUsage);
     return 0;
   }
-  const int rank = EnvInt("RANK", 0);
-  const int world = EnvInt("WORLD_SIZE", 1);
-  auto steps = flags->Int("steps", 20);
-  auto lr = flags->Double("lr", 1e-4);
-  auto clip = flags->Double("clip", 0.0);
-  auto threads = flags->Int("threads", 1);
-  auto bucket_cap = flags->Int("bucket-cap", 25 * 1024 * 1024);
-  for (const absl::Status& s : {steps.status(), lr.status(), clip.status(), threads.status(),
-                                bucket_cap.status()}) {
-    if (!s.ok()) return Fail(rank, std::string(s.message()));
+  if (!flags->positional().empty() || !flags->rest().empty()) {
+    const std::string& extra =
+        flags->positional().empty() ? flags->rest().front() : flags->positional().front();
+    return UsageError(absl::StrCat("unexpected argument '", extra, "' (flags are --name=value; see --help)"));
   }
-  if (*steps < 1 || *threads < 1 || world < 1 || rank < 0 || rank >= world) {
-    return Fail(rank, "need --steps >= 1, --threads >= 1 and 0 <= RANK < WORLD_SIZE");
+  // Every flag and variable is checked here, before any work: a bad value is
+  // refused by name (exit status 2), never replaced by its default.
+  absl::Status bad;
+  const int world = static_cast<int>(Take(EnvInt("WORLD_SIZE", 1, 1, kMaxWorldSize), &bad));
+  const int rank = static_cast<int>(Take(EnvInt("RANK", 0, 0, std::max(0, world - 1)), &bad));
+  const std::string model_name =
+      Take(flags->Choice("model", "tiny", {"tiny", "small", "mlp", "resnet101"}), &bad);
+  const int64_t steps = Take(flags->Int("steps", 20, 1, kMaxSteps), &bad);
+  const absl::StatusOr<double> lr = flags->PositiveFloat("lr", 1e-4);  // (the resume block reads *lr)
+  if (!lr.ok() && bad.ok()) bad = lr.status();
+  const std::string kind = Take(flags->Choice("optimizer", "adam", {"adam", "adamw", "sgd"}), &bad);
+  const int64_t batch_flag = Take(flags->Int("batch", 0, 1, kMaxBatch), &bad);
+  const double clip = Take(flags->Double("clip", 0, 0, kMaxClip), &bad);
+  const int64_t bucket_cap = Take(flags->Int("bucket-cap", 25 * 1024 * 1024, 1, kMaxBucketCap), &bad);
+  const int64_t threads = Take(flags->Int("threads", 1, 1, kMaxThreads), &bad);
+  const std::string malloc_flag = Take(flags->Choice("malloc", "tuned", {"tuned", "default"}), &bad);
+  const std::string coordinator =
+      Take(flags->NonEmpty("coordinator", EnvStr("SHARDOPT_COORDINATOR", "")), &bad);
+  const std::string job_id = Take(flags->NonEmpty("job-id", EnvStr("SHARDOPT_JOB_ID", "job")), &bad);
+  const std::string token_file =
+      Take(flags->NonEmpty("token-file", EnvStr("SHARDOPT_TOKEN_FILE", "")), &bad);
+  const std::string bind = Take(flags->NonEmpty("bind", "127.0.0.1"), &bad);
+  const std::string tls_ca = Take(flags->NonEmpty("tls-ca", EnvStr("SHARDOPT_TLS_CA", "")), &bad);
+  const std::string tls_cert = Take(flags->NonEmpty("tls-cert", EnvStr("SHARDOPT_TLS_CERT", "")), &bad);
+  const std::string tls_key = Take(flags->NonEmpty("tls-key", EnvStr("SHARDOPT_TLS_KEY", "")), &bad);
+  const int64_t log_every =
+      Take(flags->Int("log-every", std::max<int64_t>(1, steps / 10), 1, kMaxSteps), &bad);
+  const std::string ckpt_dir = Take(flags->NonEmpty("ckpt-dir", ""), &bad);
+  const int64_t ckpt_every = Take(flags->Int("ckpt-every", 0, 0, kMaxSteps), &bad);
+  const int64_t ckpt_keep = Take(flags->Int("ckpt-keep", 0, 0, kMaxCkptKeep), &bad);
+  (void)Take(flags->NonEmpty("resume", ""), &bad);
+  const absl::Duration collective_timeout =
+      Take(flags->Seconds("collective-timeout", 120, 0.1, kMaxTimeoutSeconds), &bad);
+  const int64_t stall_rank = Take(flags->Int("debug-stall-rank", -1, -1, world - 1), &bad);
+  const int64_t stall_step = Take(flags->Int("debug-stall-step", -1, -1, kMaxSteps), &bad);
+  const int64_t nan_rank = Take(flags->Int("debug-nan-rank", -1, -1, world - 1), &bad);
+  const int64_t nan_step = Take(flags->Int("debug-nan-step", -1, -1, kMaxSteps), &bad);
+  if (!bad.ok()) return UsageError(bad.message());
+  if (ckpt_dir.empty() && (ckpt_every > 0 || ckpt_keep > 0)) {
+    return UsageError("--ckpt-every and --ckpt-keep need --ckpt-dir");
   }
-  MallocMode malloc_mode;
-  if (absl::Status s = ParseMallocMode(flags->Str("malloc", "tuned"), &malloc_mode); !s.ok()) {
-    return Fail(rank, std::string(s.message()));
-  }
-  if (absl::Status s = ApplyMallocMode(malloc_mode); !s.ok()) return Fail(rank, s.ToString());
-  at::set_num_threads(static_cast<int>(*threads));
-
-  const std::string coordinator = flags->Str("coordinator", EnvStr("SHARDOPT_COORDINATOR", ""));
   if (coordinator.empty()) {
-    return Fail(rank, "no coordinator: run under shardrun, or pass --coordinator=HOST:PORT");
+    return UsageError("no coordinator: run under shardrun, or pass --coordinator=HOST:PORT");
   }
   std::string token;
-  const std::string token_file = flags->Str("token-file", EnvStr("SHARDOPT_TOKEN_FILE", ""));
   if (!token_file.empty()) {
     auto t = ReadTokenFile(token_file);
-    if (!t.ok()) return Fail(rank, std::string(t.status().message()));
+    if (!t.ok()) return UsageError(t.status().message());
     token = *t;
   }
-  const std::string job_id = flags->Str("job-id", EnvStr("SHARDOPT_JOB_ID", "job"));
-  const std::string bind = flags->Str("bind", "127.0.0.1");
+  MallocMode malloc_mode;
+  if (absl::Status s = ParseMallocMode(malloc_flag, &malloc_mode); !s.ok()) return UsageError(s.message());
+  if (absl::Status s = ApplyMallocMode(malloc_mode); !s.ok()) return Fail(rank, s.ToString());
+  at::set_num_threads(static_cast<int>(threads));
 
-  auto model = MakeModel(flags->Str("model", "tiny"), 42);
+  auto model = MakeModel(model_name, 42);
   if (!model.ok()) return Fail(rank, std::string(model.status().message()));
-  const int64_t batch = flags->Int("batch", (*model)->batch_per_rank()).value_or(0);
-  if (batch < 1) return Fail(rank, "--batch must be >= 1");
+  const int64_t batch = flags->Has("batch") ? batch_flag : (*model)->batch_per_rank();
 
   ShardedOptimizerOptions opt;
-  const std::string kind = flags->Str("optimizer", "adam");
   if (kind == "adam") {
     opt.kind = OptimizerKind::kAdam;
   } else if (kind == "adamw") {
     opt.kind = OptimizerKind::kAdamW;
     opt.adam = AdamWConfig();
-  } else if (kind == "sgd") {
+  } else {
     opt.kind = OptimizerKind::kSgd;
     opt.sgd.momentum = 0.9;
-  } else {
-    return Fail(rank, "--optimizer must be adam, adamw or sgd");
   }
   opt.adam.lr = *lr;
   opt.sgd.lr = *lr;
-  opt.max_grad_norm = *clip;
-  opt.plan.bucket_cap_elements = *bucket_cap;
-  const double collective_timeout = flags->Double("collective-timeout", 120).value_or(120);
-  if (!(collective_timeout > 0)) return Fail(rank, "--collective-timeout must be > 0");
-  opt.timeout = absl::Seconds(collective_timeout);
+  opt.max_grad_norm = clip;
+  opt.plan.bucket_cap_elements = bucket_cap;
+  opt.timeout = collective_timeout;
 
   if (rank == 0) {
     std::printf("shardopt_train: %d ranks, model %s, %s lr %g, batch %lld/rank, %lld steps; %s\n",
                 world, (*model)->name().c_str(), kind.c_str(), *lr, static_cast<long long>(batch),
-                static_cast<long long>(*steps), DescribeMallocMode(malloc_mode).c_str());
+                static_cast<long long>(steps), DescribeMallocMode(malloc_mode).c_str());
     std::fflush(stdout);
   }
 
   // Rendezvous for Gloo through the coordinator's key-value store.
-  ClientTls tls{flags->Str("tls-ca", EnvStr("SHARDOPT_TLS_CA", "")),
-                flags->Str("tls-cert", EnvStr("SHARDOPT_TLS_CERT", "")),
-                flags->Str("tls-key", EnvStr("SHARDOPT_TLS_KEY", ""))};
+  ClientTls tls{tls_ca, tls_cert, tls_key};
   auto creds = MakeChannelCredentials(tls);
   if (!creds.ok()) return Fail(rank, std::string(creds.status().message()));
   CoordinatorClient client(coordinator, token, *creds);
@@ -182,7 +245,7 @@ int Main(int argc, char** argv) {
   PrefixKeyValueStore job_kv(&kv, job_id);
   GlooOptions gopt;
   gopt.hostname = bind;
-  gopt.timeout = absl::Seconds(collective_timeout);
+  gopt.timeout = collective_timeout;
   auto comm = GlooCommunicator::Create(&job_kv, rank, world, gopt);
   if (!comm.ok()) return Fail(rank, comm.status().ToString());
 
@@ -224,6 +287,7 @@ int Main(int argc, char** argv) {
   join.set_shard_owner_port((*server)->port());
   join.set_device("cpu");
   join.set_layout_hash(o->layout().hash());
+  join.set_learning_rate(o->learning_rate());
   join.mutable_plan()->set_bucket_cap_elements(opt.plan.bucket_cap_elements);
   join.mutable_plan()->set_alignment_elements(opt.plan.alignment_elements);
   join.mutable_plan()->set_allow_cut(opt.plan.allow_cut);
@@ -234,13 +298,15 @@ int Main(int argc, char** argv) {
     pi->set_dtype(DTypeName(p.dtype));
     pi->set_trainable(p.trainable);
   }
-  auto joined = client.Join(join, absl::Seconds(120));
+  // Waits for every rank to join (they start at different speeds): at least 2 minutes.
+  auto joined = client.Join(join, std::max(absl::Seconds(120), collective_timeout));
   if (!joined.ok()) return Fail(rank, joined.status().ToString());
 
   // Heartbeats: report progress, learn of aborts and learning-rate changes.
   std::atomic<bool> stop{false};
   std::atomic<double> loss_now{0}, sps_now{0}, lr_wanted{0};
   std::atomic<int64_t> lr_version{0};
+  std::atomic<double> lr_applied{o->learning_rate()};  // what heartbeats report
   std::atomic<int64_t> ckpt_request{0};
   std::mutex abort_mu;
   std::string abort_reason;
@@ -283,6 +349,7 @@ int Main(int argc, char** argv) {
       hb.set_loss(loss_now.load());
       hb.set_samples_per_s(sps_now.load());
       hb.set_progress(progress.load());
+      hb.set_learning_rate(lr_applied.load());
       std::string reason;
       if (g_signal.load() != 0) {
         reason = absl::StrCat("stopped by signal ", g_signal.load(),
@@ -317,66 +384,72 @@ int Main(int argc, char** argv) {
     return code;
   };
 
-  const int64_t log_every = flags->Int("log-every", std::max<int64_t>(1, *steps / 10)).value_or(1);
-  const std::string ckpt_dir = flags->Str("ckpt-dir", "");
-  const int64_t ckpt_every = flags->Int("ckpt-every", 0).value_or(0);
-  const int64_t ckpt_keep = flags->Int("ckpt-keep", 0).value_or(0);
   int64_t first_step = 0;
   const std::string resume = flags->Str("resume", "");
   if (!resume.empty()) {
-    auto m = LoadCheckpoint(*o, resume);
+    // A checkpoint directory or root, a consolidated .safetensors file, or a
+    // torch.save file (shardctl consolidate --format=torch, or PyTorch's own).
+    auto m = LoadAnyCheckpoint(*o, resume);
     if (!m.ok()) {
       (void)client.Abort(m.status().ToString(), rank);
       return finish(Fail(rank, absl::StrCat("cannot resume: ", m.status().ToString())));
     }
-    first_step = (*m)["step"].get<int64_t>();
+    first_step = m->step;
     step_now = first_step;
+    // The saved hyper-parameters are in force now; an explicit --lr wins.
+    std::string lr_note = absl::StrFormat("lr %g as saved", m->optimizer.lr);
+    if (flags->Has("lr") && *lr != m->optimizer.lr) {
+      o->SetLearningRate(*lr);
+      lr_note = absl::StrFormat("lr %g from --lr (the checkpoint saved %g)", *lr, m->optimizer.lr);
+    }
     if (rank == 0) {
-      std::printf("resumed from %s at step %lld (saved by %d ranks)\n", resume.c_str(),
-                  static_cast<long long>(first_step), (*m)["world_size"].get<int>());
+      const std::string by = m->world_size > 0 ? absl::StrCat("saved by ", m->world_size, " ranks")
+                                               : std::string("consolidated");
+      std::printf("resumed from %s (%s, %s) at step %lld, %s\n", m->path.c_str(), m->format.c_str(), by.c_str(),
+                  static_cast<long long>(first_step), lr_note.c_str());
     }
   }
-  auto save = [&](int64_t step) -> bool {
-    CheckpointOptions co;
-    co.user_metadata["data_position"] = std::to_string(step * batch * world);
-    const auto t0 = std::chrono::steady_clock::now();
-    auto dir = SaveCheckpoint(*o, ckpt_dir, co);
-    if (!dir.ok()) {
-      if (rank == 0) std::printf("checkpoint at step %lld failed (training continues): %s\n",
-                                 static_cast<long long>(step), dir.status().ToString().c_str());
-      return false;
-    }
-    if (rank == 0) {
-      std::printf("checkpoint %s written in %.2f s\n", dir->c_str(),
-                  std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-      if (ckpt_keep > 0) {
-        absl::Status p = PruneCheckpoints(PosixFileSystem(), ckpt_dir, static_cast<int>(ckpt_keep));
-        if (!p.ok()) std::printf("pruning old checkpoints failed: %s\n", p.ToString().c_str());
-      }
-    }
-    return true;
+  // Why a collective failed. A peer's death usually shows up first as a
+  // broken connection, which Gloo reports as "receive failed or timed out
+  // after <the timeout>" however fast it came; the control plane names the
+  // rank, so its diagnosis wins: the coordinator's verdict (pushed to us, or
+  // in its job status), else ranks that stopped heartbeating, else ranks
+  // behind us in the collectives (alive, but stalled). `since`: when the
+  // failed phase began.
+  auto pushed_reason = [&] {
+    std::lock_guard<std::mutex> l(abort_mu);
+    return abort_reason;
   };
-  int64_t applied_version = 0;
-  auto t_start = std::chrono::steady_clock::now();
-  auto t_window = t_start;
-  int64_t window_steps = 0;
-  // A peer's death usually shows up first as a broken connection; the
-  // coordinator's verdict (which names the rank) follows within a heartbeat
-  // or two: wait for it briefly.
-  auto why = [&](const absl::Status& s) {
+  auto why = [&](const absl::Status& s, absl::Time since) -> std::string {
     std::string reason;
-    for (int i = 0; i < 30 && reason.empty(); ++i) {
-      {
-        std::lock_guard<std::mutex> l(abort_mu);
-        reason = abort_reason;
-      }
-      if (reason.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    for (int i = 0; i < 30 && (reason = pushed_reason()).empty(); ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
     }
     if (!reason.empty()) return reason;
-    // A timeout in a collective: name the ranks that are behind (alive, since
-    // they still heartbeat, but not taking part).
+    // Ranks that went silent: the coordinator declares them dead after its
+    // heartbeat timeout; wait for that verdict a while (up to ~15 s).
+    std::string silent;
+    for (int i = 0; i < 30; ++i) {
+      auto job = client.GetJob();
+      if (!job.ok()) break;
+      if (!job->failure().empty()) return "job failed: " + job->failure();
+      std::vector<std::string> quiet;
+      for (const auto& r : job->ranks()) {
+        if (r.rank() != rank && r.seconds_since_heartbeat() > 2.5) {
+          quiet.push_back(absl::StrFormat("%d (no heartbeat for %.1f s)", r.rank(), r.seconds_since_heartbeat()));
+        }
+      }
+      if (quiet.empty()) break;
+      silent = absl::StrJoin(quiet, ", ");
+      if (!(reason = pushed_reason()).empty()) return reason;
+      std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    }
+    if (!silent.empty()) {
+      return absl::StrCat("lost rank(s) ", silent, ", probably dead [", s.message(), "]");
+    }
     std::string msg = s.ToString();
     if (s.code() == absl::StatusCode::kDeadlineExceeded) {
+      // A timeout: name the ranks that are behind.
       auto job = client.GetJob();
       if (job.ok()) {
         std::vector<std::string> behind;
@@ -384,91 +457,216 @@ int Main(int argc, char** argv) {
           if (r.progress() < progress.load()) behind.push_back(absl::StrCat(r.rank(), " (at step ", r.step(), ")"));
         }
         if (!behind.empty()) {
-          msg = absl::StrCat("collective timed out at step ", step_now.load() + 1, "; stalled rank(s): ",
-                             absl::StrJoin(behind, ", "), " [", s.message(), "]");
+          return absl::StrCat("collective timed out at step ", step_now.load() + 1, "; stalled rank(s): ",
+                              absl::StrJoin(behind, ", "), " [", s.message(), "]");
         }
+      }
+      const absl::Duration took = absl::Now() - since;
+      if (took < collective_timeout * 0.9) {
+        msg = absl::StrCat("a collective failed after ", absl::FormatDuration(absl::Trunc(took, absl::Milliseconds(1))),
+                           ", before its ", absl::FormatDuration(collective_timeout),
+                           " timeout (a peer's connection broke) [", s.message(), "]");
       }
     }
     return msg;
   };
-  const int64_t stall_rank = flags->Int("debug-stall-rank", -1).value_or(-1);
-  const int64_t stall_step = flags->Int("debug-stall-step", -1).value_or(-1);
+
+  // Checkpoints. A failed save either leaves the ranks able to go on (an I/O
+  // error, which SaveCheckpoint agrees on between the ranks) or not (a
+  // collective failed or timed out: `fatal`). The message says what is on
+  // disk: a checkpoint that rank 0 committed before a later collective failed
+  // is reported as committed, not as failed.
+  struct Saved {
+    absl::Status status;
+    bool fatal = false;
+    bool committed = false;  // on disk and LATEST, although status is an error
+  };
+  int64_t last_saved = -1;
+  auto save = [&](int64_t step) -> Saved {
+    Saved out;
+    if (step == last_saved) return out;
+    FileSystem* fs = PosixFileSystem();
+    const std::string expected = absl::StrCat(ckpt_dir, "/step-", step);
+    auto before = ResolveCheckpoint(fs, ckpt_dir);
+    const bool was_latest = before.ok() && *before == expected;
+    CheckpointOptions co;
+    co.user_metadata["data_position"] = std::to_string(step * batch * world);
+    const absl::Time t0 = absl::Now();
+    auto dir = SaveCheckpoint(*o, ckpt_dir, co);
+    if (dir.ok()) {
+      last_saved = step;
+      if (rank == 0) {
+        std::printf("checkpoint %s written in %.2f s\n", dir->c_str(), absl::ToDoubleSeconds(absl::Now() - t0));
+        if (ckpt_keep > 0) {
+          absl::Status p = PruneCheckpoints(fs, ckpt_dir, static_cast<int>(ckpt_keep));
+          if (!p.ok()) std::printf("pruning old checkpoints failed: %s\n", p.ToString().c_str());
+        }
+      }
+      return out;
+    }
+    const absl::Status& s = dir.status();
+    // A wait that timed out leaves its collective running on buffers that
+    // are gone now: stop it. Then ask whether the ranks can still talk: an
+    // error they agreed on leaves the communicator healthy, a broken
+    // collective has aborted it (this fails at once then).
+    if (s.code() == absl::StatusCode::kDeadlineExceeded) (*comm)->Abort(s);
+    float probe = 0;
+    absl::Status p = (*comm)->AllReduce(&probe, 1, ElementType::kFloat32, ReduceOp::kMax)->Wait(collective_timeout);
+    if (!p.ok()) {
+      (*comm)->Abort(p);
+      out.fatal = true;
+    }
+    auto after = ResolveCheckpoint(fs, ckpt_dir);
+    out.committed = !was_latest && after.ok() && *after == expected;
+    const std::string cause = out.fatal ? why(s, t0) : s.ToString();
+    if (out.committed) {
+      last_saved = step;
+      out.status = absl::Status(s.code(), absl::StrCat("checkpoint ", expected,
+                                                       " was committed (LATEST names it), but a rank failed after the commit: ",
+                                                       cause));
+    } else {
+      out.status = absl::Status(s.code(), absl::StrCat("checkpoint at step ", step, " failed: ", cause));
+    }
+    return out;
+  };
+  // A save during training: fatal failures end the job; otherwise training
+  // goes on (and the rank that saw the error says so; rank 0 always does).
+  auto save_during_training = [&](int64_t step) -> absl::Status {
+    Saved sv = save(step);
+    if (sv.status.ok() || sv.fatal) return sv.status;
+    if (rank == 0 || !absl::StrContains(sv.status.message(), "on another rank")) {
+      std::printf("%s (training continues)\n", std::string(sv.status.message()).c_str());
+      std::fflush(stdout);
+    }
+    return absl::OkStatus();
+  };
+
+  int64_t applied_version = 0;
   int64_t done_request = 0;
+  auto t_start = std::chrono::steady_clock::now();
+  auto t_window = t_start;
+  int64_t window_steps = 0;
   // Control actions (learning-rate changes, requested checkpoints) reach
-  // ranks at different heartbeats; one 8-byte all-reduce per step makes every
-  // rank act on them at the same step.
-  auto agree = [&](int64_t step) -> absl::Status {
-    float ctl[2] = {static_cast<float>(lr_version.load()), static_cast<float>(ckpt_request.load())};
-    absl::Status s = (*comm)->AllReduce(ctl, 2, ElementType::kFloat32, ReduceOp::kMax)
-                         ->Wait(absl::Seconds(120));
-    if (!s.ok()) return s;
+  // ranks at different heartbeats, and a loss is known only to its rank: one
+  // 12-byte all-reduce at the end of every step makes every rank act on them
+  // at the same step, and stop together when any rank's loss is not finite.
+  struct Agreed {
+    int nonfinite_rank = -1;  // the highest rank whose loss was not finite
+    bool checkpoint = false;  // a requested checkpoint is due
+  };
+  auto agree = [&](int64_t step, bool nonfinite_loss) -> absl::StatusOr<Agreed> {
+    Agreed a;
+    lr_applied = o->learning_rate();  // (a resumed run restores its own)
+    float ctl[3] = {static_cast<float>(lr_version.load()), static_cast<float>(ckpt_request.load()),
+                    nonfinite_loss ? static_cast<float>(rank + 1) : 0.0f};
+    absl::Status s = (*comm)->AllReduce(ctl, 3, ElementType::kFloat32, ReduceOp::kMax)->Wait(collective_timeout);
+    if (!s.ok()) {
+      (*comm)->Abort(s);  // a timed-out collective still writes into ctl
+      return s;
+    }
+    if (ctl[2] > 0) {
+      a.nonfinite_rank = static_cast<int>(ctl[2]) - 1;
+      return a;
+    }
     if (static_cast<int64_t>(ctl[0]) > applied_version) {
       // The learning rate of the newest version, from a rank that has it.
       float lr_new = lr_version.load() == static_cast<int64_t>(ctl[0])
                          ? static_cast<float>(lr_wanted.load()) : 0.0f;
-      s = (*comm)->AllReduce(&lr_new, 1, ElementType::kFloat32, ReduceOp::kMax)
-              ->Wait(absl::Seconds(120));
-      if (!s.ok()) return s;
+      s = (*comm)->AllReduce(&lr_new, 1, ElementType::kFloat32, ReduceOp::kMax)->Wait(collective_timeout);
+      if (!s.ok()) {
+        (*comm)->Abort(s);
+        return s;
+      }
       applied_version = static_cast<int64_t>(ctl[0]);
-      o->SetLearningRate(lr_new);
-      if (rank == 0) std::printf("learning rate set to %g at step %lld\n", lr_new,
-                                 static_cast<long long>(step));
+      if (std::isfinite(lr_new) && lr_new >= FLT_MIN) {
+        o->SetLearningRate(lr_new);
+        lr_applied = lr_new;
+        if (rank == 0) std::printf("learning rate set to %g at step %lld\n", lr_new, static_cast<long long>(step));
+      } else if (rank == 0) {
+        std::printf("learning rate %g requested at step %lld: not a positive float, ignored\n",
+                    lr_wanted.load(), static_cast<long long>(step));
+      }
     }
     if (static_cast<int64_t>(ctl[1]) > done_request) {
       done_request = static_cast<int64_t>(ctl[1]);
       if (ckpt_dir.empty()) {
         if (rank == 0) std::printf("checkpoint requested, but no --ckpt-dir was given: skipped\n");
       } else {
-        save(step);
+        a.checkpoint = true;
       }
     }
-    return absl::OkStatus();
+    return a;
   };
-  for (int64_t step = first_step; step < *steps; ++step) {
+  // Ends the job from this rank: tells the coordinator (which stops the
+  // others at once and tells shardrun why), then exits 1.
+  auto fail_job = [&](const std::string& msg) {
+    (void)client.Abort(msg, rank);
+    return finish(Fail(rank, msg));
+  };
+  for (int64_t step = first_step; step < steps; ++step) {
     if (rank == stall_rank && step == stall_step) {
       // Alive but silent in collectives: heartbeats continue until aborted.
-      while (g_signal.load() == 0) {
-        {
-          std::lock_guard<std::mutex> l(abort_mu);
-          if (!abort_reason.empty()) break;
-        }
+      while (g_signal.load() == 0 && pushed_reason().empty()) {
         std::this_thread::sleep_for(std::chrono::milliseconds(50));
       }
       return finish(Fail(rank, "stalled on purpose (--debug-stall-rank)"));
     }
+    const absl::Time step_start = absl::Now();
     ++progress;
-    if (absl::Status s = agree(step); !s.ok()) {
-      const std::string msg = why(s);
-      (void)client.Abort(msg, rank);
-      return finish(Fail(rank, absl::StrCat("step ", step + 1, " failed: ", msg)));
-    }
     o->ZeroGrad();
-    torch::Tensor loss = (*model)->Loss(step, rank * batch, (rank + 1) * batch);
-    loss.backward();
-    ++progress;
+    torch::Tensor loss;
+    try {
+      loss = (*model)->Loss(step, rank * batch, (rank + 1) * batch);
+      loss.backward();
+    } catch (const std::exception& e) {  // c10::Error: e.g. out of memory
+      std::string what = e.what();
+      what = what.substr(0, what.find('\n'));
+      return fail_job(absl::StrCat("step ", step + 1, " failed in forward/backward: ", what));
+    }
     auto r = o->Step();
     if (!r.ok()) {
-      const std::string msg = why(r.status());
+      const std::string msg = why(r.status(), step_start);
       (void)client.Abort(msg, rank);
       return finish(Fail(rank, absl::StrCat("step ", step + 1, " failed: ", msg)));
     }
-    const double l = loss.item<double>();
+    double l = loss.item<double>();
+    if (rank == nan_rank && step + 1 == nan_step) l = std::nan("");  // --debug-nan-rank
+    if (!std::isfinite(r->grad_norm)) {
+      // The norm is global: every rank stops here, at the same step, before
+      // anything is checkpointed.
+      return fail_job(absl::StrCat("non-finite gradient norm (", Num(r->grad_norm), ") at step ", step + 1,
+                                   " (loss ", Num(l), "); stopping (lower --lr)"));
+    }
+    ++progress;
+    auto agreed = agree(step + 1, !std::isfinite(l));
+    if (!agreed.ok()) {
+      const std::string msg = why(agreed.status(), step_start);
+      (void)client.Abort(msg, rank);
+      return finish(Fail(rank, absl::StrCat("step ", step + 1, " failed: ", msg)));
+    }
+    if (agreed->nonfinite_rank >= 0) {
+      return fail_job(!std::isfinite(l)
+                          ? absl::StrCat("non-finite loss (", Num(l), ") at step ", step + 1, "; stopping (lower --lr)")
+                          : absl::StrCat("rank ", agreed->nonfinite_rank, " had a non-finite loss at step ",
+                                         step + 1, "; stopping"));
+    }
     ++window_steps;
     step_now = step + 1;
     loss_now = l;
     const auto now = std::chrono::steady_clock::now();
     const double secs = std::chrono::duration<double>(now - t_window).count();
     if (secs > 0) sps_now = window_steps * batch / secs;
-    if (!ckpt_dir.empty() && ckpt_every > 0 && (step + 1) % ckpt_every == 0 && step + 1 < *steps) {
-      save(step + 1);
+    const bool periodic = !ckpt_dir.empty() && ckpt_every > 0 && (step + 1) % ckpt_every == 0 && step + 1 < steps;
+    if (agreed->checkpoint || periodic) {
+      if (absl::Status s = save_during_training(step + 1); !s.ok()) return fail_job(std::string(s.message()));
     }
-    if ((step + 1) % log_every == 0 || step + 1 == *steps) {
+    if ((step + 1) % log_every == 0 || step + 1 == steps) {
       if (rank == 0) {
         const int width = 20;
-        const int filled = static_cast<int>(width * (step + 1) / *steps);
+        const int filled = static_cast<int>(width * (step + 1) / steps);
         std::printf("[%s%s] step %lld/%lld  loss %.5f  grad-norm %.4f  %.1f samples/s/rank\n",
                     std::string(filled, '#').c_str(), std::string(width - filled, '.').c_str(),
-                    static_cast<long long>(step + 1), static_cast<long long>(*steps), l,
+                    static_cast<long long>(step + 1), static_cast<long long>(steps), l,
                     r->grad_norm, sps_now.load());
         std::fflush(stdout);
       }
@@ -477,13 +675,19 @@ int Main(int argc, char** argv) {
     }
   }
   const double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
-  if (!ckpt_dir.empty() && first_step < *steps && !save(*steps)) return finish(1);
+  if (!ckpt_dir.empty() && first_step < steps) {
+    Saved sv = save(steps);
+    if (!sv.status.ok()) {
+      return fail_job(sv.committed ? std::string(sv.status.message())
+                                   : absl::StrCat(sv.status.message(), "; the final state is not saved"));
+    }
+  }
   (void)client.Finish(rank);
   if (rank == 0) {
     MemoryReport m = o->memory();
     std::printf("done: %lld steps in %.1f s; rank 0 holds optimizer state %.1f MiB (of %.1f MiB "
                 "for the whole model), layout %016llx\n",
-                static_cast<long long>(*steps - first_step), total, m.state_bytes / 1048576.0,
+                static_cast<long long>(steps - first_step), total, m.state_bytes / 1048576.0,
                 m.param_bytes / 1048576.0 * (opt.kind == OptimizerKind::kSgd ? 1 : 2),
                 static_cast<unsigned long long>(o->layout().hash()));
   }

@@ -35,13 +35,14 @@ Every output line is prefixed with its rank. If a rank fails, the others are
 stopped within seconds and shardrun exits non-zero with a one-line reason.
 Ctrl-C stops everything cleanly.
 
-flags:
-  --nproc=N              ranks on this node (required)
-  --nnodes=N             nodes in the job (default 1)
-  --node-rank=I          this node's index (default 0); ranks are I*nproc ... I*nproc+nproc-1
+flags (a malformed or out-of-range value is refused, naming the flag; exit status 2):
+  --nproc=N              ranks on this node, 1..1024 (required)
+  --nnodes=N             nodes in the job, 1..1024 (default 1)
+  --node-rank=I          this node's index, 0..nnodes-1 (default 0); ranks are
+                         I*nproc ... I*nproc+nproc-1
   --coordinator=H:P      use this coordinator instead of starting one (other nodes)
   --bind=HOST            coordinator listen address (default 127.0.0.1; 0.0.0.0 for multi-node)
-  --port=P               coordinator port (default 0: chosen by the OS)
+  --port=P               coordinator port, 0..65535 (default 0: chosen by the OS)
   --port-file=PATH       write the coordinator's host:port here once it listens
   --job-id=ID            job id (default "job")
   --token-file=PATH      require this bearer token on every RPC
@@ -50,9 +51,16 @@ flags:
   --tls-client-ca=PEM    mutual TLS: clients must present a certificate signed by this CA
                          (ranks and shardctl read SHARDOPT_TLS_CA, SHARDOPT_TLS_CERT and
                          SHARDOPT_TLS_KEY from the environment, which shardrun passes on)
-  --heartbeat-timeout=S  a rank silent this long fails the job (default 10)
+  --heartbeat-timeout=S  a rank silent this long fails the job, seconds in [0.1, 86400]
+                         (default 10)
   --help                 this text
+
+Exit status: 0 every rank finished, 1 the job failed, 2 a bad flag, 130 interrupted.
 )";
+
+constexpr int64_t kMaxNproc = 1024;
+constexpr int64_t kMaxNnodes = 1024;
+constexpr double kMaxHeartbeatTimeout = 86400;
 
 std::atomic<int> g_signal{0};
 void OnSignal(int sig) { g_signal = sig; }
@@ -98,24 +106,38 @@ int Main(int argc, char** argv) {
     std::printf("%s", kUsage);
     return 0;
   }
-  auto nproc = flags->Int("nproc", 0);
-  auto nnodes = flags->Int("nnodes", 1);
-  auto node_rank = flags->Int("node-rank", 0);
-  auto port = flags->Int("port", 0);
-  auto hb = flags->Double("heartbeat-timeout", 10);
-  for (const absl::Status& s : {nproc.status(), nnodes.status(), node_rank.status(), port.status(),
-                                hb.status()}) {
+  if (!flags->positional().empty()) {
+    return Fail(absl::StrCat("unexpected argument '", flags->positional().front(),
+                             "' (the program goes after --: shardrun --nproc N -- PROGRAM ARGS...)"));
+  }
+  // Every flag is checked before anything starts; a bad value is refused by
+  // name, never replaced by its default.
+  auto nproc = flags->Int("nproc", 0, 1, kMaxNproc);
+  auto nnodes = flags->Int("nnodes", 1, 1, kMaxNnodes);
+  auto port = flags->Port("port", 0);
+  auto hb = flags->Seconds("heartbeat-timeout", 10, 0.1, kMaxHeartbeatTimeout);
+  auto coordinator_flag = flags->NonEmpty("coordinator", "");
+  auto bind = flags->NonEmpty("bind", "127.0.0.1");
+  auto port_file = flags->NonEmpty("port-file", "");
+  auto job_id_flag = flags->NonEmpty("job-id", "job");
+  auto token_file_flag = flags->NonEmpty("token-file", "");
+  auto tls_cert = flags->NonEmpty("tls-cert", "");
+  auto tls_key = flags->NonEmpty("tls-key", "");
+  auto tls_client_ca = flags->NonEmpty("tls-client-ca", "");
+  for (const absl::Status& s :
+       {nproc.status(), nnodes.status(), port.status(), hb.status(), coordinator_flag.status(),
+        bind.status(), port_file.status(), job_id_flag.status(), token_file_flag.status(),
+        tls_cert.status(), tls_key.status(), tls_client_ca.status()}) {
     if (!s.ok()) return Fail(std::string(s.message()));
   }
-  if (*nproc < 1 || *nproc > 1024) return Fail("--nproc must be in [1, 1024] (see --help)");
-  if (*nnodes < 1 || *node_rank < 0 || *node_rank >= *nnodes) {
-    return Fail("--node-rank must be in [0, --nnodes)");
-  }
+  if (!flags->Has("nproc")) return Fail("--nproc is required (1..1024; see --help)");
+  auto node_rank = flags->Int("node-rank", 0, 0, *nnodes - 1);
+  if (!node_rank.ok()) return Fail(std::string(node_rank.status().message()));
   if (flags->rest().empty()) return Fail("no program given: shardrun --nproc N -- PROGRAM ARGS...");
-  const int world = static_cast<int>(*nproc * *nnodes);
-  const std::string job_id = flags->Str("job-id", "job");
+  const int world = static_cast<int>(*nproc * *nnodes);  // at most 1024 * 1024
+  const std::string job_id = *job_id_flag;
   std::string token;
-  const std::string token_file = flags->Str("token-file", "");
+  const std::string token_file = *token_file_flag;
   if (!token_file.empty()) {
     auto t = ReadTokenFile(token_file);
     if (!t.ok()) return Fail(std::string(t.status().message()));
@@ -126,7 +148,7 @@ int Main(int argc, char** argv) {
   std::unique_ptr<Coordinator> coordinator;
   std::unique_ptr<CoordinatorService> service;
   std::unique_ptr<RpcServer> server;
-  std::string address = flags->Str("coordinator", "");
+  std::string address = *coordinator_flag;
   if (address.empty()) {
     if (*nnodes > 1 && *node_rank != 0) {
       return Fail("--node-rank > 0 needs --coordinator=HOST:PORT of node 0's shardrun");
@@ -134,14 +156,14 @@ int Main(int argc, char** argv) {
     CoordinatorOptions copt;
     copt.job_id = job_id;
     copt.world_size = world;
-    copt.heartbeat_timeout = absl::Seconds(*hb);
+    copt.heartbeat_timeout = *hb;
     coordinator = std::make_unique<Coordinator>(copt);
     service = std::make_unique<CoordinatorService>(coordinator.get(), token);
     RpcServerOptions sopt;
-    sopt.address = absl::StrCat(flags->Str("bind", "127.0.0.1"), ":", *port);
-    sopt.tls_cert_file = flags->Str("tls-cert", "");
-    sopt.tls_key_file = flags->Str("tls-key", "");
-    sopt.tls_client_ca_file = flags->Str("tls-client-ca", "");
+    sopt.address = absl::StrCat(*bind, ":", *port);
+    sopt.tls_cert_file = *tls_cert;
+    sopt.tls_key_file = *tls_key;
+    sopt.tls_client_ca_file = *tls_client_ca;
     auto s = RpcServer::Start(sopt, {service.get()});
     if (!s.ok()) return Fail(s.status().ToString());
     server = std::move(*s);
@@ -149,12 +171,13 @@ int Main(int argc, char** argv) {
     std::printf("shardrun: coordinator listening on %s (job %s, %d ranks)\n", address.c_str(),
                 job_id.c_str(), world);
     std::fflush(stdout);
-    const std::string port_file = flags->Str("port-file", "");
-    if (!port_file.empty()) {
-      std::ofstream pf(port_file + ".tmp");
+    if (!port_file->empty()) {
+      std::ofstream pf(*port_file + ".tmp");
       pf << address << "\n";
       pf.close();
-      std::rename((port_file + ".tmp").c_str(), port_file.c_str());
+      if (!pf || std::rename((*port_file + ".tmp").c_str(), port_file->c_str()) != 0) {
+        return Fail(absl::StrCat("cannot write --port-file '", *port_file, "': ", std::strerror(errno)));
+      }
     }
   }
   const std::string master_addr = address.substr(0, address.rfind(':'));
@@ -233,10 +256,16 @@ int Main(int argc, char** argv) {
         --remaining;
         const bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
         if (!ok && !stopping) {
-          stop_all(WIFEXITED(status)
-                       ? absl::StrCat("rank ", c.rank, " exited with status ", WEXITSTATUS(status))
-                       : absl::StrCat("rank ", c.rank, " was killed by signal ", WTERMSIG(status)),
-                   false);
+          std::string why = WIFEXITED(status)
+                                ? absl::StrCat("rank ", c.rank, " exited with status ", WEXITSTATUS(status))
+                                : absl::StrCat("rank ", c.rank, " was killed by signal ", WTERMSIG(status));
+          // A rank that exits with an error has usually told the coordinator
+          // why first (a non-finite loss, a failed checkpoint): say that.
+          if (coordinator && WIFEXITED(status)) {
+            JobStatus j = coordinator->GetJob();
+            if (j.state == JobState::kFailed && !j.failure.empty()) why = absl::StrCat(j.failure, " (", why, ")");
+          }
+          stop_all(why, false);
         }
       }
     }
