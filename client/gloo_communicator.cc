@@ -143,15 +143,27 @@ uint64_t Slot(uint64_t base, int step, int64_t segment) {
 
 }  // namespace
 
+// A wait that ends early ended because the connection broke (a peer died),
+// not because time ran out: say which.
+absl::Status GlooCommunicator::WaitFailure(const char* what, absl::Duration waited, const char* error) const {
+  if (waited < options_.timeout * 0.9) {
+    return absl::UnavailableError(absl::StrCat("rank ", rank(), ": ", what, " failed after ",
+                                               absl::FormatDuration(absl::Trunc(waited, absl::Milliseconds(1))),
+                                               ", before its ", absl::FormatDuration(options_.timeout),
+                                               " timeout: the connection to a peer broke (did it exit?): ", error));
+  }
+  return absl::DeadlineExceededError(absl::StrCat("rank ", rank(), ": ", what, " timed out after ",
+                                                  absl::FormatDuration(options_.timeout), ": ", error));
+}
+
 absl::Status GlooCommunicator::WaitRecv(Registered& buffer) {
   if (aborted()) return abort_status();
+  const absl::Time start = absl::Now();
   try {
     if (!buffer->waitRecv(nullptr, Millis(options_.timeout))) return abort_status();
     return absl::OkStatus();
   } catch (const std::exception& e) {
-    absl::Status s = absl::DeadlineExceededError(
-        absl::StrCat("rank ", rank(), ": receive failed or timed out after ",
-                     absl::FormatDuration(options_.timeout), ": ", e.what()));
+    absl::Status s = WaitFailure("receive", absl::Now() - start, e.what());
     Abort(s);
     return s;
   }
@@ -159,13 +171,12 @@ absl::Status GlooCommunicator::WaitRecv(Registered& buffer) {
 
 absl::Status GlooCommunicator::WaitSend(Registered& buffer) {
   if (aborted()) return abort_status();
+  const absl::Time start = absl::Now();
   try {
     if (!buffer->waitSend(nullptr, Millis(options_.timeout))) return abort_status();
     return absl::OkStatus();
   } catch (const std::exception& e) {
-    absl::Status s = absl::DeadlineExceededError(
-        absl::StrCat("rank ", rank(), ": send failed or timed out after ",
-                     absl::FormatDuration(options_.timeout), ": ", e.what()));
+    absl::Status s = WaitFailure("send", absl::Now() - start, e.what());
     Abort(s);
     return s;
   }

@@ -62,6 +62,7 @@ class GlooCommunicator : public QueuedCommunicator {
   // An unbound buffer registered for Interrupt(); unregistered on destruction.
   class Registered;
   std::unique_ptr<Registered> Register(void* ptr, size_t bytes);
+  absl::Status WaitFailure(const char* what, absl::Duration waited, const char* error) const;
   absl::Status WaitRecv(Registered& buffer);
   absl::Status WaitSend(Registered& buffer);
   absl::Status RingReduceScatter(char* buffer, int64_t chunk_bytes, ElementType type, ReduceOp op,

@@ -15,7 +15,24 @@
 
 namespace shardopt {
 
-absl::Status ExportTorch(FileSystem* fs, const std::string& dir, const std::string& out) {
+namespace {
+
+// LibTorch reports failures (an allocation too large for this machine, ...)
+// by exceptions: they become one-line Statuses here.
+template <typename Fn>
+auto Guarded(const char* what, Fn fn) -> decltype(fn()) {
+  try {
+    return fn();
+  } catch (const std::bad_alloc&) {
+    return absl::ResourceExhaustedError(absl::StrCat(what, ": out of memory"));
+  } catch (const c10::Error& e) {
+    return absl::InternalError(absl::StrCat(what, ": ", e.what_without_backtrace()));
+  } catch (const std::exception& e) {
+    return absl::InternalError(absl::StrCat(what, ": ", e.what()));
+  }
+}
+
+absl::Status ExportTorchUnguarded(FileSystem* fs, const std::string& dir, const std::string& out) {
   SHARDOPT_RETURN_IF_ERROR(VerifyCheckpoint(fs, dir));
   SHARDOPT_ASSIGN_OR_RETURN(Manifest m, ReadManifest(fs, dir));
   const std::vector<std::string>& states = m.states;
@@ -85,6 +102,12 @@ absl::Status ExportTorch(FileSystem* fs, const std::string& dir, const std::stri
   const std::vector<char> bytes = torch::pickle_save(top);
   const std::string data(bytes.begin(), bytes.end());
   return WriteFileAtomically(fs, out, data);
+}
+
+}  // namespace
+
+absl::Status ExportTorch(FileSystem* fs, const std::string& dir, const std::string& out) {
+  return Guarded("exporting for torch", [&] { return ExportTorchUnguarded(fs, dir, out); });
 }
 
 namespace {
@@ -258,8 +281,11 @@ absl::StatusOr<PyValuePtr> ReadTorch(const std::string& path) {
 
 }  // namespace
 
-absl::StatusOr<TorchCheckpoint> ReadTorchCheckpoint(const std::string& optimizer_file, const std::string& params_file,
-                                                    OptimizerKind kind, const std::vector<std::string>* expected) {
+namespace {
+
+absl::StatusOr<TorchCheckpoint> ReadTorchCheckpointUnguarded(const std::string& optimizer_file,
+                                                             const std::string& params_file, OptimizerKind kind,
+                                                             const std::vector<std::string>* expected) {
   SHARDOPT_ASSIGN_OR_RETURN(PyValuePtr top, ReadTorch(optimizer_file));
   const PyValue* sd = top.get();
   const PyValue* model = FindDict(top.get(), "params");
@@ -314,6 +340,15 @@ absl::StatusOr<TorchCheckpoint> ReadTorchCheckpoint(const std::string& optimizer
   return out;
 }
 
+}  // namespace
+
+absl::StatusOr<TorchCheckpoint> ReadTorchCheckpoint(const std::string& optimizer_file, const std::string& params_file,
+                                                    OptimizerKind kind, const std::vector<std::string>* expected) {
+  return Guarded(optimizer_file.c_str(), [&] {
+    return ReadTorchCheckpointUnguarded(optimizer_file, params_file, kind, expected);
+  });
+}
+
 namespace {
 
 // Writes this rank's owned slices from `t`.
@@ -366,8 +401,10 @@ absl::StatusOr<RestoredCheckpoint> LoadTorchCheckpoint(ShardedOptimizer& opt, co
 
 }  // namespace
 
-absl::Status ImportTorch(const std::string& optimizer_file, const std::string& params_file, OptimizerKind kind,
-                         const std::string& out_root) {
+namespace {
+
+absl::Status ImportTorchUnguarded(const std::string& optimizer_file, const std::string& params_file,
+                                  OptimizerKind kind, const std::string& out_root) {
   SHARDOPT_ASSIGN_OR_RETURN(TorchCheckpoint t, ReadTorchCheckpoint(optimizer_file, params_file, kind));
   std::vector<std::pair<std::string, torch::Tensor>> params;
   for (const std::string& name : t.names) {
@@ -383,6 +420,13 @@ absl::Status ImportTorch(const std::string& optimizer_file, const std::string& p
   RestoredCheckpoint info{optimizer_file, "torch", t.step, 0, t.optimizer, {}, false};
   SHARDOPT_RETURN_IF_ERROR(RestoreOwnedSlices(*opt, [&] { return FillFromTorch(*opt, t, optimizer_file); }, info));
   return SaveCheckpoint(*opt, out_root).status();
+}
+
+}  // namespace
+
+absl::Status ImportTorch(const std::string& optimizer_file, const std::string& params_file, OptimizerKind kind,
+                         const std::string& out_root) {
+  return Guarded(optimizer_file.c_str(), [&] { return ImportTorchUnguarded(optimizer_file, params_file, kind, out_root); });
 }
 
 absl::StatusOr<RestoredCheckpoint> LoadAnyCheckpoint(ShardedOptimizer& opt, const std::string& path, FileSystem* fs) {

@@ -41,9 +41,14 @@ commands:
                           ("<param>" and "<param>.<state>"), with a progress bar;
                           --format=torch writes the torch.optim state_dict instead
                           (torch.load-able, "param_names" and "params" alongside)
-  import OPT.pt OUTDIR    turn a PyTorch optimizer state_dict (torch.save) into a shardopt
-                          checkpoint under OUTDIR; --params=MODEL.pt gives the model's
-                          state_dict when OPT.pt has no "params"; --optimizer=adam|adamw|sgd
+  import FILE.pt OUTDIR   turn a torch.save file into a shardopt checkpoint under OUTDIR
+                          (resumable at any world size): an optimizer state_dict with
+                          --params=MODEL.pt (the model's state_dict), a combined
+                          {"model": ..., "optimizer": ...} file, or shardopt's own torch
+                          export; PyTorch does not record Adam vs AdamW: say it with
+                          --optimizer=adam|adamw|sgd. One param_group is supported (the
+                          optimizer applies one set of hyper-parameters)
+(shardopt_train --resume also takes a consolidated .safetensors or a .pt file directly.)
   load          query status, layout and memory in turn at --rate per second for
                 --duration seconds; prints latency percentiles (load testing)
 

@@ -410,9 +410,9 @@ int Main(int argc, char** argv) {
     }
   }
   // Why a collective failed. A peer's death usually shows up first as a
-  // broken connection, which Gloo reports as "receive failed or timed out
-  // after <the timeout>" however fast it came; the control plane names the
-  // rank, so its diagnosis wins: the coordinator's verdict (pushed to us, or
+  // broken connection (Gloo: UNAVAILABLE "... failed after 0.2s, before its
+  // timeout"), which names no rank; the control plane names it, so its
+  // diagnosis wins: the coordinator's verdict (pushed to us, or
   // in its job status), else ranks that stopped heartbeating, else ranks
   // behind us in the collectives (alive, but stalled). `since`: when the
   // failed phase began.
