@@ -244,6 +244,11 @@ absl::Status Coordinator::AdmitLocked(const JoinInfo& info) {
   if (info.learning_rate > 0) rs.learning_rate = info.learning_rate;
   if (++joined_ == options_.world_size && state_ == JobState::kStarting) {
     state_ = JobState::kRunning;
+    // Every rank's heartbeat clock starts when the job does: a rank that
+    // joined early waited for the others and could not yet have a session,
+    // so the time the whole job took to join must not count against it.
+    const absl::Time now = options_.now();
+    for (RankState& r : ranks_) r.last_heartbeat = now;
   }
   return absl::OkStatus();
 }

@@ -112,6 +112,29 @@ TEST(CoordinatorTest, BadJoinsAreRefused) {
   EXPECT_EQ(c.SetLearningRate(-1).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+// A rank that joined early waited for the others before it could heartbeat:
+// the heartbeat clocks start when the whole job has joined.
+TEST(CoordinatorTest, HeartbeatClocksStartWhenTheJobDoes) {
+  FakeClock clock;
+  Coordinator c(Options(2, &clock));
+  std::vector<ParamSpec> model = {P("w", {8})};
+  std::thread t0([&] { ASSERT_TRUE(c.Join(Info(0, 2, model), absl::Seconds(30)).ok()); });
+  // Rank 1 joins 15 s (fake) after rank 0, longer than the 10 s timeout.
+  auto rank0_joined = [&] {
+    const JobStatus j = c.GetJob();
+    return !j.ranks.empty() && j.ranks[0].joined;
+  };
+  for (int i = 0; i < 1000 && !rank0_joined(); ++i) absl::SleepFor(absl::Milliseconds(10));
+  ASSERT_TRUE(rank0_joined());
+  clock.t += absl::Seconds(15);
+  ASSERT_TRUE(c.Join(Info(1, 2, model), absl::Seconds(30)).ok());
+  t0.join();
+  EXPECT_FALSE(c.CheckHeartbeats()) << c.GetJob().failure;
+  EXPECT_EQ(c.GetJob().state, JobState::kRunning);
+  clock.t += absl::Seconds(11);
+  EXPECT_TRUE(c.CheckHeartbeats());  // now both are silent for 11 s
+}
+
 TEST(CoordinatorTest, SilentRankFailsTheJobAndEveryoneLearnsAtTheNextHeartbeat) {
   FakeClock clock;
   Coordinator c(Options(2, &clock));
