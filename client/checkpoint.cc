@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
+#include <memory>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
@@ -44,32 +45,50 @@ bool ParseStepName(const std::string& name, int64_t* step) {
   return absl::SimpleAtoi(name.substr(5), step);
 }
 
+// Waits for a collective on buffers the caller is about to free. On a
+// timeout the collective may still be running: the communicator is aborted
+// (every pending collective fails promptly) and the wait repeated, so that
+// the buffers are released only once nothing can write into them. Should
+// the collective still not end, `keepalive` (which owns the buffers) is
+// leaked rather than freed under it.
+absl::Status WaitSafely(Communicator* comm, const CommHandlePtr& handle, absl::Duration timeout,
+                        std::shared_ptr<void> keepalive) {
+  absl::Status s = handle->Wait(timeout);
+  if (s.code() != absl::StatusCode::kDeadlineExceeded || handle->done()) return s;
+  comm->Abort(s);
+  if (!handle->Wait(absl::Seconds(30)).ok() && !handle->done()) {
+    new std::shared_ptr<void>(std::move(keepalive));  // deliberately leaked: see above
+  }
+  return s;
+}
+
 // Collects every rank's string on rank 0 (others get an empty vector).
 absl::StatusOr<std::vector<std::string>> GatherStrings(Communicator* comm, const std::string& mine,
                                                        absl::Duration timeout) {
   const int n = comm->world_size(), r = comm->rank();
-  std::vector<int64_t> lens(n, 0);
-  lens[r] = static_cast<int64_t>(mine.size());
+  auto lens = std::make_shared<std::vector<int64_t>>(n, 0);
+  (*lens)[r] = static_cast<int64_t>(mine.size());
   SHARDOPT_RETURN_IF_ERROR(
-      comm->AllGather(lens.data(), sizeof(int64_t), ElementType::kByte)->Wait(timeout));
+      WaitSafely(comm, comm->AllGather(lens->data(), sizeof(int64_t), ElementType::kByte), timeout, lens));
   int64_t mx = 0;
-  for (int64_t l : lens) mx = std::max(mx, std::max<int64_t>(l, 0));
-  std::vector<char> buf(static_cast<size_t>(mx * n + 1), 0);
-  std::memcpy(buf.data() + r * mx, mine.data(), mine.size());
-  SHARDOPT_RETURN_IF_ERROR(comm->AllGather(buf.data(), mx, ElementType::kByte)->Wait(timeout));
+  for (int64_t l : *lens) mx = std::max(mx, std::max<int64_t>(l, 0));
+  auto buf = std::make_shared<std::vector<char>>(static_cast<size_t>(mx * n + 1), 0);
+  std::memcpy(buf->data() + r * mx, mine.data(), mine.size());
+  SHARDOPT_RETURN_IF_ERROR(WaitSafely(comm, comm->AllGather(buf->data(), mx, ElementType::kByte), timeout, buf));
   std::vector<std::string> out;
-  for (int q = 0; q < n; ++q) out.emplace_back(buf.data() + q * mx, std::max<int64_t>(lens[q], 0));
+  for (int q = 0; q < n; ++q) out.emplace_back(buf->data() + q * mx, std::max<int64_t>((*lens)[q], 0));
   return out;
 }
 
 // Every rank learns whether all succeeded.
 absl::Status AgreeOnSuccess(Communicator* comm, const absl::Status& mine, const char* what,
                             absl::Duration timeout) {
-  float failed = mine.ok() ? 0.0f : 1.0f;
-  absl::Status s = comm->AllReduce(&failed, 1, ElementType::kFloat32, ReduceOp::kMax)->Wait(timeout);
+  auto failed = std::make_shared<float>(mine.ok() ? 0.0f : 1.0f);
+  absl::Status s =
+      WaitSafely(comm, comm->AllReduce(failed.get(), 1, ElementType::kFloat32, ReduceOp::kMax), timeout, failed);
   if (!s.ok()) return s;
   if (!mine.ok()) return mine;
-  if (failed > 0) {
+  if (*failed > 0) {
     return absl::AbortedError(absl::StrCat(what, " failed on another rank (see its error)"));
   }
   return absl::OkStatus();

@@ -16,6 +16,7 @@
 #include <future>
 #include <random>
 #include <sstream>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "client/checkpoint.h"
@@ -437,6 +438,39 @@ TEST(CheckpointHardeningTest, FailedConsolidationLeavesNothing) {
   EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
   EXPECT_EQ(PosixFileSystem()->Kind(out), EntryKind::kMissing);
   EXPECT_EQ(PosixFileSystem()->Kind(out + ".tmp"), EntryKind::kMissing);
+}
+
+// A save whose collective times out on one rank: that rank returns an error
+// and frees its buffers, and nothing can write into them afterwards (the
+// communicator is aborted first). Run under --config=asan, a write into
+// freed memory would be reported.
+TEST(CheckpointHardeningTest, TimedOutCollectiveNeverWritesIntoFreedMemory) {
+  const std::string root = Fresh("timeout");
+  InProcessWorld world(2, absl::Seconds(30));
+  std::vector<std::unique_ptr<Communicator>> comms;
+  std::vector<std::unique_ptr<TrainModel>> models;
+  std::vector<std::unique_ptr<ShardedOptimizer>> opts(2);
+  TrainConfig config;
+  ShardedOptimizerOptions o = OptionsFor(config);
+  o.timeout = absl::Milliseconds(300);
+  for (int r = 0; r < 2; ++r) {
+    comms.push_back(world.Connect(r));
+    models.push_back(*MakeModel("small", 42));
+  }
+  std::vector<std::thread> t;
+  for (int r = 0; r < 2; ++r) {
+    t.emplace_back([&, r] { opts[r] = std::move(*ShardedOptimizer::Create(models[r]->NamedParameters(), o, comms[r].get())); });
+  }
+  for (auto& x : t) x.join();
+  // Rank 0 saves alone: its agreement times out.
+  auto alone = SaveCheckpoint(*opts[0], root);
+  EXPECT_FALSE(alone.ok());
+  EXPECT_EQ(alone.status().code(), absl::StatusCode::kDeadlineExceeded) << alone.status();
+  // Rank 1 arrives late: its collectives must fail, not complete into rank
+  // 0's freed buffers.
+  auto late = SaveCheckpoint(*opts[1], root);
+  EXPECT_FALSE(late.ok());
+  EXPECT_EQ(PosixFileSystem()->Kind(root + "/LATEST"), EntryKind::kMissing);
 }
 
 // Resuming from the consolidated file equals resuming from the sharded
