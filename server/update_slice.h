@@ -8,6 +8,7 @@
 
 #include "absl/status/status.h"
 #include "absl/types/span.h"
+#include "server/kernels/optimizer_math.h"
 #include "server/optimizer_config.h"
 
 namespace shardopt {
@@ -29,32 +30,10 @@ struct UpdateSlice {
   int64_t size = 0;
 };
 
-// Per-step scalars, computed in double as PyTorch does and rounded to float
-// where PyTorch passes them to a float kernel.
-struct AdamScalars {
-  float grad_sign;        // -1 when maximizing
-  float weight_decay;     // L2 term (Adam); 0 for AdamW
-  float decay;            // AdamW: 1 - lr * weight_decay; 1 for Adam
-  bool l2;                // Adam with weight_decay != 0
-  bool decoupled;         // AdamW
-  float beta1, one_minus_beta1, beta2, one_minus_beta2;
-  float bias_correction2_sqrt;
-  float eps;
-  float neg_step_size;    // -lr / (1 - beta1^step)
-};
+// Per-step scalars (their structs and the per-element math that uses them
+// are in server/kernels/optimizer_math.h).
 AdamScalars MakeAdamScalars(const AdamConfig& config, int64_t step);
 
-struct SgdScalars {
-  float grad_sign;
-  float weight_decay;
-  bool l2;
-  bool momentum_enabled;  // momentum != 0
-  bool first_step;        // momentum buffer := gradient
-  bool nesterov;
-  float momentum;
-  float one_minus_dampening;
-  float neg_lr;
-};
 SgdScalars MakeSgdScalars(const SgdConfig& config, int64_t step);
 
 // InvalidArgument unless step >= 1 (steps are numbered from 1, as in PyTorch).

@@ -86,31 +86,14 @@ float From16(uint16_t h, ParamType t) {
   return t == ParamType::kBFloat16 ? FromBf16(h) : __half2float(__ushort_as_half(h));
 }
 
-// The reference, element by element: the expressions of
-// server/reference_optimizer.cc (compiled without contraction: see the build).
+// The reference, element by element: server/kernels/optimizer_math.h's
+// functions (those of server/reference_optimizer.cc), run on the host
+// without contraction (see the build).
 void ReferenceAdam(const AdamArgs& k, float* p, const float* g, float* m, float* v, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    float pi = p[i];
-    float gi = g[i] * k.grad_sign;
-    if (k.l2) gi = gi + k.weight_decay * pi;
-    if (k.decoupled) pi = pi * k.decay;
-    const float mi = m[i] * k.beta1 + k.one_minus_beta1 * gi;
-    const float vi = v[i] * k.beta2 + k.one_minus_beta2 * gi * gi;
-    const float denom = std::sqrt(vi) / k.bias_correction2_sqrt + k.eps;
-    m[i] = mi;
-    v[i] = vi;
-    p[i] = pi + k.neg_step_size * mi / denom;
-  }
+  for (int64_t i = 0; i < n; ++i) AdamElementAny(k, p[i], g[i], m[i], v[i]);
 }
 void ReferenceSgd(const SgdArgs& k, float* p, const float* g, float* b, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    float d = g[i] * k.grad_sign;
-    if (k.l2) d = d + k.weight_decay * p[i];
-    const float bi = k.first_step ? d : b[i] * k.momentum + k.one_minus_dampening * d;
-    b[i] = bi;
-    d = k.nesterov ? d + k.momentum * bi : bi;
-    p[i] = p[i] + k.neg_lr * d;
-  }
+  for (int64_t i = 0; i < n; ++i) SgdElementAny(k, p[i], g[i], b[i]);
 }
 
 // Cheap deterministic values (the > 2 GiB case fills billions).

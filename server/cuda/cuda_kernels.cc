@@ -34,17 +34,14 @@ absl::Status AdamStep(const AdamScalars& k, const std::vector<DeviceSlice>& slic
       return absl::InvalidArgumentError("Adam needs both optimizer states");
     }
   }
-  const AdamArgs a{k.grad_sign, k.weight_decay, k.decay, k.l2, k.decoupled, k.beta1,
-                   k.one_minus_beta1, k.beta2, k.one_minus_beta2, k.bias_correction2_sqrt,
-                   k.eps, k.neg_step_size};
+  const AdamArgs& a = k;
   char err[256] = {0};
   return ToStatus(impl::Adam(a, slices.data(), static_cast<int>(slices.size()), stream, err, sizeof(err)), err);
 }
 
 absl::Status SgdStep(const SgdScalars& k, const std::vector<DeviceSlice>& slices, void* stream) {
   if (absl::Status s = CheckSlices(slices); !s.ok()) return s;
-  const SgdArgs a{k.grad_sign, k.weight_decay, k.l2, k.momentum_enabled, k.first_step, k.nesterov,
-                  k.momentum, k.one_minus_dampening, k.neg_lr};
+  const SgdArgs& a = k;
   char err[256] = {0};
   return ToStatus(impl::Sgd(a, slices.data(), static_cast<int>(slices.size()), stream, err, sizeof(err)), err);
 }

@@ -172,17 +172,13 @@ __device__ __forceinline__ void UpdateChunk(const DeviceSlice& s, int64_t begin,
   }
 }
 
+// The per-element math is server/kernels/optimizer_math.h's, shared with the
+// CPU kernels and the reference.
 template <bool kL2, bool kDecoupled>
 struct AdamOp {
   AdamArgs k;
   __device__ __forceinline__ void operator()(float& p, float g, float& m, float& v) const {
-    g = g * k.grad_sign;
-    if (kL2) g = g + k.weight_decay * p;
-    if (kDecoupled) p = p * k.decay;
-    m = m * k.beta1 + k.one_minus_beta1 * g;
-    v = v * k.beta2 + k.one_minus_beta2 * g * g;
-    const float denom = sqrtf(v) / k.bias_correction2_sqrt + k.eps;
-    p = p + k.neg_step_size * m / denom;
+    AdamElement<kL2, kDecoupled>(k, p, g, m, v);
   }
 };
 
@@ -190,23 +186,14 @@ template <bool kL2, bool kMomentum, bool kFirst, bool kNesterov>
 struct SgdOp {
   SgdArgs k;
   __device__ __forceinline__ void operator()(float& p, float g, float& b, float&) const {
-    float d = g * k.grad_sign;
-    if (kL2) d = d + k.weight_decay * p;
-    if (kMomentum) {
-      b = kFirst ? d : b * k.momentum + k.one_minus_dampening * d;
-      d = kNesterov ? d + k.momentum * b : b;
-    }
-    p = p + k.neg_lr * d;
+    SgdElement<kL2, kMomentum, kFirst, kNesterov>(k, p, g, b);
   }
 };
 
-// Adam's memory traffic (read p, g, m, v; write p, m, v) with trivial
-// arithmetic: the bandwidth reference for the benchmark.
+// Adam's memory traffic with trivial arithmetic: the bandwidth reference.
 struct SameTrafficOp {
   __device__ __forceinline__ void operator()(float& p, float g, float& m, float& v) const {
-    m = m + g;
-    v = v + g;
-    p = p + m;
+    SameTrafficElement(p, g, m, v);
   }
 };
 

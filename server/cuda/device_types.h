@@ -5,6 +5,8 @@
 
 #include <cstdint>
 
+#include "server/kernels/optimizer_math.h"
+
 namespace shardopt {
 namespace cuda {
 
@@ -21,17 +23,9 @@ struct DeviceSlice {
   int64_t size = 0;
 };
 
-// The scalars of server/update_slice.h, as plain structs.
-struct AdamArgs {
-  float grad_sign, weight_decay, decay;
-  int32_t l2, decoupled;
-  float beta1, one_minus_beta1, beta2, one_minus_beta2, bias_correction2_sqrt, eps, neg_step_size;
-};
-struct SgdArgs {
-  float grad_sign, weight_decay;
-  int32_t l2, momentum_enabled, first_step, nesterov;
-  float momentum, one_minus_dampening, neg_lr;
-};
+// The per-step scalars: the very structs of server/kernels/optimizer_math.h.
+using AdamArgs = ::shardopt::AdamScalars;
+using SgdArgs = ::shardopt::SgdScalars;
 
 namespace impl {
 // Each returns 0 on success, or a CUDA error code with its message in `err`.
