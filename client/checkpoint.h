@@ -1,6 +1,6 @@
 // Sharded, crash-safe checkpoints that any world size can resume from.
 //
-// Layout (DESIGN.md, "Checkpoints"):
+// Layout (docs/DESIGN.md, "Checkpoints"):
 //   ROOT/step-<N>/shard-<r>-of-<W>.safetensors  written by every rank in parallel:
 //       its owned pieces of the fp32 parameters ("param") and of every optimizer
 //       state ("exp_avg", ...), one tensor "<param>::<state>::<offset>" each;

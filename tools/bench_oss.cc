@@ -1,4 +1,4 @@
-// bench_oss: fairscale's OSS table reproduced on CPU (BENCHMARKS.md section 1).
+// bench_oss: fairscale's OSS table reproduced on CPU (docs/BENCHMARKS.md section 1).
 //
 // Rows, all over the same Communicator, models and data, 2 ranks as separate
 // processes (Gloo over loopback, 1 compute thread each), tuned malloc for all:
@@ -10,7 +10,11 @@
 //             torch::optim::Adam on the parameters it owns (whole-tensor greedy
 //             partition), then one broadcast per owner;
 //   shardopt  ShardedOptimizer: bucketed reduce-scatter during backward, fused
-//             update of the owned slices, bucketed all-gather.
+//             update of the owned slices, bucketed all-gather;
+//   shardopt_fr  the same with what shardopt_train adds for observability: every
+//             collective through the flight recorder, per-step metrics under a
+//             mutex and a thread that collects them once a second as heartbeats
+//             do (not in the default rows; for measuring that overhead).
 // Each (row, round) is a fresh pair of processes, so peak RSS is per row; rows
 // are interleaved round by round (A B C D A B C D ...); warm-up steps are
 // excluded.
@@ -25,6 +29,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -33,11 +38,13 @@
 #include <mutex>
 #include <numeric>
 #include <sstream>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "client/flight_recorder.h"
 #include "client/gloo_communicator.h"
 #include "client/kv_store.h"
 #include "client/models.h"
@@ -170,16 +177,61 @@ int RunWorker(const Flags& f) {
   std::vector<UpdateSlice> slices;
   torch::Tensor oss_flat;
   std::vector<std::pair<int64_t, int64_t>> oss_region;  // per owner: offset, elements
-  if (row == "shardopt") {
+  // shardopt_fr: the flight recorder and the trainer's heartbeat metrics.
+  const bool observed = row == "shardopt_fr";
+  auto recorder = std::make_shared<FlightRecorder>();
+  std::unique_ptr<Communicator> recording;
+  if (observed) recording = std::make_unique<FlightRecordingCommunicator>(comm->get(), recorder);
+  struct {
+    std::mutex mu;
+    std::vector<double> step_s;
+    double grad_norm = 0, comm_s = 0, update_s = 0;
+  } metrics;
+  metrics.step_s.reserve(256);
+  std::atomic<bool> stop_metrics{false};
+  std::thread heartbeat;
+  struct Joiner {  // also on early returns
+    std::atomic<bool>* stop;
+    std::thread* thread;
+    ~Joiner() {
+      stop->store(true);
+      if (thread->joinable()) thread->join();
+    }
+  } joiner{&stop_metrics, &heartbeat};
+  if (row == "shardopt" || observed) {
     ShardedOptimizerOptions o;
     o.adam.lr = lr;
-    auto s = ShardedOptimizer::Create(named, o, comm->get());
+    auto s = ShardedOptimizer::Create(named, o, observed ? recording.get() : comm->get());
     if (!s.ok()) {
       std::fprintf(stderr, "%s\n", s.status().ToString().c_str());
       return 1;
     }
     sharded = std::move(*s);
     state_bytes = sharded->memory().state_bytes;
+    if (observed) {
+      heartbeat = std::thread([&] {  // what shardopt_train's heartbeat thread collects
+        double sink = 0;
+        while (!stop_metrics.load()) {
+          std::vector<double> taken;
+          {
+            std::lock_guard<std::mutex> l(metrics.mu);
+            taken.swap(metrics.step_s);
+            metrics.step_s.reserve(256);
+            sink += metrics.grad_norm + metrics.comm_s + metrics.update_s;
+          }
+          sink += static_cast<double>((*comm)->counters().total_sent() + sharded->memory().total() +
+                                      recorder->stalls());
+          std::ifstream statm("/proc/self/statm");
+          int64_t size = 0, resident = 0;
+          statm >> size >> resident;
+          sink += static_cast<double>(resident) + taken.size();
+          for (int i = 0; i < 10 && !stop_metrics.load(); ++i) {
+            std::this_thread::sleep_for(std::chrono::milliseconds(100));
+          }
+        }
+        (void)sink;
+      });
+    }
   } else {
     // Every rank starts from rank 0's weights, as DDP does.
     for (auto& p : params) {
@@ -247,6 +299,7 @@ int RunWorker(const Flags& f) {
     if (step == warmup) before = (*comm)->counters();
     StepTimes t;
     const auto t0 = Clock::now();
+    if (observed) recorder->set_step(step + 1);
     if (sharded) {
       sharded->ZeroGrad();
     } else {
@@ -263,6 +316,14 @@ int RunWorker(const Flags& f) {
       }
       t.comm = r->comm_wait_seconds;
       t.optim = r->update_seconds;
+      if (observed) {
+        std::lock_guard<std::mutex> l(metrics.mu);
+        if (metrics.step_s.size() == 256) metrics.step_s.erase(metrics.step_s.begin());
+        metrics.step_s.push_back(Since(t0));
+        metrics.grad_norm = r->grad_norm;
+        metrics.comm_s = r->comm_wait_seconds;
+        metrics.update_s = r->update_seconds;
+      }
     } else {
       t.comm = ddp->Finish();
       const auto t1 = Clock::now();
@@ -290,6 +351,8 @@ int RunWorker(const Flags& f) {
     if (step >= warmup) times.push_back(t);
   }
   const ByteCounters after = (*comm)->counters();
+  stop_metrics = true;
+  if (heartbeat.joinable()) heartbeat.join();
   struct rusage ru;
   getrusage(RUSAGE_SELF, &ru);
   nlohmann::json out;

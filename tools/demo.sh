@@ -15,7 +15,13 @@ trap 'rm -rf "$tmp"' EXIT
 args=("$@")
 [[ " ${args[*]-} " == *" --model="* ]] || args+=(--model=mlp)
 [[ " ${args[*]-} " == *" --steps="* ]] || args+=(--steps=30)
-[[ " ${args[*]-} " == *" --ckpt-dir="* ]] || args+=(--ckpt-dir="$tmp/checkpoints" --ckpt-every=10)
+# The checkpoints go where the user said (--ckpt-dir=DIR), else to a
+# temporary folder that is listed and verified at the end.
+ckpt="$tmp/checkpoints"
+for a in "${args[@]}"; do
+  [[ $a == --ckpt-dir=* ]] && ckpt="${a#--ckpt-dir=}"
+done
+[[ " ${args[*]-} " == *" --ckpt-dir="* ]] || args+=(--ckpt-dir="$ckpt" --ckpt-every=10)
 
 "$B/shardrun" --nproc 2 --port-file "$tmp/coordinator" -- \
   "$B/shardopt_train" "${args[@]}" &
@@ -24,11 +30,7 @@ run=$!
 for _ in $(seq 1 300); do [[ -s "$tmp/coordinator" ]] && break; sleep 0.1; done
 if [[ ! -s "$tmp/coordinator" ]]; then
   echo "demo: the coordinator did not start" >&2
-  wait $run
-echo "== shardctl checkpoints"
-"$B/shardctl" checkpoints "$tmp/checkpoints" || true
-echo "== shardctl inspect (verifies every CRC)"
-"$B/shardctl" inspect "$tmp/checkpoints" || true || true
+  wait $run || true
   exit 1
 fi
 export SHARDOPT_COORDINATOR=$(cat "$tmp/coordinator")
@@ -40,8 +42,13 @@ echo "== shardctl layout"
 echo "== shardctl memory"
 "$B/shardctl" memory || true
 
-wait $run
-echo "== shardctl checkpoints"
-"$B/shardctl" checkpoints "$tmp/checkpoints" || true
+rc=0
+wait $run || rc=$?
+echo "== shardctl checkpoints $ckpt"
+"$B/shardctl" checkpoints "$ckpt" || true
 echo "== shardctl inspect (verifies every CRC)"
-"$B/shardctl" inspect "$tmp/checkpoints" || true
+"$B/shardctl" inspect "$ckpt" || true
+if [[ $rc -ne 0 ]]; then
+  echo "demo: the training job failed (exit status $rc)" >&2
+  exit "$rc"
+fi
