@@ -145,8 +145,21 @@ TEST(GpuAvailabilityTest, ReportsDevices) {
   // skipped, and this records why.
   const int n = cuda::DeviceCount();
   ::testing::Test::RecordProperty("cuda_devices", n);
-  if (n == 0) std::cout << "no CUDA device: GPU kernel tests skipped\n";
   EXPECT_GE(n, 0);
+  EXPECT_EQ(cuda::DeviceCount(), n) << "the count is stable (no sticky error after a failed query)";
+  // Argument checks happen before anything touches a device, GPU or not.
+  std::vector<cuda::DeviceSlice> bad(1);
+  bad[0].size = -1;
+  EXPECT_EQ(cuda::AdamStep(AdamScalars{}, bad, nullptr).code(), absl::StatusCode::kInvalidArgument);
+  bad[0].size = 4;  // no parameter, no gradient
+  EXPECT_EQ(cuda::SgdStep(SgdScalars{}, bad, nullptr).code(), absl::StatusCode::kInvalidArgument);
+  if (n == 0) {
+    std::cout << "no CUDA device: GPU kernel tests skipped\n";
+    // Without a device a launch is a clear error, never a crash: an empty
+    // batch either succeeds trivially or reports CUDA's reason.
+    const absl::Status s = cuda::AdamStep(AdamScalars{}, {}, nullptr);
+    EXPECT_TRUE(s.ok() || s.message().find("CUDA") != absl::string_view::npos) << s;
+  }
 }
 
 }  // namespace
