@@ -46,12 +46,17 @@ int64_t ByteCounters::total_received() const {
 }
 
 absl::Status CommHandle::Wait(absl::Duration timeout) {
-  absl::MutexLock lock(&mu_);
-  if (!mu_.AwaitWithTimeout(absl::Condition(&done_), timeout)) {
-    return absl::DeadlineExceededError(
-        absl::StrCat("collective did not complete within ", absl::FormatDuration(timeout)));
+  std::shared_ptr<CommObserver> observer;
+  int64_t id = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    if (mu_.AwaitWithTimeout(absl::Condition(&done_), timeout)) return status_;
+    observer = observer_;
+    id = observer_id_;
   }
-  return status_;
+  if (observer) observer->OnWaitTimeout(id);
+  return absl::DeadlineExceededError(
+      absl::StrCat("collective did not complete within ", absl::FormatDuration(timeout)));
 }
 
 bool CommHandle::done() const {
@@ -59,11 +64,42 @@ bool CommHandle::done() const {
   return done_;
 }
 
+// The observer hears of the completion before any waiter wakes up (it is
+// told under mu_; observers take no lock of a handle), so whoever returns
+// from Wait sees the flight recorder's entry already final.
 void CommHandle::Complete(absl::Status status) {
-  absl::MutexLock lock(&mu_);
-  status_ = std::move(status);
-  done_ = true;
+  std::shared_ptr<CommObserver> observer;
+  {
+    absl::MutexLock lock(&mu_);
+    status_ = std::move(status);
+    if (observer_) observer_->OnCollectiveDone(observer_id_, status_);
+    observer = std::move(observer_);  // released outside the lock
+    observer_ = nullptr;
+    done_ = true;
+  }
 }
+
+void CommHandle::Observe(std::shared_ptr<CommObserver> observer, int64_t id) {
+  absl::MutexLock lock(&mu_);
+  if (done_) {
+    if (observer) observer->OnCollectiveDone(id, status_);
+    return;
+  }
+  observer_ = std::move(observer);
+  observer_id_ = id;
+}
+
+namespace {
+thread_local int tls_collective_bucket = -1;
+}  // namespace
+
+int CurrentCollectiveBucket() { return tls_collective_bucket; }
+
+CollectiveBucketScope::CollectiveBucketScope(int bucket) : saved_(tls_collective_bucket) {
+  tls_collective_bucket = bucket;
+}
+
+CollectiveBucketScope::~CollectiveBucketScope() { tls_collective_bucket = saved_; }
 
 QueuedCommunicator::QueuedCommunicator(int rank, int world_size)
     : rank_(rank), world_size_(world_size) {}

@@ -43,6 +43,18 @@ struct ByteCounters {
   int64_t total_received() const;
 };
 
+// Told when an observed collective completes and when a wait on it times
+// out (the flight recorder, client/flight_recorder.h, is one). Called on the
+// thread that completes the handle (a communicator's worker or watcher;
+// before any waiter returns, with the handle's lock held) or that waits:
+// must be quick, must not block and must not touch the handle.
+class CommObserver {
+ public:
+  virtual ~CommObserver() = default;
+  virtual void OnCollectiveDone(int64_t id, const absl::Status& status) = 0;
+  virtual void OnWaitTimeout(int64_t id) = 0;
+};
+
 // Completion of one queued collective. Thread-safe.
 class CommHandle {
  public:
@@ -55,10 +67,32 @@ class CommHandle {
   // For implementations.
   void Complete(absl::Status status);
 
+  // Reports this collective's completion to `observer` as `id` (at once when
+  // it has completed already), and every Wait that times out. One observer
+  // per handle; a later call replaces it.
+  void Observe(std::shared_ptr<CommObserver> observer, int64_t id);
+
  private:
   mutable absl::Mutex mu_;
   bool done_ ABSL_GUARDED_BY(mu_) = false;
   absl::Status status_ ABSL_GUARDED_BY(mu_);
+  std::shared_ptr<CommObserver> observer_ ABSL_GUARDED_BY(mu_);
+  int64_t observer_id_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+// The bucket that the collectives this thread issues belong to, while a
+// CollectiveBucketScope is alive (-1 otherwise). ShardedOptimizer tags its
+// per-bucket reduce-scatters and all-gathers so; the flight recorder reads it.
+int CurrentCollectiveBucket();
+class CollectiveBucketScope {
+ public:
+  explicit CollectiveBucketScope(int bucket);
+  ~CollectiveBucketScope();
+  CollectiveBucketScope(const CollectiveBucketScope&) = delete;
+  CollectiveBucketScope& operator=(const CollectiveBucketScope&) = delete;
+
+ private:
+  int saved_;
 };
 using CommHandlePtr = std::shared_ptr<CommHandle>;
 

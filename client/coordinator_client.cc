@@ -149,6 +149,26 @@ absl::StatusOr<v1::GetMemoryResponse> CoordinatorClient::GetMemory() {
   return resp;
 }
 
+absl::Status CoordinatorClient::ReportFlightRecord(const v1::FlightRecord& record) {
+  grpc::ClientContext ctx;
+  Prepare(&ctx, absl::Seconds(5));
+  v1::ReportFlightRecordRequest req;
+  *req.mutable_record() = record;
+  v1::ReportFlightRecordResponse resp;
+  grpc::Status s = stub_->ReportFlightRecord(&ctx, req, &resp);
+  if (!s.ok()) return FromGrpc(s, "flight record");
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::GetFlightRecordsResponse> CoordinatorClient::GetFlightRecords() {
+  grpc::ClientContext ctx;
+  Prepare(&ctx, absl::Seconds(10));
+  v1::GetFlightRecordsResponse resp;
+  grpc::Status s = stub_->GetFlightRecords(&ctx, v1::GetFlightRecordsRequest(), &resp);
+  if (!s.ok()) return FromGrpc(s, "flight-recorder");
+  return resp;
+}
+
 absl::StatusOr<int64_t> CoordinatorClient::SetLearningRate(double lr) {
   grpc::ClientContext ctx;
   Prepare(&ctx, absl::Seconds(5));

@@ -64,6 +64,10 @@ class CoordinatorClient {
   absl::StatusOr<v1::GetJobResponse> GetJob(absl::Duration deadline = absl::Seconds(5));
   absl::StatusOr<v1::GetLayoutResponse> GetLayout();
   absl::StatusOr<v1::GetMemoryResponse> GetMemory();
+  // Flight recorder: a failing rank's ring (5 s); every rank's ring and their
+  // first divergence (10 s).
+  absl::Status ReportFlightRecord(const v1::FlightRecord& record);
+  absl::StatusOr<v1::GetFlightRecordsResponse> GetFlightRecords();
   absl::StatusOr<int64_t> SetLearningRate(double lr);
   absl::Status Abort(const std::string& reason, int rank);
   absl::Status Finish(int rank);

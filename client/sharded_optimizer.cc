@@ -269,6 +269,7 @@ absl::Status ShardedOptimizer::Init(
   const int elem = ElementSize(ptype);
   char* pbase = static_cast<char*>(param_flat_.data_ptr());
   for (const Bucket& b : layout_.buckets()) {
+    CollectiveBucketScope tag(b.index);  // for the flight recorder
     SHARDOPT_RETURN_IF_ERROR(WaitOrAbort(
         comm_->Broadcast(pbase + b.flat_offset * elem, b.capacity_per_rank * world_, ptype, 0),
         "initial parameter broadcast", b.index));
@@ -373,6 +374,7 @@ void ShardedOptimizer::LaunchReduceScatterLocked(int b) {
   const Bucket& bk = layout_.buckets()[b];
   const int64_t size = bk.capacity_per_rank * world_;
   Trace(TraceEvent::kReduceScatterStart, b, -1);
+  CollectiveBucketScope tag(b);  // for the flight recorder
   if (comm_scratch_.defined()) {
     torch::Tensor dst = comm_scratch_.narrow(0, bk.flat_offset, size);
     dst.copy_(grad_flat_.narrow(0, bk.flat_offset, size));
@@ -544,6 +546,7 @@ absl::StatusOr<StepResult> ShardedOptimizer::Step() {
       Trace(TraceEvent::kUpdateDone, b, -1);
       Trace(TraceEvent::kAllGatherStart, b, -1);
     }
+    CollectiveBucketScope tag(b);  // for the flight recorder
     ag[b] = comm_->AllGather(pbase + bk.flat_offset * elem, bk.capacity_per_rank, ptype);
     return absl::OkStatus();
   };
@@ -668,6 +671,7 @@ absl::Status ShardedOptimizer::FinishRestore(int64_t step) {
       param_flat_.narrow(0, b.flat_offset + rank_ * b.capacity_per_rank, b.capacity_per_rank)
           .copy_(master_.narrow(0, owned_offset_[b.index], b.capacity_per_rank));
     }
+    CollectiveBucketScope tag(b.index);  // for the flight recorder
     SHARDOPT_RETURN_IF_ERROR(WaitOrAbort(
         comm_->AllGather(pbase + b.flat_offset * elem, b.capacity_per_rank, ptype),
         "all-gather after restore", b.index));

@@ -23,6 +23,7 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_join.h"
 
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
@@ -1326,7 +1327,7 @@ absl::Status CheckZipDirectory(const BoundedReadAdapter& in, const std::string& 
       return corrupt("bad zip central directory entry");
     }
     const char* h = &cd[p];
-    const uint64_t method = LoadLE(h + 10, 2);
+    const uint64_t flags = LoadLE(h + 8, 2), method = LoadLE(h + 10, 2), external = LoadLE(h + 38, 4);
     uint64_t comp = LoadLE(h + 20, 4), uncomp = LoadLE(h + 24, 4), local = LoadLE(h + 42, 4);
     const size_t name_len = LoadLE(h + 28, 2), extra_len = LoadLE(h + 30, 2), comment_len = LoadLE(h + 32, 2);
     if (cd.size() - p - kCentral < name_len + extra_len + comment_len) {
@@ -1358,7 +1359,15 @@ absl::Status CheckZipDirectory(const BoundedReadAdapter& in, const std::string& 
           absl::StrCat(name, ": record ", Quote(record), " is compressed (zip method ", method,
                        "); torch.save stores records uncompressed (was the file re-zipped?)"));
     }
+    if (flags & 0x61) {  // encrypted, strongly encrypted, compressed patch data
+      return corrupt(absl::StrCat("record ", Quote(record), " is encrypted or patch data"));
+    }
     if (comp != uncomp) return corrupt(absl::StrCat("record ", Quote(record), " has inconsistent sizes"));
+    // miniz "extracts" a directory as nothing, leaving the buffer it
+    // allocated for the declared size uninitialized.
+    if (uncomp != 0 && ((external & 0x10) || absl::EndsWith(record, "/"))) {
+      return corrupt(absl::StrCat("record ", Quote(record), " is marked as a directory"));
+    }
     if (local > size || uncomp > size - local) {
       return corrupt(absl::StrCat("record ", Quote(record), " (", uncomp, " bytes) runs past the end of the file"));
     }

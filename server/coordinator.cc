@@ -6,6 +6,7 @@
 #include <memory>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/notification.h"
 #include "common/planner.h"
@@ -61,6 +62,76 @@ absl::Status ValidateLearningRate(double lr) {
   return absl::OkStatus();
 }
 
+const char* AbortCauseName(AbortCause cause) {
+  switch (cause) {
+    case AbortCause::kNone: return "none";
+    case AbortCause::kHeartbeatTimeout: return "heartbeat_timeout";
+    case AbortCause::kRankAbort: return "rank_abort";
+    case AbortCause::kRequest: return "request";
+    case AbortCause::kRankExit: return "rank_exit";
+    case AbortCause::kInterrupted: return "interrupted";
+  }
+  return "unknown";
+}
+
+const std::vector<AbortCause>& AllAbortCauses() {
+  static const std::vector<AbortCause> all = {AbortCause::kHeartbeatTimeout, AbortCause::kRankAbort,
+                                              AbortCause::kRequest, AbortCause::kRankExit,
+                                              AbortCause::kInterrupted};
+  return all;
+}
+
+absl::Status ValidateRankMetrics(const RankMetricsInfo& m) {
+  if (m.step_seconds.size() > static_cast<size_t>(kMaxStepTimesPerHeartbeat)) {
+    return absl::InvalidArgumentError(absl::StrCat("metrics.step_seconds has ", m.step_seconds.size(),
+                                                   " entries; at most ", kMaxStepTimesPerHeartbeat,
+                                                   " per heartbeat"));
+  }
+  auto time = [](const char* name, double v) {
+    return std::isfinite(v) && v >= 0
+               ? absl::OkStatus()
+               : absl::InvalidArgumentError(
+                     absl::StrCat("metrics.", name, " must be finite and >= 0, got ", v));
+  };
+  for (double v : m.step_seconds) {
+    if (absl::Status s = time("step_seconds", v); !s.ok()) return s;
+  }
+  for (const auto& [name, v] : {std::pair<const char*, double>{"comm_wait_seconds", m.comm_wait_seconds},
+                                {"update_seconds", m.update_seconds},
+                                {"last_checkpoint_seconds", m.last_checkpoint_seconds}}) {
+    if (absl::Status s = time(name, v); !s.ok()) return s;
+  }
+  for (const auto& [name, v] : {std::pair<const char*, int64_t>{"bytes_sent_total", m.bytes_sent_total},
+                                {"master_bytes", m.master_bytes},
+                                {"state_bytes", m.state_bytes},
+                                {"grad_bytes", m.grad_bytes},
+                                {"param_bytes", m.param_bytes},
+                                {"rss_bytes", m.rss_bytes},
+                                {"stalls_total", m.stalls_total},
+                                {"checkpoints_total", m.checkpoints_total},
+                                {"last_checkpoint_step", m.last_checkpoint_step},
+                                {"last_checkpoint_bytes", m.last_checkpoint_bytes}}) {
+    if (v < 0) return absl::InvalidArgumentError(absl::StrCat("metrics.", name, " must be >= 0, got ", v));
+  }
+  return absl::OkStatus();
+}
+
+namespace {
+
+// The median of v (sorted), 0 when empty.
+double SortedMedian(const std::vector<double>& v) {
+  if (v.empty()) return 0;
+  const size_t n = v.size();
+  return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return SortedMedian(v);
+}
+
+}  // namespace
+
 const char* JobStateName(JobState state) {
   switch (state) {
     case JobState::kStarting: return "starting";
@@ -71,8 +142,10 @@ const char* JobStateName(JobState state) {
   return "unknown";
 }
 
-Coordinator::Coordinator(CoordinatorOptions options) : options_(std::move(options)) {
+Coordinator::Coordinator(CoordinatorOptions options)
+    : options_(std::move(options)), start_(options_.now()) {
   ranks_.resize(std::max(0, options_.world_size));
+  windows_.resize(ranks_.size());
   for (int r = 0; r < options_.world_size; ++r) ranks_[r].rank = r;
   joining_.assign(ranks_.size(), 0);
 }
@@ -249,6 +322,7 @@ absl::Status Coordinator::AdmitLocked(const JoinInfo& info) {
     // so the time the whole job took to join must not count against it.
     const absl::Time now = options_.now();
     for (RankState& r : ranks_) r.last_heartbeat = now;
+    slow_window_start_ = now;
   }
   return absl::OkStatus();
 }
@@ -463,18 +537,134 @@ absl::StatusOr<HeartbeatReply> Coordinator::Heartbeat(const HeartbeatInfo& info)
     return absl::InvalidArgumentError(
         absl::StrCat("reported learning rate ", info.learning_rate, " is not finite and >= 0"));
   }
+  if (info.has_metrics) {
+    if (absl::Status s = ValidateRankMetrics(info.metrics); !s.ok()) return s;
+  }
   absl::MutexLock lock(&mu_);
   RankState& r = ranks_[info.rank];
   if (!r.joined) {
     return absl::FailedPreconditionError(absl::StrCat("rank ", info.rank, " has not joined"));
   }
-  r.last_heartbeat = options_.now();
+  const absl::Time now = options_.now();
+  r.last_heartbeat = now;
   r.step = info.step;
   r.loss = info.loss;
   r.samples_per_s = info.samples_per_s;
   r.progress = info.progress;
   if (info.learning_rate > 0) r.learning_rate = info.learning_rate;
+  if (info.has_metrics) {
+    const RankMetricsInfo& m = info.metrics;
+    // Everything but the step times, which go to the window and histogram.
+    const int64_t checkpoints_before = r.metrics.checkpoints_total;
+    r.has_metrics = true;
+    r.metrics.grad_norm = m.grad_norm;
+    r.metrics.comm_wait_seconds = m.comm_wait_seconds;
+    r.metrics.update_seconds = m.update_seconds;
+    r.metrics.bytes_sent_total = m.bytes_sent_total;
+    r.metrics.master_bytes = m.master_bytes;
+    r.metrics.state_bytes = m.state_bytes;
+    r.metrics.grad_bytes = m.grad_bytes;
+    r.metrics.param_bytes = m.param_bytes;
+    r.metrics.rss_bytes = m.rss_bytes;
+    r.metrics.stalls_total = m.stalls_total;
+    r.metrics.checkpoints_total = m.checkpoints_total;
+    r.metrics.last_checkpoint_step = m.last_checkpoint_step;
+    r.metrics.last_checkpoint_seconds = m.last_checkpoint_seconds;
+    r.metrics.last_checkpoint_bytes = m.last_checkpoint_bytes;
+    if (info.rank == 0 && m.checkpoints_total > checkpoints_before) last_checkpoint_time_ = now;
+    if (!m.step_seconds.empty()) {
+      RankWindow& w = windows_[info.rank];
+      for (double t : m.step_seconds) {
+        const size_t b = std::lower_bound(kStepSecondsBounds.begin(), kStepSecondsBounds.end(), t) -
+                         kStepSecondsBounds.begin();
+        ++r.step_bucket_counts[b];
+        ++r.step_count;
+        r.step_seconds_sum += t;
+        w.steps.emplace_back(now, t);
+      }
+      while (w.steps.size() > static_cast<size_t>(kStepWindowSteps)) w.steps.pop_front();
+      w.dirty = true;
+      // One busy sample per heartbeat: its last step, less the time that
+      // step was blocked on collectives (a slow rank makes the others wait
+      // there, so their step times equal its own).
+      w.busy.push_back(std::max(0.0, m.step_seconds.back() - m.comm_wait_seconds));
+      if (w.busy.size() > 4096) w.busy.erase(w.busy.begin(), w.busy.begin() + 2048);
+    }
+  }
   return NoticeLocked();
+}
+
+void Coordinator::RefreshStepWindowLocked(int rank, absl::Time now) {
+  RankWindow& w = windows_[rank];
+  while (!w.steps.empty() && now - w.steps.front().first > kStepWindowAge) {
+    w.steps.pop_front();
+    w.dirty = true;
+  }
+  if (!w.dirty) return;
+  w.dirty = false;
+  RankState& r = ranks_[rank];
+  std::vector<double> v;
+  v.reserve(w.steps.size());
+  for (const auto& s : w.steps) v.push_back(s.second);
+  std::sort(v.begin(), v.end());
+  r.step_seconds_p50 = SortedMedian(v);
+  r.step_seconds_max = v.empty() ? 0 : v.back();
+}
+
+int Coordinator::CheckSlowRanks() {
+  std::vector<std::string> events;
+  {
+    absl::MutexLock lock(&mu_);
+    if (state_ != JobState::kRunning) return 0;
+    const absl::Time now = options_.now();
+    if (now - slow_window_start_ < options_.slow_window) return 0;
+    slow_window_start_ = now;
+    // This window's median busy time of each rank that finished a step in it.
+    const int n = static_cast<int>(ranks_.size());
+    std::vector<double> p50(n, -1);
+    std::vector<double> all;
+    for (int r = 0; r < n; ++r) {
+      RankWindow& w = windows_[r];
+      if (ranks_[r].joined && !ranks_[r].finished && !w.busy.empty()) {
+        p50[r] = Median(std::move(w.busy));
+        all.push_back(p50[r]);
+      }
+      w.busy.clear();
+    }
+    if (all.size() < 2) return 0;
+    std::sort(all.begin(), all.end());
+    const double window_s = absl::ToDoubleSeconds(options_.slow_window);
+    const double min_excess = absl::ToDoubleSeconds(options_.slow_min_excess);
+    for (int r = 0; r < n; ++r) {
+      if (p50[r] < 0) continue;  // no step in this window: no verdict
+      // The median of the others: `all` without one copy of p50[r].
+      const size_t i = std::lower_bound(all.begin(), all.end(), p50[r]) - all.begin();
+      const size_t m = all.size() - 1;
+      auto other = [&](size_t j) { return j < i ? all[j] : all[j + 1]; };
+      const double median = m % 2 == 1 ? other(m / 2) : 0.5 * (other(m / 2 - 1) + other(m / 2));
+      RankState& rs = ranks_[r];
+      RankWindow& w = windows_[r];
+      rs.busy_seconds_p50 = p50[r];
+      rs.busy_ratio = median > 0 ? p50[r] / median : (p50[r] > 0 ? HUGE_VAL : 1);
+      const bool over =
+          p50[r] > options_.slow_factor * median && p50[r] - median >= min_excess;
+      w.streak = over != rs.slow ? w.streak + 1 : 0;
+      if (w.streak < options_.slow_windows) continue;
+      w.streak = 0;
+      rs.slow = over;
+      const std::string ratio = median > 0 ? absl::StrFormat("%.1fx", p50[r] / median) : "above";
+      const std::string what = absl::StrFormat(
+          "busy time per step (step time minus waiting on collectives) p50 %.3g s, %s the median "
+          "of the others (%.3g s), %d windows of %.3g s in a row",
+          p50[r], ratio, median, options_.slow_windows, window_s);
+      rs.slow_reason = over ? what : "";
+      events.push_back(absl::StrCat("rank ", r, over ? " is slow: " : " is no longer slow: ", what));
+    }
+  }
+  if (options_.on_event) {
+    for (const std::string& e : events) options_.on_event(e);
+  }
+  return static_cast<int>(events.size());
 }
 
 bool Coordinator::CheckHeartbeats() {
@@ -489,7 +679,7 @@ bool Coordinator::CheckHeartbeats() {
         FailLocked(absl::StrCat("rank ", r.rank, " sent no heartbeat for ",
                                 absl::FormatDuration(now - r.last_heartbeat), " (last step ",
                                 r.step, ")"),
-                   &ready);
+                   AbortCause::kHeartbeatTimeout, &ready);
         failed = true;
         break;
       }
@@ -530,20 +720,38 @@ void Coordinator::Notify() {
   if (l) l();
 }
 
-void Coordinator::FailLocked(const std::string& reason, Completions* out) {
+void Coordinator::FailLocked(const std::string& reason, AbortCause cause, Completions* out) {
   if (state_ == JobState::kFailed) return;
   state_ = JobState::kFailed;
   failure_ = reason;
+  failure_cause_ = cause;
+  if (end_ == absl::InfiniteFuture()) end_ = options_.now();
   EndAllWaitsLocked(absl::AbortedError("job failed: " + failure_), out);
 }
 
 JobStatus Coordinator::GetJob() {
   absl::MutexLock lock(&mu_);
   JobStatus s;
+  s.now = options_.now();
+  for (int r = 0; r < static_cast<int>(ranks_.size()); ++r) RefreshStepWindowLocked(r, s.now);
   s.job_id = options_.job_id;
   s.state = state_;
   s.world_size = options_.world_size;
   s.ranks = ranks_;
+  s.start = start_;
+  s.end = end_;
+  s.failure_cause = failure_cause_;
+  for (const RankState& r : ranks_) {
+    if (r.slow) s.slow_ranks.push_back(r.rank);
+  }
+  if (!ranks_.empty() && ranks_[0].has_metrics) {
+    const RankMetricsInfo& m = ranks_[0].metrics;
+    s.checkpoints_total = m.checkpoints_total;
+    s.last_checkpoint_step = m.last_checkpoint_step;
+    s.last_checkpoint_seconds = m.last_checkpoint_seconds;
+    s.last_checkpoint_bytes = m.last_checkpoint_bytes;
+    s.last_checkpoint_time = last_checkpoint_time_;
+  }
   s.failure = failure_;
   s.layout_hash = layout_ ? layout_->hash() : 0;
   s.requested_learning_rate = learning_rate_;
@@ -554,7 +762,6 @@ JobStatus Coordinator::GetJob() {
       break;
     }
   }
-  s.now = options_.now();
   int64_t min_step = -1;
   for (const RankState& r : ranks_) {
     if (r.joined) min_step = min_step < 0 ? r.step : std::min(min_step, r.step);
@@ -607,10 +814,14 @@ absl::StatusOr<int64_t> Coordinator::RequestCheckpoint() {
 }
 
 void Coordinator::Abort(const std::string& reason, int rank) {
+  Abort(reason, rank, rank >= 0 ? AbortCause::kRankAbort : AbortCause::kRequest);
+}
+
+void Coordinator::Abort(const std::string& reason, int rank, AbortCause cause) {
   Completions ready;
   {
     absl::MutexLock lock(&mu_);
-    FailLocked(rank >= 0 ? absl::StrCat("rank ", rank, ": ", reason) : reason, &ready);
+    FailLocked(rank >= 0 ? absl::StrCat("rank ", rank, ": ", reason) : reason, cause, &ready);
   }
   Run(&ready);
   Notify();
@@ -625,6 +836,7 @@ absl::Status Coordinator::Finish(int rank) {
   if (state_ == JobState::kRunning &&
       std::all_of(ranks_.begin(), ranks_.end(), [](const RankState& r) { return r.finished; })) {
     state_ = JobState::kFinished;
+    end_ = options_.now();
   }
   return absl::OkStatus();
 }

@@ -10,6 +10,8 @@
 #ifndef SHARDOPT_SERVER_COORDINATOR_H_
 #define SHARDOPT_SERVER_COORDINATOR_H_
 
+#include <array>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -39,13 +41,51 @@ inline constexpr size_t kMaxStoreBytes = 256 << 20;
 // otherwise. Checked where a value enters (SetLearningRate) and by the ranks.
 absl::Status ValidateLearningRate(double lr);
 
+// Metrics a heartbeat may carry (RankMetrics in the protocol): at most this
+// many step times.
+inline constexpr int kMaxStepTimesPerHeartbeat = 256;
+// The window of recent step times behind RankState::step_seconds_p50/max:
+// the last kStepWindowSteps steps received within kStepWindowAge.
+inline constexpr int kStepWindowSteps = 200;
+inline constexpr absl::Duration kStepWindowAge = absl::Seconds(60);
+// Upper bounds (seconds) of the per-rank step-time histogram; one more
+// bucket for +Inf.
+inline constexpr std::array<double, 16> kStepSecondsBounds = {
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120};
+
+// Why a job failed, for metrics (shardopt_job_aborts_total{cause=...}).
+enum class AbortCause {
+  kNone,
+  kHeartbeatTimeout,  // a rank went silent
+  kRankAbort,         // a rank reported a failure (collective timeout, non-finite loss, ...)
+  kRequest,           // someone else asked (shardctl abort, an Abort RPC without a rank)
+  kRankExit,          // shardrun saw a rank exit with an error or die
+  kInterrupted,       // shardrun was interrupted (SIGINT, SIGTERM)
+};
+const char* AbortCauseName(AbortCause cause);
+// Every cause but kNone, in a fixed order.
+const std::vector<AbortCause>& AllAbortCauses();
+
 struct CoordinatorOptions {
   std::string job_id = "job";
   int world_size = 1;
   // A rank that sends no heartbeat for this long is dead; the job fails.
   absl::Duration heartbeat_timeout = absl::Seconds(10);
-  // Injectable clock for tests (heartbeat ages only; waits use the real clock).
+  // Injectable clock for tests (heartbeat ages, step windows, slow-rank
+  // windows; waits use the real clock).
   std::function<absl::Time()> now = [] { return absl::Now(); };
+  // Slow ranks (see CheckSlowRanks): a rank whose busy time per step (step
+  // time minus time blocked on collectives) has a median over one window of
+  // slow_window more than slow_factor times the median of the other ranks'
+  // (and at least slow_min_excess more), slow_windows windows in a row, is
+  // named slow; as many windows in a row under the factor, and it recovers.
+  double slow_factor = 1.5;
+  int slow_windows = 3;
+  absl::Duration slow_window = absl::Seconds(5);
+  absl::Duration slow_min_excess = absl::Milliseconds(5);
+  // Receives one line when a rank becomes slow and when it recovers
+  // ("rank 2 is slow: ..."), called without the coordinator's lock held.
+  std::function<void(const std::string&)> on_event;
   // At most this many KvGets wait at once (more: ResourceExhausted). Raised
   // to 2 * world_size when that is more (every rank may wait for a key).
   int max_kv_waiters = 4096;
@@ -69,6 +109,32 @@ struct JoinResult {
   std::vector<std::string> peers;  // shard-owner "host:port" per rank
 };
 
+// What a rank measured (RankMetrics in the protocol). Seconds and bytes;
+// counters since the rank started.
+struct RankMetricsInfo {
+  // Wall time of each step finished since the previous heartbeat (at most
+  // kMaxStepTimesPerHeartbeat, each finite and >= 0).
+  std::vector<double> step_seconds;
+  double grad_norm = 0;          // last step, before clipping (any value: nan is reported as such)
+  double comm_wait_seconds = 0;  // last step: blocked on collectives (exposed communication)
+  double update_seconds = 0;     // last step: the fused optimizer update
+  int64_t bytes_sent_total = 0;
+  int64_t master_bytes = 0;  // memory by role, as shardctl memory shows it
+  int64_t state_bytes = 0;
+  int64_t grad_bytes = 0;
+  int64_t param_bytes = 0;
+  int64_t rss_bytes = 0;
+  int64_t stalls_total = 0;
+  int64_t checkpoints_total = 0;  // committed checkpoints this rank took part in
+  int64_t last_checkpoint_step = 0;
+  double last_checkpoint_seconds = 0;
+  int64_t last_checkpoint_bytes = 0;
+};
+// InvalidArgument naming the field unless every time is finite and >= 0,
+// every counter and size >= 0, and there are at most
+// kMaxStepTimesPerHeartbeat step times.
+absl::Status ValidateRankMetrics(const RankMetricsInfo& m);
+
 struct HeartbeatInfo {
   int rank = -1;
   int64_t step = 0;
@@ -76,6 +142,8 @@ struct HeartbeatInfo {
   double samples_per_s = 0;
   int64_t progress = 0;
   double learning_rate = 0;  // what the rank trains with now, 0 = not reported
+  bool has_metrics = false;  // old clients send none
+  RankMetricsInfo metrics;
 };
 
 struct HeartbeatReply {
@@ -100,6 +168,26 @@ struct RankState {
   double learning_rate = 0;  // as last reported (join or heartbeat), 0 = never
   absl::Time last_heartbeat;
   bool finished = false;
+  // Observability: the last metrics reported (step_seconds left empty).
+  bool has_metrics = false;
+  RankMetricsInfo metrics;
+  // Over the window of recent steps (kStepWindowSteps within kStepWindowAge);
+  // 0 when the window is empty.
+  double step_seconds_p50 = 0;
+  double step_seconds_max = 0;
+  // Every step time received: a histogram (cumulative counts are made by
+  // the reader: step_bucket_counts[i] counts steps in (bound[i-1], bound[i]],
+  // the last entry those above every bound).
+  std::array<uint64_t, kStepSecondsBounds.size() + 1> step_bucket_counts{};
+  uint64_t step_count = 0;
+  double step_seconds_sum = 0;
+  // Slow-rank detection: the median busy time per step (step minus time
+  // blocked on collectives) over the last evaluated window, and that over
+  // the median of the other ranks' (0: no data yet).
+  double busy_seconds_p50 = 0;
+  double busy_ratio = 0;
+  bool slow = false;
+  std::string slow_reason;  // why it is slow ("" when not)
 };
 
 struct JobStatus {
@@ -115,6 +203,18 @@ struct JobStatus {
   double learning_rate = 0;
   double requested_learning_rate = 0;  // the last SetLearningRate, 0 = none
   absl::Time now;
+  absl::Time start;  // when the coordinator started
+  absl::Time end;    // when the job failed or finished (InfiniteFuture while it runs)
+  // From start to end (or now, while the job has not ended).
+  absl::Duration duration() const { return (end < now ? end : now) - start; }
+  AbortCause failure_cause = AbortCause::kNone;
+  std::vector<int> slow_ranks;
+  // The job's checkpoints, as rank 0 reports them (0 / InfinitePast: none).
+  int64_t checkpoints_total = 0;
+  int64_t last_checkpoint_step = 0;
+  double last_checkpoint_seconds = 0;
+  int64_t last_checkpoint_bytes = 0;
+  absl::Time last_checkpoint_time = absl::InfinitePast();  // when the coordinator learned of it
 };
 
 class Coordinator {
@@ -166,6 +266,16 @@ class Coordinator {
   // Marks the job failed if a joined rank missed heartbeats; returns whether
   // it did. Called periodically by the service's watchdog.
   bool CheckHeartbeats();
+  // Slow-rank detection, while the job runs: once per options().slow_window
+  // (of the injectable clock) compares each rank's median busy time per step
+  // over the window (from its heartbeats: the last step's time minus its
+  // time blocked on collectives; ranks with no step in the window are left
+  // out) with the median of the other ranks'. Names a rank slow after
+  // slow_windows windows in a row over slow_factor (and slow_min_excess),
+  // and not slow after as many windows in a row under it; each change goes
+  // to options().on_event as one line. Returns how many ranks changed.
+  // Called periodically by the service's watchdog.
+  int CheckSlowRanks();
 
   JobStatus GetJob();
   // The plan (of rank 0's model). FailedPrecondition before rank 0 joined.
@@ -178,8 +288,10 @@ class Coordinator {
   // Asks every rank to checkpoint at the next step boundary they agree on.
   // Returns the request number.
   absl::StatusOr<int64_t> RequestCheckpoint();
-  // Fails the job: every rank learns it at its next heartbeat.
+  // Fails the job: every rank learns it at its next heartbeat. The cause (for
+  // metrics) is kRankAbort when a rank (>= 0) asks, kRequest otherwise.
   void Abort(const std::string& reason, int rank);
+  void Abort(const std::string& reason, int rank, AbortCause cause);
   absl::Status Finish(int rank);
 
   const CoordinatorOptions& options() const { return options_; }
@@ -207,9 +319,21 @@ class Coordinator {
     JoinCallback done;
   };
 
+  // Per rank, what GetJob does not copy: recent step times and the busy
+  // times of the current slow-rank window.
+  struct RankWindow {
+    std::deque<std::pair<absl::Time, double>> steps;  // (received, seconds)
+    bool dirty = false;                               // p50/max to recompute
+    std::vector<double> busy;                         // this slow-rank window
+    int streak = 0;  // windows in a row that argue for changing `slow`
+  };
+
   absl::Status ValidateJoin(const JoinInfo& info) const;
-  void FailLocked(const std::string& reason, Completions* out)
+  void FailLocked(const std::string& reason, AbortCause cause, Completions* out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Drops steps older than kStepWindowAge and recomputes the rank's p50/max
+  // when its window changed.
+  void RefreshStepWindowLocked(int rank, absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Admits the joins that waited for rank 0's plan; answers them all once
   // every rank has joined.
   void AdvanceJoinsLocked(Completions* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -225,10 +349,16 @@ class Coordinator {
   int MaxKvWaiters() const;
 
   const CoordinatorOptions options_;
+  const absl::Time start_;
   absl::Mutex mu_;
   JobState state_ ABSL_GUARDED_BY(mu_) = JobState::kStarting;
   std::string failure_ ABSL_GUARDED_BY(mu_);
+  AbortCause failure_cause_ ABSL_GUARDED_BY(mu_) = AbortCause::kNone;
+  absl::Time end_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();
   std::vector<RankState> ranks_ ABSL_GUARDED_BY(mu_);
+  std::vector<RankWindow> windows_ ABSL_GUARDED_BY(mu_);
+  absl::Time slow_window_start_ ABSL_GUARDED_BY(mu_);  // set when the job starts running
+  absl::Time last_checkpoint_time_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   int joined_ ABSL_GUARDED_BY(mu_) = 0;
   std::optional<JoinInfo> rank0_ ABSL_GUARDED_BY(mu_);
   std::shared_ptr<const Layout> layout_ ABSL_GUARDED_BY(mu_);

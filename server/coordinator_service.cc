@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <fstream>
 #include <vector>
 
@@ -44,7 +45,47 @@ namespace {
 HeartbeatInfo FromProto(const v1::HeartbeatRequest& r) {
   HeartbeatInfo info{r.rank(), r.step(), r.loss(), r.samples_per_s(), r.progress()};
   info.learning_rate = r.learning_rate();
+  info.has_metrics = r.has_metrics();
+  if (info.has_metrics) {
+    const v1::RankMetrics& m = r.metrics();
+    RankMetricsInfo& o = info.metrics;
+    // More than the limit is refused by the coordinator; copy one more than
+    // it at most, so that a huge list costs nothing here.
+    const int n = std::min(m.step_seconds_size(), kMaxStepTimesPerHeartbeat + 1);
+    o.step_seconds.assign(m.step_seconds().begin(), m.step_seconds().begin() + n);
+    o.grad_norm = m.grad_norm();
+    o.comm_wait_seconds = m.comm_wait_seconds();
+    o.update_seconds = m.update_seconds();
+    o.bytes_sent_total = m.bytes_sent_total();
+    o.master_bytes = m.master_bytes();
+    o.state_bytes = m.state_bytes();
+    o.grad_bytes = m.grad_bytes();
+    o.param_bytes = m.param_bytes();
+    o.rss_bytes = m.rss_bytes();
+    o.stalls_total = m.stalls_total();
+    o.checkpoints_total = m.checkpoints_total();
+    o.last_checkpoint_step = m.last_checkpoint_step();
+    o.last_checkpoint_seconds = m.last_checkpoint_seconds();
+    o.last_checkpoint_bytes = m.last_checkpoint_bytes();
+  }
   return info;
+}
+
+void ToProto(const RankMetricsInfo& m, v1::RankMetrics* o) {
+  o->set_grad_norm(m.grad_norm);
+  o->set_comm_wait_seconds(m.comm_wait_seconds);
+  o->set_update_seconds(m.update_seconds);
+  o->set_bytes_sent_total(m.bytes_sent_total);
+  o->set_master_bytes(m.master_bytes);
+  o->set_state_bytes(m.state_bytes);
+  o->set_grad_bytes(m.grad_bytes);
+  o->set_param_bytes(m.param_bytes);
+  o->set_rss_bytes(m.rss_bytes);
+  o->set_stalls_total(m.stalls_total);
+  o->set_checkpoints_total(m.checkpoints_total);
+  o->set_last_checkpoint_step(m.last_checkpoint_step);
+  o->set_last_checkpoint_seconds(m.last_checkpoint_seconds);
+  o->set_last_checkpoint_bytes(m.last_checkpoint_bytes);
 }
 
 void FillReply(const HeartbeatReply& r, v1::HeartbeatResponse* resp) {
@@ -304,12 +345,121 @@ class CoordinatorService::MemoryCall : public grpc::ServerUnaryReactor {
   bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
 };
 
+// GetFlightRecords: asks every joined rank's shard owner for its ring at once
+// (asynchronous calls, 5 s each at most), like MemoryCall; when the last one
+// answers, a rank that did not is represented by the ring it reported (if
+// any), and the first divergence is computed.
+class CoordinatorService::FlightCall : public grpc::ServerUnaryReactor {
+ public:
+  FlightCall(CoordinatorService* service, v1::GetFlightRecordsResponse* resp)
+      : service_(service), resp_(resp) {
+    service_->CallStarted();
+  }
+
+  void Start(const std::vector<std::string>& addresses, absl::Time deadline) {
+    const size_t n = addresses.size();
+    rings_.resize(n);
+    errors_.resize(n);
+    contexts_.resize(n);
+    {
+      absl::MutexLock l(&mu_);
+      for (size_t r = 0; r < n; ++r) {
+        if (addresses[r].empty()) {
+          errors_[r] = "never joined";
+          continue;
+        }
+        auto ctx = std::make_unique<grpc::ClientContext>();
+        ctx->set_deadline(absl::ToChronoTime(deadline));
+        if (!service_->token_.empty()) {
+          ctx->AddMetadata("authorization", "Bearer " + service_->token_);
+        }
+        if (cancelled_) ctx->TryCancel();
+        contexts_[r] = std::move(ctx);
+        ++pending_;
+      }
+    }
+    for (size_t r = 0; r < n; ++r) {
+      if (!contexts_[r]) continue;
+      const std::string address = addresses[r];
+      service_->OwnerStub(address)->async()->GetFlightRecord(
+          contexts_[r].get(), &request_, &rings_[r],
+          [this, r, address](grpc::Status s) { Answer(r, address, s); });
+    }
+    Release();  // Start's own hold
+  }
+
+  void CancelOutgoing() {
+    absl::MutexLock l(&mu_);
+    cancelled_ = true;
+    for (auto& c : contexts_) {
+      if (c) c->TryCancel();
+    }
+  }
+
+  void OnCancel() override { CancelOutgoing(); }
+
+  void OnDone() override {
+    CoordinatorService* service = service_;
+    {
+      absl::MutexLock l(&service->calls_mu_);
+      service->flight_calls_.erase(this);
+    }
+    delete this;
+    service->CallDone();
+  }
+
+ private:
+  void Answer(size_t r, const std::string& address, const grpc::Status& s) {
+    {
+      absl::MutexLock l(&mu_);
+      if (!s.ok()) errors_[r] = absl::StrCat("shard owner at ", address, ": ", s.error_message());
+    }
+    Release();
+  }
+  void Release() {
+    bool last;
+    {
+      absl::MutexLock l(&mu_);
+      last = --pending_ == 0;
+    }
+    if (!last) return;
+    std::map<int, v1::FlightRecord> reported;
+    for (v1::FlightRecord& f : service_->flight_records_.Reported()) reported[f.rank()] = std::move(f);
+    for (size_t r = 0; r < rings_.size(); ++r) {
+      v1::FlightRecord* out = resp_->add_records();
+      if (errors_[r].empty()) {
+        *out = std::move(rings_[r]);
+      } else if (reported.count(static_cast<int>(r))) {
+        *out = std::move(reported[static_cast<int>(r)]);
+      } else {
+        out->set_error(errors_[r]);
+      }
+      out->set_rank(static_cast<int>(r));
+    }
+    resp_->set_divergence(FirstDivergence(
+        {resp_->records().begin(), resp_->records().end()}, static_cast<int>(rings_.size()),
+        HeartbeatNotes(*service_->coordinator_)));
+    Finish(grpc::Status::OK);
+  }
+
+  CoordinatorService* const service_;
+  v1::GetFlightRecordsResponse* const resp_;
+  const v1::GetFlightRecordRequest request_;
+  std::vector<v1::FlightRecord> rings_;
+  std::vector<std::string> errors_;  // written before the calls start or by their Answer
+  std::vector<std::unique_ptr<grpc::ClientContext>> contexts_;
+  absl::Mutex mu_;
+  int pending_ ABSL_GUARDED_BY(mu_) = 1;  // Start's hold
+  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
+};
+
 CoordinatorService::CoordinatorService(Coordinator* coordinator, std::string token)
     : coordinator_(coordinator), token_(std::move(token)) {
   coordinator_->SetListener([this] { PushToSessions(); });
   watchdog_ = std::thread([this] {
     while (!stop_.load()) {
       coordinator_->CheckHeartbeats();
+      coordinator_->CheckSlowRanks();
       coordinator_->ExpireWaits(absl::Now());
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
@@ -337,6 +487,7 @@ void CoordinatorService::BeginShutdown() {
   }
   absl::MutexLock l(&calls_mu_);
   for (MemoryCall* m : memory_calls_) m->CancelOutgoing();
+  for (FlightCall* f : flight_calls_) f->CancelOutgoing();
 }
 
 void CoordinatorService::CallStarted() {
@@ -460,6 +611,8 @@ grpc::ServerUnaryReactor* CoordinatorService::GetJob(grpc::CallbackServerContext
   resp->set_layout_hash(j.layout_hash);
   resp->set_learning_rate(j.learning_rate);
   resp->set_requested_learning_rate(j.requested_learning_rate);
+  for (int r : j.slow_ranks) resp->add_slow_ranks(r);
+  resp->set_duration_seconds(absl::ToDoubleSeconds(j.duration()));
   for (const RankState& r : j.ranks) {
     v1::RankStatus* rs = resp->add_ranks();
     rs->set_rank(r.rank);
@@ -473,6 +626,11 @@ grpc::ServerUnaryReactor* CoordinatorService::GetJob(grpc::CallbackServerContext
     rs->set_samples_per_s(r.samples_per_s);
     rs->set_progress(r.progress);
     rs->set_learning_rate(r.learning_rate);
+    rs->set_step_seconds_p50(r.step_seconds_p50);
+    rs->set_step_seconds_max(r.step_seconds_max);
+    if (r.has_metrics) ToProto(r.metrics, rs->mutable_metrics());
+    rs->set_slow(r.slow);
+    rs->set_slow_reason(r.slow_reason);
   }
   return Done(ctx, grpc::Status::OK);
 }
@@ -578,6 +736,54 @@ grpc::ServerUnaryReactor* CoordinatorService::RequestCheckpoint(
   auto r = coordinator_->RequestCheckpoint();
   if (r.ok()) resp->set_request(*r);
   return Done(ctx, ToGrpc(r.status()));
+}
+
+grpc::ServerUnaryReactor* CoordinatorService::ReportFlightRecord(
+    grpc::CallbackServerContext* ctx, const v1::ReportFlightRecordRequest* req,
+    v1::ReportFlightRecordResponse*) {
+  if (auto s = CheckToken(ctx, token_); !s.ok()) return Done(ctx, s);
+  return Done(ctx, ToGrpc(flight_records_.Report(req->record(), coordinator_->options().world_size)));
+}
+
+grpc::ServerUnaryReactor* CoordinatorService::GetFlightRecords(grpc::CallbackServerContext* ctx,
+                                                               const v1::GetFlightRecordsRequest*,
+                                                               v1::GetFlightRecordsResponse* resp) {
+  if (auto s = CheckToken(ctx, token_); !s.ok()) return Done(ctx, s);
+  auto* call = new FlightCall(this, resp);
+  grpc::Status refused;
+  {
+    absl::MutexLock l(&calls_mu_);
+    if (shutting_down_.load()) {
+      refused = grpc::Status(grpc::StatusCode::UNAVAILABLE, kShuttingDown);
+    } else if (flight_calls_.size() >= static_cast<size_t>(kMaxMemoryCalls)) {
+      refused = grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                             absl::StrCat(flight_calls_.size(),
+                                          " GetFlightRecords calls are in progress (the limit); "
+                                          "try again later"));
+    } else {
+      flight_calls_.insert(call);
+    }
+  }
+  if (!refused.ok()) {
+    call->Finish(refused);
+    return call;
+  }
+  const absl::Time deadline =
+      std::min(absl::Now() + absl::Seconds(5), absl::FromChrono(ctx->deadline()));
+  call->Start(coordinator_->ShardOwnerAddresses(), deadline);
+  return call;
+}
+
+grpc::ServerUnaryReactor* ShardOwnerService::GetFlightRecord(grpc::CallbackServerContext* ctx,
+                                                             const v1::GetFlightRecordRequest*,
+                                                             v1::FlightRecord* resp) {
+  if (auto s = CheckToken(ctx, token_); !s.ok()) return Done(ctx, s);
+  if (!flight_) {
+    return Done(ctx, grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
+                                  "this rank keeps no flight recorder"));
+  }
+  *resp = flight_();
+  return Done(ctx, grpc::Status::OK);
 }
 
 grpc::ServerUnaryReactor* ShardOwnerService::GetShardInfo(grpc::CallbackServerContext* ctx,

@@ -22,6 +22,7 @@
 #include "absl/synchronization/mutex.h"
 #include "proto/shardopt.grpc.pb.h"
 #include "server/coordinator.h"
+#include "server/flight_records.h"
 #include "server/rpc_server.h"
 
 namespace shardopt {
@@ -76,10 +77,23 @@ class CoordinatorService final : public v1::Coordinator::CallbackService, public
                                               v1::RequestCheckpointResponse* resp) override;
   grpc::ServerBidiReactor<v1::HeartbeatRequest, v1::HeartbeatResponse>* Session(
       grpc::CallbackServerContext* ctx) override;
+  // Flight recorder: a rank's ring, sent when the job fails; the rings of
+  // every rank (asked of the shard owners at once, like GetMemory; a rank
+  // that does not answer is represented by the ring it reported, if any) and
+  // their first divergence. At most kMaxMemoryCalls GetFlightRecords at once.
+  grpc::ServerUnaryReactor* ReportFlightRecord(grpc::CallbackServerContext* ctx,
+                                               const v1::ReportFlightRecordRequest* req,
+                                               v1::ReportFlightRecordResponse* resp) override;
+  grpc::ServerUnaryReactor* GetFlightRecords(grpc::CallbackServerContext* ctx,
+                                             const v1::GetFlightRecordsRequest* req,
+                                             v1::GetFlightRecordsResponse* resp) override;
+  // The rings ranks reported (shardrun prints their divergence when a job fails).
+  const FlightRecords& flight_records() const { return flight_records_; }
 
   class SessionReactor;
   class WaitingCall;
   class MemoryCall;
+  class FlightCall;
 
  private:
   void PushToSessions();
@@ -95,6 +109,8 @@ class CoordinatorService final : public v1::Coordinator::CallbackService, public
   absl::Mutex calls_mu_;
   int calls_ ABSL_GUARDED_BY(calls_mu_) = 0;
   std::set<MemoryCall*> memory_calls_ ABSL_GUARDED_BY(calls_mu_);
+  std::set<FlightCall*> flight_calls_ ABSL_GUARDED_BY(calls_mu_);
+  FlightRecords flight_records_;
   absl::Mutex stubs_mu_;
   std::map<std::string, std::unique_ptr<v1::ShardOwner::Stub>> owner_stubs_
       ABSL_GUARDED_BY(stubs_mu_);
@@ -104,20 +120,26 @@ class CoordinatorService final : public v1::Coordinator::CallbackService, public
   std::thread watchdog_;
 };
 
-// Serves GetShardInfo from a provider the trainer installs.
+// Serves GetShardInfo from a provider the trainer installs, and
+// GetFlightRecord from another (UNIMPLEMENTED without one).
 class ShardOwnerService final : public v1::ShardOwner::CallbackService, public ManagedService {
  public:
   using Provider = std::function<v1::GetShardInfoResponse()>;
-  ShardOwnerService(Provider provider, std::string token)
-      : provider_(std::move(provider)), token_(std::move(token)) {}
+  using FlightProvider = std::function<v1::FlightRecord()>;
+  ShardOwnerService(Provider provider, std::string token, FlightProvider flight = nullptr)
+      : provider_(std::move(provider)), token_(std::move(token)), flight_(std::move(flight)) {}
   bool RequiresToken() const override { return !token_.empty(); }
   grpc::ServerUnaryReactor* GetShardInfo(grpc::CallbackServerContext* ctx,
                                          const v1::GetShardInfoRequest* req,
                                          v1::GetShardInfoResponse* resp) override;
+  grpc::ServerUnaryReactor* GetFlightRecord(grpc::CallbackServerContext* ctx,
+                                            const v1::GetFlightRecordRequest* req,
+                                            v1::FlightRecord* resp) override;
 
  private:
   Provider provider_;
   const std::string token_;
+  FlightProvider flight_;
 };
 
 // Resident set size of this process, from /proc/self/statm (0 if unknown).

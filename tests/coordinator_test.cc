@@ -2,12 +2,15 @@
 // 127.0.0.1 with an OS-assigned port): joins and the layout check,
 // rendezvous, heartbeats and failure detection with a fake clock,
 // hyper-parameters, abort, bearer tokens, health, layout and memory queries;
-// learning-rate validation and reporting, and which services need the token.
+// learning-rate validation and reporting, and which services need the token;
+// metrics in heartbeats, step-time windows, slow ranks and abort causes.
 #include "server/coordinator.h"
 
 #include <grpcpp/generic/generic_stub.h>
 
+#include <algorithm>
 #include <cmath>
+#include <optional>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -585,6 +588,370 @@ TEST(AccessPolicyTest, WithoutATokenReflectionListsTheServices) {
   auto server2 = RpcServer::Start(off, {&service2});
   ASSERT_TRUE(server2.ok());
   EXPECT_EQ(ListServices((*server2)->address()).status().code(), absl::StatusCode::kUnimplemented);
+}
+
+}  // namespace
+}  // namespace shardopt
+
+// Issue 16: metrics in heartbeats, step-time windows, slow ranks, abort causes.
+namespace shardopt {
+namespace {
+
+// Joins `world` ranks of a one-parameter model.
+void JoinAll(Coordinator* c, int world) {
+  std::vector<std::thread> t;
+  for (int r = 0; r < world; ++r) {
+    t.emplace_back([c, r, world] {
+      ASSERT_TRUE(c->Join(Info(r, world, {P("w", {64})}), absl::Seconds(10)).ok());
+    });
+  }
+  for (auto& x : t) x.join();
+}
+
+HeartbeatInfo Beat(int rank, int64_t step, std::vector<double> step_seconds, double comm_wait = 0) {
+  HeartbeatInfo hb{rank, step, 0.5, 10, 2 * step};
+  hb.has_metrics = true;
+  hb.metrics.step_seconds = std::move(step_seconds);
+  hb.metrics.comm_wait_seconds = comm_wait;
+  return hb;
+}
+
+TEST(MetricsTest, HeartbeatMetricsStepWindowAndHistogram) {
+  FakeClock clock;
+  Coordinator c(Options(2, &clock));
+  JoinAll(&c, 2);
+  HeartbeatInfo hb = Beat(0, 3, {0.2, 0.4, 0.3}, 0.05);
+  hb.metrics.grad_norm = 1.5;
+  hb.metrics.update_seconds = 0.01;
+  hb.metrics.bytes_sent_total = 1000;
+  hb.metrics.master_bytes = 1;
+  hb.metrics.state_bytes = 2;
+  hb.metrics.grad_bytes = 3;
+  hb.metrics.param_bytes = 4;
+  hb.metrics.rss_bytes = 5;
+  hb.metrics.stalls_total = 1;
+  hb.metrics.checkpoints_total = 1;
+  hb.metrics.last_checkpoint_step = 3;
+  hb.metrics.last_checkpoint_seconds = 0.7;
+  hb.metrics.last_checkpoint_bytes = 4096;
+  ASSERT_TRUE(c.Heartbeat(hb).ok());
+  JobStatus j = c.GetJob();
+  const RankState& r = j.ranks[0];
+  EXPECT_TRUE(r.has_metrics);
+  EXPECT_FALSE(j.ranks[1].has_metrics);
+  EXPECT_EQ(r.metrics.grad_norm, 1.5);
+  EXPECT_EQ(r.metrics.comm_wait_seconds, 0.05);
+  EXPECT_EQ(r.metrics.update_seconds, 0.01);
+  EXPECT_EQ(r.metrics.bytes_sent_total, 1000);
+  EXPECT_EQ(r.metrics.rss_bytes, 5);
+  EXPECT_EQ(r.metrics.stalls_total, 1);
+  EXPECT_TRUE(r.metrics.step_seconds.empty());  // they go to the window
+  EXPECT_DOUBLE_EQ(r.step_seconds_p50, 0.3);
+  EXPECT_DOUBLE_EQ(r.step_seconds_max, 0.4);
+  EXPECT_EQ(r.step_count, 3u);
+  EXPECT_DOUBLE_EQ(r.step_seconds_sum, 0.9);
+  // 0.2 and 0.3 in (0.1, 0.25] and (0.25, 0.5]; 0.4 too.
+  const size_t b025 = std::find(kStepSecondsBounds.begin(), kStepSecondsBounds.end(), 0.25) -
+                      kStepSecondsBounds.begin();
+  EXPECT_EQ(r.step_bucket_counts[b025], 1u);
+  EXPECT_EQ(r.step_bucket_counts[b025 + 1], 2u);
+  // Rank 0's checkpoints are the job's; the coordinator notes when it learned.
+  EXPECT_EQ(j.checkpoints_total, 1);
+  EXPECT_EQ(j.last_checkpoint_step, 3);
+  EXPECT_EQ(j.last_checkpoint_bytes, 4096);
+  EXPECT_EQ(j.last_checkpoint_time, clock.t);
+  clock.t += absl::Seconds(30);
+  ASSERT_TRUE(c.Heartbeat(Beat(0, 4, {1.0})).ok());
+  j = c.GetJob();
+  EXPECT_EQ(j.last_checkpoint_time, clock.t - absl::Seconds(30));  // no new checkpoint
+  EXPECT_DOUBLE_EQ(j.ranks[0].step_seconds_p50, 0.35);
+  EXPECT_DOUBLE_EQ(j.ranks[0].step_seconds_max, 1.0);
+  // Steps older than the window's 60 s drop out, without a heartbeat.
+  clock.t += absl::Seconds(31);
+  j = c.GetJob();
+  EXPECT_DOUBLE_EQ(j.ranks[0].step_seconds_p50, 1.0);
+  EXPECT_EQ(j.ranks[0].step_count, 4u);  // the histogram keeps everything
+  clock.t += absl::Seconds(30);
+  EXPECT_EQ(c.GetJob().ranks[0].step_seconds_p50, 0);
+  // At most kStepWindowSteps steps.
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_TRUE(c.Heartbeat(Beat(1, 100 * (i + 1), std::vector<double>(100, 0.01 * (i + 1)))).ok());
+  }
+  j = c.GetJob();
+  EXPECT_DOUBLE_EQ(j.ranks[1].step_seconds_p50, 0.025);  // 100 x 0.02 and 100 x 0.03
+  EXPECT_DOUBLE_EQ(j.ranks[1].step_seconds_max, 0.03);
+  EXPECT_EQ(j.ranks[1].step_count, 300u);
+}
+
+TEST(MetricsTest, BadMetricsAreRefusedNamingTheField) {
+  FakeClock clock;
+  Coordinator c(Options(1, &clock));
+  JoinAll(&c, 1);
+  auto refused = [&](HeartbeatInfo hb, const std::string& field) {
+    auto r = c.Heartbeat(hb);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << field;
+    EXPECT_NE(r.status().message().find(field), absl::string_view::npos) << r.status();
+  };
+  refused(Beat(0, 1, std::vector<double>(kMaxStepTimesPerHeartbeat + 1, 0.1)), "step_seconds");
+  refused(Beat(0, 1, {0.1, std::nan("")}), "step_seconds");
+  refused(Beat(0, 1, {-0.1}), "step_seconds");
+  refused(Beat(0, 1, {0.1}, HUGE_VAL), "comm_wait_seconds");
+  HeartbeatInfo hb = Beat(0, 1, {0.1});
+  hb.metrics.rss_bytes = -1;
+  refused(hb, "rss_bytes");
+  hb = Beat(0, 1, {0.1});
+  hb.metrics.last_checkpoint_seconds = -1;
+  refused(hb, "last_checkpoint_seconds");
+  EXPECT_FALSE(c.GetJob().ranks[0].has_metrics);  // nothing of them was kept
+  // Exactly the limit is fine; a non-finite gradient norm is reported as such.
+  hb = Beat(0, 1, std::vector<double>(kMaxStepTimesPerHeartbeat, 0.1));
+  hb.metrics.grad_norm = std::nan("");
+  ASSERT_TRUE(c.Heartbeat(hb).ok());
+  EXPECT_TRUE(std::isnan(c.GetJob().ranks[0].metrics.grad_norm));
+  // Metrics of a heartbeat that has none are ignored (old clients).
+  HeartbeatInfo old{0, 2, 0.5, 10, 4};
+  old.metrics.rss_bytes = -5;
+  ASSERT_TRUE(c.Heartbeat(old).ok());
+}
+
+struct SlowJob {
+  FakeClock clock;
+  std::vector<std::string> events;
+  std::unique_ptr<Coordinator> c;
+  int64_t step = 0;
+  explicit SlowJob(int world, double factor = 1.5, int windows = 3) {
+    CoordinatorOptions o = Options(world, &clock);
+    o.heartbeat_timeout = absl::Hours(1);
+    o.slow_factor = factor;
+    o.slow_windows = windows;
+    o.slow_window = absl::Seconds(5);
+    o.on_event = [this](const std::string& e) { events.push_back(e); };
+    c = std::make_unique<Coordinator>(o);
+    JoinAll(c.get(), world);
+  }
+  // One 5 s window of 1 Hz heartbeats: every rank steps in 1 s, of which
+  // busy[r] (<= 1) outside collective waits. Returns how many ranks changed.
+  int Window(const std::vector<double>& busy) {
+    for (int s = 0; s < 5; ++s) {
+      clock.t += absl::Seconds(1);
+      ++step;
+      for (int r = 0; r < static_cast<int>(busy.size()); ++r) {
+        if (busy[r] < 0) continue;  // no step from this rank
+        EXPECT_TRUE(c->Heartbeat(Beat(r, step, {1.0, 1.0}, 1.0 - busy[r])).ok());
+      }
+      if (s < 4) {
+        EXPECT_EQ(c->CheckSlowRanks(), 0);  // not a window's end yet
+      }
+    }
+    return c->CheckSlowRanks();
+  }
+};
+
+TEST(SlowRankTest, NamedAfterKWindowsInARowAndRecoversAfterK) {
+  SlowJob job(4);
+  const std::vector<double> normal = {0.1, 0.1, 0.1, 0.1}, slow2 = {0.1, 0.11, 0.45, 0.09};
+  EXPECT_EQ(job.Window(normal), 0);
+  EXPECT_EQ(job.Window(slow2), 0);
+  EXPECT_EQ(job.Window(slow2), 0);
+  EXPECT_EQ(job.Window(normal), 0);  // the run is broken: start again
+  EXPECT_EQ(job.Window(slow2), 0);
+  EXPECT_EQ(job.Window(slow2), 0);
+  EXPECT_TRUE(job.events.empty());
+  EXPECT_TRUE(job.c->GetJob().slow_ranks.empty());
+  EXPECT_EQ(job.Window(slow2), 1);
+  ASSERT_EQ(job.events.size(), 1u);
+  EXPECT_EQ(job.events[0],
+            "rank 2 is slow: busy time per step (step time minus waiting on collectives) p50 "
+            "0.45 s, 4.5x the median of the others (0.1 s), 3 windows of 5 s in a row");
+  JobStatus j = job.c->GetJob();
+  EXPECT_EQ(j.slow_ranks, std::vector<int>{2});
+  EXPECT_TRUE(j.ranks[2].slow);
+  EXPECT_NE(j.ranks[2].slow_reason.find("4.5x the median of the others"), std::string::npos);
+  EXPECT_FALSE(j.ranks[1].slow);
+  EXPECT_DOUBLE_EQ(j.ranks[2].busy_seconds_p50, 0.45);
+  EXPECT_NEAR(j.ranks[2].busy_ratio, 4.5, 1e-9);
+  EXPECT_DOUBLE_EQ(j.ranks[2].step_seconds_p50, 1.0);  // wall step times are all equal
+  // Still slow: no new line. Recovery takes K windows under the factor too.
+  EXPECT_EQ(job.Window(slow2), 0);
+  EXPECT_EQ(job.Window(normal), 0);
+  EXPECT_EQ(job.Window(normal), 0);
+  EXPECT_TRUE(job.c->GetJob().ranks[2].slow);
+  EXPECT_EQ(job.Window(normal), 1);
+  ASSERT_EQ(job.events.size(), 2u);
+  EXPECT_EQ(job.events[1].rfind("rank 2 is no longer slow: busy time per step", 0), 0u)
+      << job.events[1];
+  EXPECT_NE(job.events[1].find("1.0x the median of the others (0.1 s)"), std::string::npos)
+      << job.events[1];
+  j = job.c->GetJob();
+  EXPECT_TRUE(j.slow_ranks.empty());
+  EXPECT_FALSE(j.ranks[2].slow);
+  EXPECT_EQ(j.ranks[2].slow_reason, "");
+}
+
+TEST(SlowRankTest, TwoRanksFactorNoDataAndSmallTimes) {
+  // Two ranks: the median of the others is the other rank.
+  SlowJob two(2, /*factor=*/2.0, /*windows=*/2);
+  EXPECT_EQ(two.Window({0.1, 0.19}), 0);
+  EXPECT_EQ(two.Window({0.1, 0.19}), 0);  // 1.9x < 2x
+  EXPECT_EQ(two.Window({0.1, 0.25}), 0);
+  // A window in which rank 1 finished no step gives no verdict either way.
+  EXPECT_EQ(two.Window({0.1, -1}), 0);
+  EXPECT_EQ(two.Window({0.1, 0.25}), 1);
+  EXPECT_EQ(two.c->GetJob().slow_ranks, std::vector<int>{1});
+  EXPECT_FALSE(two.c->GetJob().ranks[0].slow);  // the fast one is never named
+  // Milliseconds apart is noise, whatever the ratio (slow_min_excess 5 ms).
+  SlowJob tiny(3, 1.5, 1);
+  EXPECT_EQ(tiny.Window({0.001, 0.001, 0.004}), 0);
+  EXPECT_EQ(tiny.Window({0.001, 0.001, 0.0075}), 1);
+  // One rank alone is never slow; nor are ranks without metrics.
+  SlowJob one(1, 1.5, 1);
+  EXPECT_EQ(one.Window({0.9}), 0);
+  FakeClock clock;
+  Coordinator old(Options(2, &clock));
+  JoinAll(&old, 2);
+  for (int i = 0; i < 20; ++i) {
+    clock.t += absl::Seconds(1);
+    ASSERT_TRUE(old.Heartbeat({0, i, 0, 0}).ok());
+    ASSERT_TRUE(old.Heartbeat({1, i, 0, 0}).ok());
+    EXPECT_EQ(old.CheckSlowRanks(), 0);
+  }
+}
+
+TEST(SlowRankTest, NoVerdictsBeforeTheJobRunsOrAfterItEnds) {
+  SlowJob job(2, 1.5, 1);
+  job.c->Abort("stop", -1);
+  EXPECT_EQ(job.Window({0.1, 0.9}), 0);
+  EXPECT_TRUE(job.c->GetJob().slow_ranks.empty());
+}
+
+TEST(MetricsTest, AbortCausesAndDuration) {
+  FakeClock clock;
+  {
+    Coordinator c(Options(2, &clock));
+    JoinAll(&c, 2);
+    clock.t += absl::Seconds(11);
+    ASSERT_TRUE(c.CheckHeartbeats());
+    JobStatus j = c.GetJob();
+    EXPECT_EQ(j.failure_cause, AbortCause::kHeartbeatTimeout);
+    EXPECT_EQ(j.duration(), absl::Seconds(11));
+    clock.t += absl::Seconds(100);
+    EXPECT_EQ(c.GetJob().duration(), absl::Seconds(11));  // stops when the job ends
+    c.Abort("later", 0);
+    EXPECT_EQ(c.GetJob().failure_cause, AbortCause::kHeartbeatTimeout);  // the first cause stands
+  }
+  struct Case {
+    int rank;
+    std::optional<AbortCause> given;
+    AbortCause want;
+  };
+  for (const Case& k : std::vector<Case>{{0, std::nullopt, AbortCause::kRankAbort},
+                                         {-1, std::nullopt, AbortCause::kRequest},
+                                         {-1, AbortCause::kRankExit, AbortCause::kRankExit},
+                                         {-1, AbortCause::kInterrupted, AbortCause::kInterrupted}}) {
+    Coordinator c(Options(1, &clock));
+    if (k.given) {
+      c.Abort("x", k.rank, *k.given);
+    } else {
+      c.Abort("x", k.rank);
+    }
+    EXPECT_EQ(c.GetJob().failure_cause, k.want) << AbortCauseName(k.want);
+  }
+  EXPECT_STREQ(AbortCauseName(AbortCause::kHeartbeatTimeout), "heartbeat_timeout");
+  EXPECT_EQ(AllAbortCauses().size(), 5u);
+  // A finished job's duration stops too.
+  Coordinator f(Options(1, &clock));
+  JoinAll(&f, 1);
+  clock.t += absl::Seconds(3);
+  ASSERT_TRUE(f.Finish(0).ok());
+  clock.t += absl::Seconds(3);
+  EXPECT_EQ(f.GetJob().duration(), absl::Seconds(3));
+}
+
+// Over gRPC: unary heartbeats and session heartbeats carry the metrics; GetJob
+// returns them with the window statistics, slow ranks and the duration.
+TEST(MetricsTest, MetricsTravelOverGrpcBothWays) {
+  CoordinatorOptions o;
+  o.world_size = 2;
+  o.slow_window = absl::Milliseconds(200);
+  o.slow_windows = 1;
+  Coordinator coordinator(o);
+  CoordinatorService service(&coordinator, "");
+  auto server = RpcServer::Start(RpcServerOptions(), {&service});
+  ASSERT_TRUE(server.ok());
+  JoinAll(&coordinator, 2);
+  CoordinatorClient client((*server)->address(), "");
+  auto beat = [](int rank, double comm_wait) {
+    v1::HeartbeatRequest hb;
+    hb.set_rank(rank);
+    hb.set_step(7);
+    v1::RankMetrics* m = hb.mutable_metrics();
+    m->add_step_seconds(0.5);
+    m->add_step_seconds(0.7);
+    m->set_grad_norm(2.5);
+    m->set_comm_wait_seconds(comm_wait);
+    m->set_update_seconds(0.125);
+    m->set_bytes_sent_total(123456789);
+    m->set_master_bytes(11);
+    m->set_state_bytes(22);
+    m->set_grad_bytes(33);
+    m->set_param_bytes(44);
+    m->set_rss_bytes(55);
+    m->set_stalls_total(2);
+    m->set_checkpoints_total(3);
+    m->set_last_checkpoint_step(6);
+    m->set_last_checkpoint_seconds(1.25);
+    m->set_last_checkpoint_bytes(999);
+    return hb;
+  };
+  ASSERT_TRUE(client.Heartbeat(beat(0, 0.6)).ok());  // unary: busy 0.1
+  auto session = client.OpenSession();
+  ASSERT_TRUE(session->Send(beat(1, 0.0)));  // session: busy 0.7
+  v1::HeartbeatResponse notice;
+  ASSERT_TRUE(session->Receive(&notice));  // the first heartbeat has been taken
+  // Rank 1 keeps heartbeating until the coordinator names it slow.
+  absl::StatusOr<v1::GetJobResponse> job;
+  for (int i = 0; i < 100; ++i) {
+    absl::SleepFor(absl::Milliseconds(50));
+    ASSERT_TRUE(client.Heartbeat(beat(0, 0.6)).ok());
+    ASSERT_TRUE(session->Send(beat(1, 0.0)));
+    job = client.GetJob();
+    ASSERT_TRUE(job.ok()) << job.status();
+    if (job->slow_ranks_size() > 0) break;
+  }
+  ASSERT_EQ(job->slow_ranks_size(), 1);
+  EXPECT_EQ(job->slow_ranks(0), 1);
+  EXPECT_GT(job->duration_seconds(), 0);
+  const v1::RankStatus& r1 = job->ranks(1);
+  EXPECT_TRUE(r1.slow());
+  EXPECT_NE(r1.slow_reason().find("7.0x the median of the others (0.1 s)"), std::string::npos)
+      << r1.slow_reason();
+  EXPECT_FALSE(job->ranks(0).slow());
+  for (const v1::RankStatus& r : job->ranks()) {
+    EXPECT_DOUBLE_EQ(r.step_seconds_p50(), 0.6) << r.rank();
+    EXPECT_DOUBLE_EQ(r.step_seconds_max(), 0.7);
+    ASSERT_TRUE(r.has_metrics());
+    EXPECT_EQ(r.metrics().step_seconds_size(), 0);
+    EXPECT_EQ(r.metrics().grad_norm(), 2.5);
+    EXPECT_EQ(r.metrics().update_seconds(), 0.125);
+    EXPECT_EQ(r.metrics().bytes_sent_total(), 123456789);
+    EXPECT_EQ(r.metrics().master_bytes(), 11);
+    EXPECT_EQ(r.metrics().state_bytes(), 22);
+    EXPECT_EQ(r.metrics().grad_bytes(), 33);
+    EXPECT_EQ(r.metrics().param_bytes(), 44);
+    EXPECT_EQ(r.metrics().rss_bytes(), 55);
+    EXPECT_EQ(r.metrics().stalls_total(), 2);
+    EXPECT_EQ(r.metrics().checkpoints_total(), 3);
+    EXPECT_EQ(r.metrics().last_checkpoint_step(), 6);
+    EXPECT_EQ(r.metrics().last_checkpoint_seconds(), 1.25);
+    EXPECT_EQ(r.metrics().last_checkpoint_bytes(), 999);
+  }
+  // A bad metric ends the session with INVALID_ARGUMENT, like any bad field.
+  v1::HeartbeatRequest bad = beat(1, 0.0);
+  bad.mutable_metrics()->set_rss_bytes(-1);
+  auto r = client.Heartbeat(bad);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("rss_bytes"), absl::string_view::npos) << r.status();
+  session->Close();
 }
 
 }  // namespace

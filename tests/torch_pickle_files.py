@@ -139,17 +139,24 @@ def main():
     small = torch.nn.Linear(2, 2)
     save_checked(out, "small", small.state_dict())
     # Re-zipped copies of small.pt: a version LibTorch 1.13 does not read,
-    # records outside a folder, and compressed records.
+    # records outside a folder, compressed records, a storage record flagged
+    # as a directory (which miniz would "extract" as uninitialized memory).
     src = zipfile.ZipFile(os.path.join(out, "small.pt"))
     for name, rename, method in [("badversion", None, zipfile.ZIP_STORED),
                                  ("nofolder", lambda n: n.split("/", 1)[1], zipfile.ZIP_STORED),
-                                 ("deflated", None, zipfile.ZIP_DEFLATED)]:
+                                 ("deflated", None, zipfile.ZIP_DEFLATED),
+                                 ("dirflag", None, zipfile.ZIP_STORED)]:
         with zipfile.ZipFile(os.path.join(out, name + ".pt"), "w", method) as z:
             for info in src.infolist():
                 data = src.read(info.filename)
                 if name == "badversion" and info.filename.endswith("/version"):
                     data = b"999\n"
-                z.writestr(rename(info.filename) if rename else info.filename, data)
+                target = zipfile.ZipInfo(rename(info.filename) if rename else info.filename)
+                target.compress_type = method
+                target.external_attr = 0o600 << 16
+                if name == "dirflag" and info.filename.endswith("/data/0"):
+                    target.external_attr |= 0x10
+                z.writestr(target, data)
 
 
 if __name__ == "__main__":

@@ -313,6 +313,11 @@ TEST_F(PythonFilesTest, RefusesWhatItCannotRepresent) {
   expect_error(Path("badversion"), "archive format version 999; this LibTorch reads versions 1 to");
   expect_error(Path("nofolder"), "records are not in a folder");
   expect_error(Path("deflated"), "is compressed (zip method 8)");
+  absl::StatusOr<PyValuePtr> v = ReadTorchFile(Path("dirflag"));
+  ASSERT_FALSE(v.ok());
+  EXPECT_EQ(v.status().code(), absl::StatusCode::kDataLoss) << v.status();
+  EXPECT_NE(v.status().message().find("record 'small/data/0' is marked as a directory"), std::string::npos)
+      << v.status();
 }
 
 TEST_F(PythonFilesTest, EveryTruncationIsAnError) {

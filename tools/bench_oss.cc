@@ -442,6 +442,8 @@ fairscale's OSS benchmark table on CPU: 2 ranks (processes, Gloo over 127.0.0.1,
 samples/s per rank (+/- standard deviation over timed steps), ratio to ddp,
 peak RSS, optimizer state and bytes sent per rank per step, and the step
 breakdown. --png draws the chart with tools/plot_oss.py (needs python3-matplotlib).
+--rows=shardopt,shardopt_fr measures what the flight recorder and the trainer's
+heartbeat metrics cost (README, "Flight recorder").
 )";
 
 int RunParent(const Flags& f, const std::string& self) {

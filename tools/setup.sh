@@ -17,6 +17,11 @@ PACKAGES=(
   python3-grpcio python3-protobuf openssl python3-torch
   # tests: network namespaces (multi-host test), pgrep (end-to-end tests)
   iproute2 procps
+  # tests: a real terminal for shardctl top (tests/shardctl_top_test.sh)
+  tmux
+  # metrics: the Prometheus client library (shardrun --metrics-port); the
+  # Prometheus server and promtool for tests/prometheus_test.sh
+  prometheus-cpp-dev prometheus
 )
 
 case "${1:-}" in

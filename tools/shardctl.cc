@@ -1,7 +1,20 @@
 // shardctl: ask a running shardopt job what is going on.
+#include <fcntl.h>
 #include <google/protobuf/util/json_util.h>
+#include <poll.h>
+#include <sys/ioctl.h>
+#include <termios.h>
+#include <unistd.h>
 
+#include <cerrno>
 #include <cfloat>
+#include <condition_variable>
+#include <csignal>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <thread>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -20,6 +33,7 @@
 #include "common/file_system.h"
 #include "nlohmann/json.hpp"
 #include "tools/flags.h"
+#include "tools/top_view.h"
 
 namespace shardopt {
 namespace {
@@ -35,6 +49,16 @@ commands:
   checkpoint    ask the job to save a checkpoint at the next step boundary
                 (the trainers need --ckpt-dir)
   abort REASON  fail the job (every rank stops)
+  top           live view, refreshed every --interval: a header (job, state, ranks,
+                step, lr, duration, slow ranks) and per rank: step, step time p50
+                and max over the coordinator's window, samples/s, exposed
+                communication, optimizer update time, memory (RSS), heartbeat age;
+                the slowest rank marked '*' and in reverse video ('!': named slow);
+                q or Ctrl-C quits; --once prints one plain frame and exits
+                (non-zero when the coordinator does not answer)
+  flight-recorder  every rank's last collectives (seq, step, op, bucket, bytes, times,
+                state; the last 20 per rank, --json: all of them, --rank=R: one rank)
+                and where the ranks first diverge
   checkpoints DIR         list the checkpoints under DIR: step, world size, size, status
   inspect CKPT            show a checkpoint's manifest summary and verify every CRC
   consolidate CKPT OUT    stream a checkpoint into one safetensors file of whole tensors
@@ -66,6 +90,9 @@ flags:
   --format=F          consolidate: safetensors | torch (default safetensors)
   --optimizer=NAME    import: adam | adamw | sgd (default adam)
   --params=MODEL.pt   import: the model's state_dict
+  --interval=S        top: seconds between refreshes, in [0.1, 3600] (default 1)
+  --once              top: print one frame without terminal control (for scripts)
+  --rank=R            flight-recorder: only rank R, 0..1048575
   --help              this text
 Every flag is checked, whatever the command: a malformed or out-of-range value
 is refused by name (exit status 2).
@@ -75,6 +102,7 @@ is refused by name (exit status 2).
 constexpr double kMaxWaitSeconds = 604800;
 constexpr double kMaxRate = 100000;
 constexpr double kMaxDurationSeconds = 31536000;
+constexpr double kMinTopInterval = 0.1, kMaxTopInterval = 3600;
 
 // Checks every flag (also those the command does not use); the first error.
 absl::Status CheckFlags(const Flags& f) {
@@ -88,6 +116,9 @@ absl::Status CheckFlags(const Flags& f) {
   check(f.Seconds("duration", 10, 0, kMaxDurationSeconds, /*min_exclusive=*/true).status());
   check(f.Choice("format", "safetensors", {"safetensors", "torch"}).status());
   check(f.Choice("optimizer", "adam", {"adam", "adamw", "sgd"}).status());
+  check(f.Seconds("interval", 1, kMinTopInterval, kMaxTopInterval).status());  // top
+  check(f.Bool("once", false).status());                                      // top
+  check(f.Int("rank", -1, 0, (1 << 20) - 1).status());
   for (const char* name : {"coordinator", "token-file", "tls-ca", "tls-cert", "tls-key", "params"}) {
     check(f.NonEmpty(name, "").status());
   }
@@ -114,6 +145,52 @@ int PrintJson(const Msg& m) {
   o.always_print_primitive_fields = true;
   (void)google::protobuf::util::MessageToJsonString(m, &out, o);
   std::printf("%s", out.c_str());
+  return 0;
+}
+
+// shardctl flight-recorder: the rings of a live job (or those its ranks
+// reported when it failed) and where they diverge.
+template <typename Unreachable>
+int FlightRecorderCommand(CoordinatorClient& client, bool json, int64_t only_rank,
+                          const Unreachable& unreachable) {
+  auto f = client.GetFlightRecords();
+  if (!f.ok()) return unreachable(f.status());
+  if (only_rank >= 0) {
+    if (only_rank >= f->records_size()) {
+      return Fail(absl::StrCat("--rank=", only_rank, ": the job has ", f->records_size(), " ranks"));
+    }
+    v1::FlightRecord keep = f->records(static_cast<int>(only_rank));
+    f->clear_records();
+    *f->add_records() = std::move(keep);
+  }
+  if (json) return PrintJson(*f);
+  constexpr int kShown = 20;
+  std::printf("divergence: %s\n", f->divergence().c_str());
+  for (const v1::FlightRecord& r : f->records()) {
+    if (!r.error().empty()) {
+      std::printf("\nrank %d: no record (%s)\n", r.rank(), r.error().c_str());
+      continue;
+    }
+    const int n = r.records_size();
+    const int first = std::max(0, n - kShown);
+    std::printf("\nrank %d: %d collectives in its ring%s%s\n", r.rank(), n,
+                n > kShown ? absl::StrCat(", the last ", kShown, " shown (--json: all)").c_str() : "",
+                r.reason().empty() ? "" : absl::StrCat("; reported when it failed: ", r.reason()).c_str());
+    if (n == 0) continue;
+    std::printf("%10s %8s  %-15s %6s %12s %12s %10s  %s\n", "seq", "step", "op", "bucket", "bytes",
+                "started", "took", "state");
+    for (int i = first; i < n; ++i) {
+      const v1::CollectiveRecord& c = r.records(i);
+      const double ago = r.captured_unix() - c.start_unix();
+      const double took = (c.end_unix() > 0 ? c.end_unix() : r.captured_unix()) - c.start_unix();
+      std::printf("%10lld %8lld  %-15s %6s %12s %12s %10s  %s\n", static_cast<long long>(c.seq()),
+                  static_cast<long long>(c.step()), c.op().c_str(),
+                  c.bucket() < 0 ? "-" : absl::StrCat(c.bucket()).c_str(), Bytes(c.bytes()).c_str(),
+                  absl::StrFormat("%.3f s ago", ago).c_str(),
+                  (c.end_unix() > 0 ? absl::StrFormat("%.4f s", took) : absl::StrFormat("%.1f s+", took)).c_str(),
+                  c.state().c_str());
+    }
+  }
   return 0;
 }
 
@@ -244,10 +321,348 @@ int CheckpointCommand(const std::vector<std::string>& args, const Flags& flags) 
   return 0;
 }
 
+// ---- shardctl top: a live view of a running job (the frame: tools/top_view.h) ----
+//
+// The terminal is put in cbreak mode (no echo, no line buffering; Ctrl-C still
+// signals) on the alternate screen with the cursor hidden, and restored on
+// every way out: q, Ctrl-C / SIGTERM / SIGHUP (exit 128 + signal), an error,
+// and a crash (SIGSEGV, SIGABRT, ...: restored, then the signal's default
+// action). Ctrl-Z restores it before stopping and re-enters on SIGCONT. A
+// background thread fetches the job every --interval, so q answers at once
+// even while an RPC waits for an unreachable coordinator.
+
+constexpr char kTopEnter[] = "\x1b[?1049h\x1b[?25l";  // alternate screen, hide the cursor
+constexpr char kTopLeave[] = "\x1b[?25h\x1b[?1049l";  // show the cursor, main screen
+
+struct termios g_top_saved;
+volatile sig_atomic_t g_top_raw = 0;     // the terminal is ours to restore
+volatile sig_atomic_t g_top_signal = 0;  // SIGINT, SIGTERM, SIGHUP or SIGQUIT received
+volatile sig_atomic_t g_top_winch = 0;
+volatile sig_atomic_t g_top_tstp = 0;
+int g_top_wake[2] = {-1, -1};            // self-pipe: signals and new data wake the loop
+
+void TopWake() {
+  if (g_top_wake[1] >= 0) {
+    const int saved = errno;
+    (void)!write(g_top_wake[1], "x", 1);
+    errno = saved;
+  }
+}
+
+// Async-signal-safe.
+void TopRestoreTerminal() {
+  if (!g_top_raw) return;
+  g_top_raw = 0;
+  tcsetattr(STDIN_FILENO, TCSANOW, &g_top_saved);
+  (void)!write(STDOUT_FILENO, kTopLeave, sizeof(kTopLeave) - 1);
+}
+
+void TopOnQuitSignal(int sig) {
+  g_top_signal = sig;
+  TopWake();
+}
+void TopOnWinch(int) {
+  g_top_winch = 1;
+  TopWake();
+}
+void TopOnTstp(int) {
+  g_top_tstp = 1;
+  TopWake();
+}
+void TopOnFatal(int sig) {  // installed with SA_RESETHAND: the re-raise kills
+  TopRestoreTerminal();
+  raise(sig);
+}
+
+bool TopWriteAll(const std::string& s) {
+  size_t done = 0;
+  while (done < s.size()) {
+    const ssize_t n = write(STDOUT_FILENO, s.data() + done, s.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return false;
+    done += static_cast<size_t>(n);
+  }
+  return true;
+}
+
+// Owns the terminal mode and the signal handlers while `top` runs; the
+// destructor puts everything back.
+class TopTerminal {
+ public:
+  TopTerminal() = default;
+  TopTerminal(const TopTerminal&) = delete;
+  TopTerminal& operator=(const TopTerminal&) = delete;
+  ~TopTerminal() {
+    TopRestoreTerminal();
+    for (auto& [sig, old] : old_actions_) sigaction(sig, &old, nullptr);
+    for (int& fd : g_top_wake) {
+      if (fd >= 0) close(fd);
+      fd = -1;
+    }
+  }
+
+  absl::Status Start() {
+    if (pipe2(g_top_wake, O_CLOEXEC | O_NONBLOCK) != 0) {
+      return absl::InternalError(absl::StrCat("top: pipe: ", strerror(errno)));
+    }
+    Handle(SIGINT, TopOnQuitSignal, 0);
+    Handle(SIGTERM, TopOnQuitSignal, 0);
+    Handle(SIGHUP, TopOnQuitSignal, 0);
+    Handle(SIGQUIT, TopOnQuitSignal, 0);
+    Handle(SIGWINCH, TopOnWinch, SA_RESTART);
+    Handle(SIGTSTP, TopOnTstp, SA_RESTART);
+    for (int sig : {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT}) Handle(sig, TopOnFatal, SA_RESETHAND);
+    return EnterRaw();
+  }
+
+  absl::Status EnterRaw() {
+    if (tcgetattr(STDIN_FILENO, &g_top_saved) != 0) {
+      return absl::FailedPreconditionError(absl::StrCat("top: the terminal: ", strerror(errno)));
+    }
+    struct termios raw = g_top_saved;
+    raw.c_lflag &= ~(ICANON | ECHO);  // ISIG stays: Ctrl-C and Ctrl-Z signal
+    raw.c_cc[VMIN] = 1;
+    raw.c_cc[VTIME] = 0;
+    if (tcsetattr(STDIN_FILENO, TCSANOW, &raw) != 0) {
+      return absl::FailedPreconditionError(absl::StrCat("top: the terminal: ", strerror(errno)));
+    }
+    g_top_raw = 1;
+    TopWriteAll(kTopEnter);
+    return absl::OkStatus();
+  }
+
+  // Ctrl-Z: give the terminal back, stop, take it again when continued.
+  absl::Status Suspend() {
+    TopRestoreTerminal();
+    struct sigaction dfl = {}, mine = {};
+    dfl.sa_handler = SIG_DFL;
+    sigaction(SIGTSTP, &dfl, &mine);
+    raise(SIGTSTP);  // stops here until SIGCONT
+    sigaction(SIGTSTP, &mine, nullptr);
+    return EnterRaw();
+  }
+
+ private:
+  void Handle(int sig, void (*fn)(int), int flags) {
+    struct sigaction sa = {}, old = {};
+    sa.sa_handler = fn;
+    sa.sa_flags = flags;
+    sigemptyset(&sa.sa_mask);
+    if (sigaction(sig, &sa, &old) == 0) old_actions_.push_back({sig, old});
+  }
+  std::vector<std::pair<int, struct sigaction>> old_actions_;
+};
+
+// Fetches the job every `interval` on its own thread; the loop reads the
+// latest answer.
+class TopPoller {
+ public:
+  struct Snapshot {
+    std::optional<v1::GetJobResponse> job;  // the last answer
+    absl::Time job_time;                    // when it came
+    absl::Status error;                     // of the last fetch (ok when it answered)
+    int64_t fetches = 0;
+  };
+
+  TopPoller(CoordinatorClient* client, absl::Duration interval) : client_(client), interval_(interval) {
+    thread_ = std::thread([this] { Run(); });
+  }
+  ~TopPoller() {
+    if (thread_.joinable() && !Stop(absl::Seconds(30))) thread_.detach();
+  }
+  // Waits at most `grace` for a fetch in flight; returns false if it is still
+  // running (the caller then exits without joining).
+  bool Stop(absl::Duration grace) {
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    std::unique_lock<std::mutex> l(mu_);
+    if (!cv_.wait_for(l, absl::ToChronoNanoseconds(grace), [this] { return done_; })) return false;
+    l.unlock();
+    thread_.join();
+    return true;
+  }
+  void Detach() { thread_.detach(); }
+  Snapshot Get() {
+    std::lock_guard<std::mutex> l(mu_);
+    return snap_;
+  }
+
+ private:
+  void Run() {
+    // An unreachable coordinator fails fast; a silent one costs at most the
+    // deadline (q does not wait for it).
+    const absl::Duration deadline = std::clamp(interval_, absl::Seconds(1), absl::Seconds(5));
+    std::unique_lock<std::mutex> l(mu_);
+    while (!stop_) {
+      l.unlock();
+      absl::StatusOr<v1::GetJobResponse> job = client_->GetJob(deadline);
+      const absl::Time now = absl::Now();
+      l.lock();
+      ++snap_.fetches;
+      snap_.error = job.status();
+      if (job.ok()) {
+        snap_.job = std::move(*job);
+        snap_.job_time = now;
+      }
+      TopWake();
+      cv_.wait_for(l, absl::ToChronoNanoseconds(interval_), [this] { return stop_; });
+    }
+    done_ = true;
+    cv_.notify_all();
+  }
+
+  CoordinatorClient* const client_;
+  const absl::Duration interval_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stop_ = false;
+  bool done_ = false;
+  Snapshot snap_;
+  std::thread thread_;
+};
+
+// The status line of a live frame: "" while the coordinator answers. What
+// matters comes first (the line is cut to the width): who, that it retries,
+// how old the data on screen is, then the error itself.
+std::string TopStatusLine(const TopPoller::Snapshot& s, const std::string& address, absl::Duration interval) {
+  if (s.fetches == 0) return absl::StrCat("connecting to the coordinator at ", address, " ...");
+  if (s.error.ok()) return "";
+  std::string line = absl::StrFormat("error from %s, retrying every %gs", address, absl::ToDoubleSeconds(interval));
+  if (s.job) {
+    absl::StrAppend(&line, absl::StrFormat(" (data from %.0fs ago)", absl::ToDoubleSeconds(absl::Now() - s.job_time)));
+  }
+  return absl::StrCat(line, ": ", s.error.message());
+}
+
+// One write per frame: each row is cleared, then drawn (clearing after the
+// text would erase the last column's character); rows below the frame are
+// blanked. Nothing is written past the last row (that would scroll).
+std::string TopScreen(const std::vector<std::string>& lines, int height) {
+  std::string out;
+  for (size_t i = 0; i < lines.size(); ++i) absl::StrAppend(&out, "\x1b[", i + 1, ";1H\x1b[2K", lines[i]);
+  if (static_cast<int>(lines.size()) < height) absl::StrAppend(&out, "\x1b[", lines.size() + 1, ";1H\x1b[J");
+  return out;
+}
+
+void TopTerminalSize(int* width, int* height) {
+  struct winsize ws = {};
+  *width = 80;
+  *height = 24;
+  if (ioctl(STDOUT_FILENO, TIOCGWINSZ, &ws) == 0 && ws.ws_col > 0 && ws.ws_row > 0) {
+    *width = ws.ws_col;
+    *height = ws.ws_row;
+  }
+}
+
+int TopLive(CoordinatorClient* client, const std::string& address, absl::Duration interval) {
+  if (!isatty(STDIN_FILENO) || !isatty(STDOUT_FILENO)) {
+    return Fail("top: needs a terminal on stdin and stdout (use top --once in scripts)");
+  }
+  const char* no_color = std::getenv("NO_COLOR");
+  const char* term_name = std::getenv("TERM");
+  const bool highlight = !(no_color && *no_color) && !(term_name && std::string(term_name) == "dumb");
+  int code = 0;
+  bool joined = true;
+  std::string error;  // printed once the terminal is back
+  {
+    TopTerminal term;
+    if (absl::Status s = term.Start(); !s.ok()) return Fail(std::string(s.message()));
+    auto poller = std::make_unique<TopPoller>(client, interval);
+    bool redraw = true;
+    while (true) {
+      if (g_top_signal) {
+        code = 128 + g_top_signal;
+        break;
+      }
+      if (g_top_tstp) {
+        g_top_tstp = 0;
+        if (absl::Status s = term.Suspend(); !s.ok()) {
+          error = std::string(s.message());
+          break;
+        }
+        redraw = true;
+      }
+      if (g_top_winch) {
+        g_top_winch = 0;
+        redraw = true;
+      }
+      if (redraw) {
+        redraw = false;
+        int width, height;
+        TopTerminalSize(&width, &height);
+        const TopPoller::Snapshot snap = poller->Get();
+        TopViewOptions o;
+        o.width = width;
+        o.height = height;
+        o.highlight = highlight;
+        o.status = TopStatusLine(snap, address, interval);
+        TopWriteAll(TopScreen(RenderTopView(snap.job ? &*snap.job : nullptr, o), height));
+      }
+      struct pollfd fds[2] = {{STDIN_FILENO, POLLIN, 0}, {g_top_wake[0], POLLIN, 0}};
+      const int n = poll(fds, 2, -1);
+      if (n < 0 && errno != EINTR) {
+        error = absl::StrCat("top: poll: ", strerror(errno));
+        break;
+      }
+      if (n <= 0) continue;
+      if (fds[1].revents & POLLIN) {
+        char buf[64];
+        while (read(g_top_wake[0], buf, sizeof(buf)) > 0) {
+        }
+        redraw = true;  // new data (or a signal, handled above)
+      }
+      if (fds[0].revents & (POLLIN | POLLHUP | POLLERR)) {
+        char keys[64];
+        const ssize_t k = read(STDIN_FILENO, keys, sizeof(keys));
+        if (k == 0 || (k < 0 && errno != EINTR && errno != EAGAIN)) break;  // the terminal is gone
+        bool quit = false;
+        for (ssize_t i = 0; i < k; ++i) quit |= keys[i] == 'q' || keys[i] == 'Q';
+        if (quit) break;
+      }
+    }
+    // Give the terminal back at once; then wait briefly for a fetch in flight.
+    TopRestoreTerminal();
+    if (!error.empty()) code = Fail(error);
+    joined = poller->Stop(absl::Milliseconds(300));
+    if (!joined) {
+      poller->Detach();
+      (void)poller.release();  // its thread still uses it; the process ends below
+    }
+  }
+  if (!joined) {
+    // A fetch still waits for its deadline: do not wait for it.
+    std::fflush(stdout);
+    std::fflush(stderr);
+    std::_Exit(code);
+  }
+  return code;
+}
+
+int TopCommand(CoordinatorClient* client, const std::string& address, const Flags& flags) {
+  if (flags.positional().size() != 1) {
+    return Fail(absl::StrCat("top takes no argument, got '", flags.positional()[1], "' (see --help)"));
+  }
+  if (*flags.Bool("json", false)) return Fail("top has no --json output (use shardctl status --json)");
+  const absl::Duration interval = *flags.Seconds("interval", 1, kMinTopInterval, kMaxTopInterval);  // checked
+  if (!*flags.Bool("once", false)) return TopLive(client, address, interval);
+  // One frame, plain text, no terminal control: for scripts.
+  auto job = client->GetJob();
+  if (!job.ok()) return Fail(absl::StrCat(job.status().message(), " [", address, "]"));
+  TopViewOptions o;
+  o.width = 0;
+  o.height = 0;
+  for (const std::string& line : RenderTopView(&*job, o)) std::printf("%s\n", line.c_str());
+  return job->state() == "failed" ? 1 : 0;
+}
+
 int Main(int argc, char** argv) {
   auto flags = Flags::Parse(argc, argv, {"coordinator", "token-file", "json", "wait", "rate", "duration",
                                          "tls-ca", "tls-cert", "tls-key", "format", "params",
-                                         "optimizer", "help"});
+                                         "optimizer", "rank", "interval", "once", "help"},
+                                {"help", "json", "once"});
   if (!flags.ok()) return Fail(std::string(flags.status().message()));
   if (absl::Status s = CheckFlags(*flags); !s.ok() && !flags->Has("help")) {
     return Fail(std::string(s.message()));
@@ -289,6 +704,7 @@ int Main(int argc, char** argv) {
        cmd == "load") && nargs != 1) {
     return Fail(absl::StrCat(cmd, " takes no argument, got '", flags->positional()[1], "' (see --help)"));
   }
+  if (cmd == "top") return TopCommand(&client, address, *flags);
   if (cmd == "abort" && nargs > 2) {
     return Fail("usage: shardctl abort REASON (one argument: quote a reason with spaces)");
   }
@@ -422,6 +838,10 @@ int Main(int argc, char** argv) {
     if (!s.ok()) return unreachable(s);
     std::printf("job aborted\n");
     return 0;
+  }
+  if (cmd == "flight-recorder") {
+    if (nargs != 1) return Fail("flight-recorder takes no argument (see --help)");
+    return FlightRecorderCommand(client, json, *flags->Int("rank", -1, 0, (1 << 20) - 1), unreachable);
   }
   if (cmd == "load") {
     auto rate = flags->Double("rate", 50);

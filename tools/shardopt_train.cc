@@ -14,6 +14,8 @@
 #include <mutex>
 #include <thread>
 
+#include <google/protobuf/util/json_util.h>
+
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -21,11 +23,13 @@
 #include "client/checkpoint.h"
 #include "client/torch_interop.h"
 #include "client/coordinator_client.h"
+#include "client/flight_recorder.h"
 #include "client/gloo_communicator.h"
 #include "client/models.h"
 #include "client/sharded_optimizer.h"
 #include "common/malloc_tuning.h"
 #include "server/coordinator_service.h"
+#include "server/flight_records.h"
 #include "server/rpc_server.h"
 #include "tools/flags.h"
 
@@ -76,6 +80,9 @@ flags (a malformed or out-of-range value is refused, naming the flag; exit statu
                        rank); -1: off (default)
   --debug-nan-rank=R, --debug-nan-step=N
                        testing: rank R takes its loss at step N for nan (same ranges)
+  --debug-slow-rank=R, --debug-slow-ms=N
+                       testing: rank R (-1..WORLD_SIZE-1) sleeps N ms (0..60000) in every
+                       step, before its forward pass (a slow rank); -1: off (default)
   --help               this text
 
 Environment: RANK in [0, WORLD_SIZE), WORLD_SIZE in [1, 1048576] (defaults 0 and 1).
@@ -101,7 +108,10 @@ constexpr double kMaxTimeoutSeconds = 86400;
 std::atomic<int> g_signal{0};
 void OnSignal(int sig) { g_signal = sig; }
 
+std::string g_failure;  // the last Fail() message (main thread): the flight record's reason
+
 int Fail(int rank, const std::string& msg) {
+  g_failure = msg;
   std::fprintf(stderr, "shardopt_train[rank %d]: %s\n", rank, msg.c_str());
   return 1;
 }
@@ -142,7 +152,7 @@ int Main(int argc, char** argv) {
                              "threads", "malloc", "coordinator", "job-id", "token-file", "bind",
                              "log-every", "tls-ca", "tls-cert", "tls-key", "ckpt-dir", "ckpt-every",
                              "resume", "ckpt-keep", "collective-timeout", "debug-stall-rank", "debug-stall-step",
-                             "debug-nan-rank", "debug-nan-step",
+                             "debug-nan-rank", "debug-nan-step", "debug-slow-rank", "debug-slow-ms",
                              "help"});
   if (!flags.ok()) return UsageError(flags.status().message());
   if (flags->Has("help")) {
@@ -191,6 +201,8 @@ int Main(int argc, char** argv) {
   const int64_t stall_step = Take(flags->Int("debug-stall-step", -1, -1, kMaxSteps), &bad);
   const int64_t nan_rank = Take(flags->Int("debug-nan-rank", -1, -1, world - 1), &bad);
   const int64_t nan_step = Take(flags->Int("debug-nan-step", -1, -1, kMaxSteps), &bad);
+  const int64_t slow_rank = Take(flags->Int("debug-slow-rank", -1, -1, world - 1), &bad);
+  const int64_t slow_ms = Take(flags->Int("debug-slow-ms", 0, 0, 60000), &bad);
   if (!bad.ok()) return UsageError(bad.message());
   if (ckpt_dir.empty() && (ckpt_every > 0 || ckpt_keep > 0)) {
     return UsageError("--ckpt-every and --ckpt-keep need --ckpt-dir");
@@ -246,8 +258,12 @@ int Main(int argc, char** argv) {
   GlooOptions gopt;
   gopt.hostname = bind;
   gopt.timeout = collective_timeout;
-  auto comm = GlooCommunicator::Create(&job_kv, rank, world, gopt);
-  if (!comm.ok()) return Fail(rank, comm.status().ToString());
+  auto gloo = GlooCommunicator::Create(&job_kv, rank, world, gopt);
+  if (!gloo.ok()) return Fail(rank, gloo.status().ToString());
+  // Every collective goes through the flight recorder (README, "Flight recorder").
+  auto recorder = std::make_shared<FlightRecorder>();
+  absl::StatusOr<std::unique_ptr<Communicator>> comm = std::unique_ptr<Communicator>(
+      std::make_unique<FlightRecordingCommunicator>(*std::move(gloo), recorder));
 
   auto optimizer = ShardedOptimizer::Create((*model)->NamedParameters(), opt, comm->get());
   if (!optimizer.ok()) {
@@ -273,7 +289,7 @@ int Main(int argc, char** argv) {
         r.set_optimizer(kind);
         return r;
       },
-      token);
+      token, [rank, recorder] { return ToFlightRecord(rank, recorder->Snapshot(), absl::Now(), ""); });
   RpcServerOptions sopt;
   sopt.address = bind + ":0";
   auto server = RpcServer::Start(sopt, {&shard_owner});
@@ -310,6 +326,39 @@ int Main(int argc, char** argv) {
   std::atomic<int64_t> ckpt_request{0};
   std::mutex abort_mu;
   std::string abort_reason;
+  // What heartbeats report besides progress (RankMetrics): the training loop
+  // writes it, the heartbeat thread takes it once a second.
+  struct Metrics {
+    std::mutex mu;
+    std::vector<double> step_seconds;  // finished since the last heartbeat (the newest 256)
+    double grad_norm = 0, comm_wait_seconds = 0, update_seconds = 0;
+    int64_t checkpoints_total = 0, last_checkpoint_step = 0, last_checkpoint_bytes = 0;
+    double last_checkpoint_seconds = 0;
+  } metrics;
+  constexpr size_t kMaxStepTimes = 256;  // per heartbeat (the coordinator's limit)
+  metrics.step_seconds.reserve(kMaxStepTimes);
+  auto fill_metrics = [&](v1::RankMetrics* m) {
+    {
+      std::lock_guard<std::mutex> l(metrics.mu);
+      for (double v : metrics.step_seconds) m->add_step_seconds(v);
+      metrics.step_seconds.clear();
+      m->set_grad_norm(metrics.grad_norm);
+      m->set_comm_wait_seconds(metrics.comm_wait_seconds);
+      m->set_update_seconds(metrics.update_seconds);
+      m->set_checkpoints_total(metrics.checkpoints_total);
+      m->set_last_checkpoint_step(metrics.last_checkpoint_step);
+      m->set_last_checkpoint_seconds(metrics.last_checkpoint_seconds);
+      m->set_last_checkpoint_bytes(metrics.last_checkpoint_bytes);
+    }
+    m->set_bytes_sent_total((*comm)->counters().total_sent());
+    const MemoryReport mem = o->memory();
+    m->set_master_bytes(mem.master_bytes);
+    m->set_state_bytes(mem.state_bytes);
+    m->set_grad_bytes(mem.grad_bytes);
+    m->set_param_bytes(mem.param_bytes);
+    m->set_rss_bytes(ProcessRssBytes());
+    m->set_stalls_total(recorder->stalls());
+  };
   // One handler for the coordinator's notices, pushed on the session or
   // returned by a unary heartbeat.
   auto handle_notice = [&](const v1::HeartbeatResponse& r) -> std::string {
@@ -350,6 +399,7 @@ int Main(int argc, char** argv) {
       hb.set_samples_per_s(sps_now.load());
       hb.set_progress(progress.load());
       hb.set_learning_rate(lr_applied.load());
+      fill_metrics(hb.mutable_metrics());
       std::string reason;
       if (g_signal.load() != 0) {
         reason = absl::StrCat("stopped by signal ", g_signal.load(),
@@ -375,7 +425,42 @@ int Main(int argc, char** argv) {
       }
     }
   });
+  // A failing rank sends its flight record (its last collectives) to the
+  // coordinator, which shows where the ranks diverged; if that fails, it
+  // writes it as JSON next to the checkpoints (or in the temporary
+  // directory) and says where.
+  auto report_flight = [&] {
+    std::string reason = g_failure;
+    {
+      std::lock_guard<std::mutex> l(abort_mu);
+      if (reason.empty()) reason = abort_reason;
+    }
+    if (reason.empty()) reason = "the rank failed";
+    if (reason.size() > kMaxFlightReasonBytes) reason.resize(kMaxFlightReasonBytes);
+    const v1::FlightRecord record = ToFlightRecord(rank, recorder->Snapshot(), absl::Now(), reason);
+    const absl::Status sent = client.ReportFlightRecord(record);
+    if (sent.ok()) return;
+    std::string json;
+    google::protobuf::util::JsonPrintOptions jo;
+    jo.add_whitespace = true;
+    jo.always_print_primitive_fields = true;
+    (void)google::protobuf::util::MessageToJsonString(record, &json, jo);
+    const std::string tmp = EnvStr("TMPDIR", "/tmp");
+    const std::string path =
+        !ckpt_dir.empty() ? absl::StrCat(ckpt_dir, "/flight-record-rank-", rank, ".json")
+                          : absl::StrCat(tmp.empty() ? "/tmp" : tmp, "/shardopt-flight-record-", job_id,
+                                         "-rank-", rank, "-", getpid(), ".json");
+    if (!ckpt_dir.empty()) (void)PosixFileSystem()->MakeDirs(ckpt_dir);
+    FILE* f = std::fopen(path.c_str(), "w");
+    const bool written = f != nullptr && std::fwrite(json.data(), 1, json.size(), f) == json.size();
+    if (f != nullptr && std::fclose(f) != 0) f = nullptr;
+    std::fprintf(stderr, "shardopt_train[rank %d]: could not send the flight record to the coordinator (%s); %s\n",
+                 rank, std::string(sent.message()).c_str(),
+                 written && f != nullptr ? absl::StrCat("wrote it to ", path).c_str()
+                                         : absl::StrCat("could not write it to ", path).c_str());
+  };
   auto finish = [&](int code) {
+    if (code != 0) report_flight();
     stop = true;
     heartbeat.join();
     session->Close();
@@ -495,6 +580,20 @@ int Main(int argc, char** argv) {
     auto dir = SaveCheckpoint(*o, ckpt_dir, co);
     if (dir.ok()) {
       last_saved = step;
+      const double took = absl::ToDoubleSeconds(absl::Now() - t0);
+      int64_t bytes = 0;  // the whole checkpoint: every shard and the manifest
+      if (auto files = fs->ListDir(*dir); files.ok()) {
+        for (const std::string& name : *files) {
+          if (auto size = fs->FileSize(absl::StrCat(*dir, "/", name)); size.ok()) bytes += static_cast<int64_t>(*size);
+        }
+      }
+      {
+        std::lock_guard<std::mutex> l(metrics.mu);
+        ++metrics.checkpoints_total;
+        metrics.last_checkpoint_step = step;
+        metrics.last_checkpoint_seconds = took;
+        metrics.last_checkpoint_bytes = bytes;
+      }
       if (rank == 0) {
         std::printf("checkpoint %s written in %.2f s\n", dir->c_str(), absl::ToDoubleSeconds(absl::Now() - t0));
         if (ckpt_keep > 0) {
@@ -612,6 +711,10 @@ int Main(int argc, char** argv) {
       return finish(Fail(rank, "stalled on purpose (--debug-stall-rank)"));
     }
     const absl::Time step_start = absl::Now();
+    if (rank == slow_rank && slow_ms > 0) {  // --debug-slow-rank: slower on purpose
+      std::this_thread::sleep_for(std::chrono::milliseconds(slow_ms));
+    }
+    recorder->set_step(step + 1);  // the step the next collectives belong to
     ++progress;
     o->ZeroGrad();
     torch::Tensor loss;
@@ -649,6 +752,14 @@ int Main(int argc, char** argv) {
                           ? absl::StrCat("non-finite loss (", Num(l), ") at step ", step + 1, "; stopping (lower --lr)")
                           : absl::StrCat("rank ", agreed->nonfinite_rank, " had a non-finite loss at step ",
                                          step + 1, "; stopping"));
+    }
+    {
+      std::lock_guard<std::mutex> l(metrics.mu);
+      if (metrics.step_seconds.size() == kMaxStepTimes) metrics.step_seconds.erase(metrics.step_seconds.begin());
+      metrics.step_seconds.push_back(absl::ToDoubleSeconds(absl::Now() - step_start));
+      metrics.grad_norm = r->grad_norm;
+      metrics.comm_wait_seconds = r->comm_wait_seconds;
+      metrics.update_seconds = r->update_seconds;
     }
     ++window_steps;
     step_now = step + 1;

@@ -20,6 +20,8 @@
 #include "client/coordinator_client.h"
 #include "server/coordinator.h"
 #include "server/coordinator_service.h"
+#include "server/flight_records.h"
+#include "server/metrics.h"
 #include "server/rpc_server.h"
 #include "tools/flags.h"
 
@@ -53,6 +55,16 @@ flags (a malformed or out-of-range value is refused, naming the flag; exit statu
                          SHARDOPT_TLS_KEY from the environment, which shardrun passes on)
   --heartbeat-timeout=S  a rank silent this long fails the job, seconds in [0.1, 86400]
                          (default 10)
+  --metrics-port=P       serve Prometheus metrics over HTTP at --bind:P/metrics, 0..65535
+                         (0: chosen by the OS, printed; default: no metrics). Plain HTTP,
+                         read-only, no token: see README, "Observability"
+  --metrics-port-file=PATH  write the metrics host:port here once it listens
+  --slow-factor=X        a rank whose busy time per step (step time minus waiting on
+                         collectives) exceeds X times the median of the other ranks' is
+                         slow, (1, 1000] (default 1.5) ...
+  --slow-windows=K       ... for K windows in a row, 1..1000 (default 3); as many windows
+                         under X and it recovers; each change is one line here
+  --slow-window=S        the length of one window, seconds in [0.1, 3600] (default 5)
   --help                 this text
 
 Exit status: 0 every rank finished, 1 the job failed, 2 a bad flag, 130 interrupted.
@@ -100,7 +112,8 @@ int Main(int argc, char** argv) {
   auto flags = Flags::Parse(argc, argv,
                             {"nproc", "nnodes", "node-rank", "coordinator", "bind", "port",
                              "port-file", "job-id", "token-file", "heartbeat-timeout", "tls-cert",
-                             "tls-key", "tls-client-ca", "help"});
+                             "tls-key", "tls-client-ca", "metrics-port", "metrics-port-file",
+                             "slow-factor", "slow-windows", "slow-window", "help"});
   if (!flags.ok()) return Fail(std::string(flags.status().message()));
   if (flags->Has("help")) {
     std::printf("%s", kUsage);
@@ -124,11 +137,31 @@ int Main(int argc, char** argv) {
   auto tls_cert = flags->NonEmpty("tls-cert", "");
   auto tls_key = flags->NonEmpty("tls-key", "");
   auto tls_client_ca = flags->NonEmpty("tls-client-ca", "");
+  auto metrics_port = flags->Port("metrics-port", -1);  // -1: no metrics
+  auto metrics_port_file = flags->NonEmpty("metrics-port-file", "");
+  auto slow_factor = flags->Double("slow-factor", 1.5, 1, 1000, /*min_exclusive=*/true);
+  auto slow_windows = flags->Int("slow-windows", 3, 1, 1000);
+  auto slow_window = flags->Seconds("slow-window", 5, 0.1, 3600);
   for (const absl::Status& s :
        {nproc.status(), nnodes.status(), port.status(), hb.status(), coordinator_flag.status(),
         bind.status(), port_file.status(), job_id_flag.status(), token_file_flag.status(),
-        tls_cert.status(), tls_key.status(), tls_client_ca.status()}) {
+        tls_cert.status(), tls_key.status(), tls_client_ca.status(), metrics_port.status(),
+        metrics_port_file.status(), slow_factor.status(), slow_windows.status(),
+        slow_window.status()}) {
     if (!s.ok()) return Fail(std::string(s.message()));
+  }
+  if (!metrics_port_file->empty() && *metrics_port < 0) {
+    return Fail("--metrics-port-file needs --metrics-port");
+  }
+  if (!coordinator_flag->empty()) {
+    // Metrics and slow ranks are the coordinator's: node 0's shardrun.
+    for (const char* f : {"metrics-port", "metrics-port-file", "slow-factor", "slow-windows",
+                          "slow-window"}) {
+      if (flags->Has(f)) {
+        return Fail(absl::StrCat("--", f, " applies to the shardrun that runs the coordinator "
+                                 "(node 0), not with --coordinator"));
+      }
+    }
   }
   if (!flags->Has("nproc")) return Fail("--nproc is required (1..1024; see --help)");
   auto node_rank = flags->Int("node-rank", 0, 0, *nnodes - 1);
@@ -148,6 +181,7 @@ int Main(int argc, char** argv) {
   std::unique_ptr<Coordinator> coordinator;
   std::unique_ptr<CoordinatorService> service;
   std::unique_ptr<RpcServer> server;
+  std::unique_ptr<MetricsServer> metrics;  // reads the coordinator: goes first
   std::string address = *coordinator_flag;
   if (address.empty()) {
     if (*nnodes > 1 && *node_rank != 0) {
@@ -157,6 +191,14 @@ int Main(int argc, char** argv) {
     copt.job_id = job_id;
     copt.world_size = world;
     copt.heartbeat_timeout = *hb;
+    copt.slow_factor = *slow_factor;
+    copt.slow_windows = static_cast<int>(*slow_windows);
+    copt.slow_window = *slow_window;
+    copt.on_event = [](const std::string& line) {
+      std::lock_guard<std::mutex> l(g_out_mu);
+      std::fprintf(stdout, "shardrun: %s\n", line.c_str());
+      std::fflush(stdout);
+    };
     coordinator = std::make_unique<Coordinator>(copt);
     service = std::make_unique<CoordinatorService>(coordinator.get(), token);
     RpcServerOptions sopt;
@@ -168,16 +210,36 @@ int Main(int argc, char** argv) {
     if (!s.ok()) return Fail(s.status().ToString());
     server = std::move(*s);
     address = server->address();
+    // Metrics next, so that a failure to serve them leaves no --port-file
+    // behind, and --metrics-port-file exists once --port-file does.
+    if (*metrics_port >= 0) {
+      auto m = MetricsServer::Start(coordinator.get(), *bind, *metrics_port);
+      if (!m.ok()) return Fail(std::string(m.status().message()));
+      metrics = std::move(*m);
+    }
     std::printf("shardrun: coordinator listening on %s (job %s, %d ranks)\n", address.c_str(),
                 job_id.c_str(), world);
+    if (metrics) std::printf("shardrun: metrics on http://%s/metrics\n", metrics->address().c_str());
     std::fflush(stdout);
-    if (!port_file->empty()) {
-      std::ofstream pf(*port_file + ".tmp");
-      pf << address << "\n";
+    // Written whole or not at all (a temporary file renamed).
+    auto write_address = [](const std::string& path, const std::string& value,
+                            const char* flag) -> absl::Status {
+      if (path.empty()) return absl::OkStatus();
+      std::ofstream pf(path + ".tmp");
+      pf << value << "\n";
       pf.close();
-      if (!pf || std::rename((*port_file + ".tmp").c_str(), port_file->c_str()) != 0) {
-        return Fail(absl::StrCat("cannot write --port-file '", *port_file, "': ", std::strerror(errno)));
+      if (!pf || std::rename((path + ".tmp").c_str(), path.c_str()) != 0) {
+        return absl::UnavailableError(
+            absl::StrCat("cannot write --", flag, " '", path, "': ", std::strerror(errno)));
       }
+      return absl::OkStatus();
+    };
+    if (metrics) {
+      absl::Status w = write_address(*metrics_port_file, metrics->address(), "metrics-port-file");
+      if (!w.ok()) return Fail(std::string(w.message()));
+    }
+    if (absl::Status w = write_address(*port_file, address, "port-file"); !w.ok()) {
+      return Fail(std::string(w.message()));
     }
   }
   const std::string master_addr = address.substr(0, address.rfind(':'));
@@ -238,11 +300,11 @@ int Main(int argc, char** argv) {
   absl::Time term_deadline, kill_deadline;
   // The coordinator tells the remaining ranks first (they exit within a
   // heartbeat, naming the cause); SIGTERM after 3 s, SIGKILL after 8 s.
-  auto stop_all = [&](const std::string& why, bool now) {
+  auto stop_all = [&](const std::string& why, bool now, AbortCause cause) {
     if (stopping) return;
     stopping = true;
     failure = why;
-    if (coordinator) coordinator->Abort(why, -1);
+    if (coordinator) coordinator->Abort(why, -1, cause);  // no-op once the job has failed
     term_deadline = absl::Now() + (now || !coordinator ? absl::ZeroDuration() : absl::Seconds(3));
     kill_deadline = term_deadline + absl::Seconds(5);
   };
@@ -265,16 +327,17 @@ int Main(int argc, char** argv) {
             JobStatus j = coordinator->GetJob();
             if (j.state == JobState::kFailed && !j.failure.empty()) why = absl::StrCat(j.failure, " (", why, ")");
           }
-          stop_all(why, false);
+          stop_all(why, false, AbortCause::kRankExit);
         }
       }
     }
     if (g_signal.load() != 0 && !stopping) {
-      stop_all(absl::StrCat("interrupted (signal ", g_signal.load(), ")"), true);
+      stop_all(absl::StrCat("interrupted (signal ", g_signal.load(), ")"), true,
+               AbortCause::kInterrupted);
     }
     if (coordinator && !stopping) {
       JobStatus j = coordinator->GetJob();
-      if (j.state == JobState::kFailed) stop_all(j.failure, false);
+      if (j.state == JobState::kFailed) stop_all(j.failure, false, j.failure_cause);
     }
     if (stopping && !terminated && absl::Now() >= term_deadline) {
       terminated = true;
@@ -290,9 +353,14 @@ int Main(int argc, char** argv) {
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
   for (auto& t : pumps) t.join();
+  metrics.reset();
   if (server) server->Shutdown();
   if (!failure.empty()) {
     std::fprintf(stderr, "shardrun: job failed: %s; stopped all ranks\n", failure.c_str());
+    if (service) {  // where the ranks' collectives diverged, from the rings they reported
+      const std::string d = ReportedDivergence(service->flight_records(), *coordinator);
+      if (!d.empty()) std::fprintf(stderr, "shardrun: flight recorder: %s\n", d.c_str());
+    }
     return g_signal.load() != 0 ? 130 : 1;
   }
   std::printf("shardrun: all %zu ranks finished\n", children.size());
