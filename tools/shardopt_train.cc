@@ -741,7 +741,12 @@ int Main(int argc, char** argv) {
                                    " (loss ", Num(l), "); stopping (lower --lr)"));
     }
     ++progress;
+    // The per-step agreement is a collective too: a rank that is slow after
+    // Step() (logging, data) makes the others wait here, and that wait must
+    // count as communication, not as their busy time (slow-rank detection).
+    const absl::Time agree_start = absl::Now();
     auto agreed = agree(step + 1, !std::isfinite(l));
+    const double agree_seconds = absl::ToDoubleSeconds(absl::Now() - agree_start);
     if (!agreed.ok()) {
       const std::string msg = why(agreed.status(), step_start);
       (void)client.Abort(msg, rank);
@@ -758,7 +763,7 @@ int Main(int argc, char** argv) {
       if (metrics.step_seconds.size() == kMaxStepTimes) metrics.step_seconds.erase(metrics.step_seconds.begin());
       metrics.step_seconds.push_back(absl::ToDoubleSeconds(absl::Now() - step_start));
       metrics.grad_norm = r->grad_norm;
-      metrics.comm_wait_seconds = r->comm_wait_seconds;
+      metrics.comm_wait_seconds = r->comm_wait_seconds + agree_seconds;
       metrics.update_seconds = r->update_seconds;
     }
     ++window_steps;
