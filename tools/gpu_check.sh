@@ -91,7 +91,10 @@ compile check $NVCC "${NVFLAGS[@]}" $arch -c tools/gpu_check.cu -o "$b/check.o"
 common_srcs=(server/update_slice.cc server/optimizer_config.cc server/reference_optimizer.cc
              server/cuda/cuda_kernels.cc client/communicator.cc client/kv_store.cc
              client/device_backend.cc client/cuda_backend.cc common/layout.cc common/planner.cc
-             common/crc32c.cc common/file_system.cc common/model_shapes.cc)
+             common/crc32c.cc common/file_system.cc common/model_shapes.cc client/manifest.cc)
+# tools/check_gpu_sources.sh (run by tools/test.sh, i.e. CI) checks with
+# `bazel query` that every source the GPU targets depend on is named in this
+# script, so this list cannot silently fall behind the BUILD files.
 if [[ $have_absl == 1 ]]; then
   for s in "${common_srcs[@]}" tests/gpu_kernels_test.cc; do
     n=$(basename "$s" .cc); compile "$n" $CXX "${CXXFLAGS[@]}" -c "$s" -o "$b/$n.o"
@@ -153,7 +156,7 @@ if [[ $have_absl == 1 ]]; then
       [[ -f $torch_lib/libtorch_cuda.so ]] && tcuda=(-Wl,--no-as-needed -ltorch_cuda -lc10_cuda -Wl,--as-needed)
       # (BUILD_TORCH_TEST=1 builds it against a CPU LibTorch too, to check the build.)
       # Shared cudart here: one runtime with LibTorch's (same soname).
-      link gpu_sharded_optimizer_test $CXX $(obj gpu_sharded_optimizer_test sharded_optimizer checkpoint crc32c file_system cuda_backend device_backend \
+      link gpu_sharded_optimizer_test $CXX $(obj gpu_sharded_optimizer_test sharded_optimizer checkpoint manifest crc32c file_system cuda_backend device_backend \
           nccl_communicator communicator kv_store layout planner cpu_kernels k_base k_avx2 k_avx512 optimizer_config \
           update_slice cuda_kernels impl) -fopenmp \
         "${deps_lib[@]}" -Wl,--start-group "${absl_libs[@]}" -Wl,--end-group "${gtest_libs[@]}" "${nccl_link[@]}" \

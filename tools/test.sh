@@ -20,6 +20,14 @@ fi
 bazel test --nocache_test_results //... "$@" 2>&1 | tee "$log"
 test_rc=${PIPESTATUS[0]}
 
+# tools/gpu_check.sh builds the GPU targets without Bazel: its source lists
+# must match the BUILD files (checked with bazel query). Counted as a test.
+if tools/check_gpu_sources.sh; then
+  echo "//tools:check_gpu_sources   PASSED" >>"$log"
+else
+  echo "//tools:check_gpu_sources   FAILED" >>"$log"
+fi
+
 # One line per test target: "//pkg:target   PASSED in 1.2s" (or FAILED, TIMEOUT, ...).
 passed=$(grep -Ec '^//[^ ]+ +(\(cached\) )?PASSED' "$log")
 failed=$(grep -Ec '^//[^ ]+ +(\(cached\) )?(FAILED|TIMEOUT|FLAKY|NO STATUS|INCOMPLETE|FAILED TO BUILD)' "$log")
