@@ -51,7 +51,19 @@ run=$!
 wait_addr "$tmp/addr9"
 timeout 60 $B/shardctl --coordinator="$(cat "$tmp/addr9")" status --wait=60 >/dev/null
 sleep 1
-victim=$(rank_pid fr_kill9_$id 1)
+# The rank's process carries RANK only once exec'd (a forked child still
+# shows shardrun's command line and environment): look until it is there.
+victim=""
+for _ in $(seq 1 300); do
+  victim=$(rank_pid fr_kill9_$id 1)
+  [[ -n $victim ]] && break
+  sleep 0.1
+done
+if [[ -z $victim ]]; then
+  echo "could not find rank 1's process; shardopt_train processes:"
+  for p in $(pgrep -f shardopt_train); do echo "  $p: $(tr '\0' ' ' <"/proc/$p/cmdline" 2>/dev/null | cut -c1-120)"; done
+  kill "$run" 2>/dev/null
+fi
 start=$(date +%s)
 kill -9 "$victim"
 wait $run
