@@ -245,26 +245,25 @@ class CoordinatorService::WaitingCall : public grpc::ServerUnaryReactor {
   Coordinator::WaitId id_ = 0;
 };
 
-// GetMemory: asks every joined rank's shard owner at once (asynchronous
-// calls, 5 s each at most), finishes when the last one answers.
-class CoordinatorService::MemoryCall : public grpc::ServerUnaryReactor {
+// A call that asks every joined rank's shard owner at once (asynchronous
+// calls with the job's token, each bounded by `deadline`) and finishes when
+// the last one answered. Subclasses say which RPC to send (CallOwner), what
+// a rank that never joined means (NotJoinedLocked), what to do with each
+// answer (AnswerLocked) and at the end (Finished), and how to leave the
+// service's set of such calls (Unregister).
+class CoordinatorService::FanOutCall : public grpc::ServerUnaryReactor {
  public:
-  MemoryCall(CoordinatorService* service, v1::GetMemoryResponse* resp)
-      : service_(service), resp_(resp) {
-    service_->CallStarted();
-  }
+  explicit FanOutCall(CoordinatorService* service) : service_(service) { service_->CallStarted(); }
 
   void Start(const std::vector<std::string>& addresses, absl::Time deadline) {
     const size_t n = addresses.size();
-    infos_.resize(n);
     contexts_.resize(n);
+    Prepare(n);
     {
       absl::MutexLock l(&mu_);
       for (size_t r = 0; r < n; ++r) {
-        v1::RankMemory* m = resp_->add_ranks();
-        m->set_rank(static_cast<int>(r));
         if (addresses[r].empty()) {
-          m->set_error("not joined");
+          NotJoinedLocked(r);
           continue;
         }
         auto ctx = std::make_unique<grpc::ClientContext>();
@@ -280,9 +279,8 @@ class CoordinatorService::MemoryCall : public grpc::ServerUnaryReactor {
     for (size_t r = 0; r < n; ++r) {
       if (!contexts_[r]) continue;
       const std::string address = addresses[r];
-      service_->OwnerStub(address)->async()->GetShardInfo(
-          contexts_[r].get(), &request_, &infos_[r],
-          [this, r, address](grpc::Status s) { Answer(r, address, s); });
+      CallOwner(service_->OwnerStub(address), contexts_[r].get(), r,
+                [this, r, address](grpc::Status s) { Answer(r, address, s); });
     }
     Release();  // Start's own hold
   }
@@ -300,29 +298,30 @@ class CoordinatorService::MemoryCall : public grpc::ServerUnaryReactor {
 
   void OnDone() override {
     CoordinatorService* service = service_;
-    {
-      absl::MutexLock l(&service->calls_mu_);
-      service->memory_calls_.erase(this);
-    }
+    Unregister();
     delete this;
     service->CallDone();
   }
+
+ protected:
+  virtual ~FanOutCall() = default;
+  virtual void Prepare(size_t n) = 0;
+  virtual void CallOwner(v1::ShardOwner::Stub* stub, grpc::ClientContext* ctx, size_t r,
+                         std::function<void(grpc::Status)> done) = 0;
+  virtual void NotJoinedLocked(size_t r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) = 0;
+  virtual void AnswerLocked(size_t r, const std::string& address, const grpc::Status& s)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) = 0;
+  virtual void Finished() = 0;
+  virtual void Unregister() = 0;
+
+  CoordinatorService* const service_;
+  absl::Mutex mu_;
 
  private:
   void Answer(size_t r, const std::string& address, const grpc::Status& s) {
     {
       absl::MutexLock l(&mu_);
-      v1::RankMemory* m = resp_->mutable_ranks(static_cast<int>(r));
-      if (!s.ok()) {
-        m->set_error(absl::StrCat("shard owner at ", address, ": ", s.error_message()));
-      } else {
-        const v1::GetShardInfoResponse& info = infos_[r];
-        m->set_master_bytes(info.master_bytes());
-        m->set_state_bytes(info.state_bytes());
-        m->set_grad_bytes(info.grad_bytes());
-        m->set_param_bytes(info.param_bytes());
-        m->set_rss_bytes(info.rss_bytes());
-      }
+      AnswerLocked(r, address, s);
     }
     Release();
   }
@@ -332,97 +331,74 @@ class CoordinatorService::MemoryCall : public grpc::ServerUnaryReactor {
       absl::MutexLock l(&mu_);
       last = --pending_ == 0;
     }
-    if (last) Finish(grpc::Status::OK);
+    if (last) Finished();
   }
 
-  CoordinatorService* const service_;
-  v1::GetMemoryResponse* const resp_;
-  const v1::GetShardInfoRequest request_;
-  std::vector<v1::GetShardInfoResponse> infos_;
   std::vector<std::unique_ptr<grpc::ClientContext>> contexts_;
-  absl::Mutex mu_;
   int pending_ ABSL_GUARDED_BY(mu_) = 1;  // Start's hold
   bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
 };
 
-// GetFlightRecords: asks every joined rank's shard owner for its ring at once
-// (asynchronous calls, 5 s each at most), like MemoryCall; when the last one
-// answers, a rank that did not is represented by the ring it reported (if
-// any), and the first divergence is computed.
-class CoordinatorService::FlightCall : public grpc::ServerUnaryReactor {
+// GetMemory: every shard owner's GetShardInfo, 5 s each at most.
+class CoordinatorService::MemoryCall : public FanOutCall {
  public:
-  FlightCall(CoordinatorService* service, v1::GetFlightRecordsResponse* resp)
-      : service_(service), resp_(resp) {
-    service_->CallStarted();
-  }
-
-  void Start(const std::vector<std::string>& addresses, absl::Time deadline) {
-    const size_t n = addresses.size();
-    rings_.resize(n);
-    errors_.resize(n);
-    contexts_.resize(n);
-    {
-      absl::MutexLock l(&mu_);
-      for (size_t r = 0; r < n; ++r) {
-        if (addresses[r].empty()) {
-          errors_[r] = "never joined";
-          continue;
-        }
-        auto ctx = std::make_unique<grpc::ClientContext>();
-        ctx->set_deadline(absl::ToChronoTime(deadline));
-        if (!service_->token_.empty()) {
-          ctx->AddMetadata("authorization", "Bearer " + service_->token_);
-        }
-        if (cancelled_) ctx->TryCancel();
-        contexts_[r] = std::move(ctx);
-        ++pending_;
-      }
-    }
-    for (size_t r = 0; r < n; ++r) {
-      if (!contexts_[r]) continue;
-      const std::string address = addresses[r];
-      service_->OwnerStub(address)->async()->GetFlightRecord(
-          contexts_[r].get(), &request_, &rings_[r],
-          [this, r, address](grpc::Status s) { Answer(r, address, s); });
-    }
-    Release();  // Start's own hold
-  }
-
-  void CancelOutgoing() {
-    absl::MutexLock l(&mu_);
-    cancelled_ = true;
-    for (auto& c : contexts_) {
-      if (c) c->TryCancel();
-    }
-  }
-
-  void OnCancel() override { CancelOutgoing(); }
-
-  void OnDone() override {
-    CoordinatorService* service = service_;
-    {
-      absl::MutexLock l(&service->calls_mu_);
-      service->flight_calls_.erase(this);
-    }
-    delete this;
-    service->CallDone();
-  }
+  MemoryCall(CoordinatorService* service, v1::GetMemoryResponse* resp) : FanOutCall(service), resp_(resp) {}
 
  private:
-  void Answer(size_t r, const std::string& address, const grpc::Status& s) {
-    {
-      absl::MutexLock l(&mu_);
-      if (!s.ok()) errors_[r] = absl::StrCat("shard owner at ", address, ": ", s.error_message());
-    }
-    Release();
+  void Prepare(size_t n) override {
+    infos_.resize(n);
+    for (size_t r = 0; r < n; ++r) resp_->add_ranks()->set_rank(static_cast<int>(r));
   }
-  void Release() {
-    bool last;
-    {
-      absl::MutexLock l(&mu_);
-      last = --pending_ == 0;
+  void CallOwner(v1::ShardOwner::Stub* stub, grpc::ClientContext* ctx, size_t r,
+                 std::function<void(grpc::Status)> done) override {
+    stub->async()->GetShardInfo(ctx, &request_, &infos_[r], std::move(done));
+  }
+  void NotJoinedLocked(size_t r) override { resp_->mutable_ranks(static_cast<int>(r))->set_error("not joined"); }
+  void AnswerLocked(size_t r, const std::string& address, const grpc::Status& s) override {
+    v1::RankMemory* m = resp_->mutable_ranks(static_cast<int>(r));
+    if (!s.ok()) {
+      m->set_error(absl::StrCat("shard owner at ", address, ": ", s.error_message()));
+      return;
     }
-    if (!last) return;
+    const v1::GetShardInfoResponse& info = infos_[r];
+    m->set_master_bytes(info.master_bytes());
+    m->set_state_bytes(info.state_bytes());
+    m->set_grad_bytes(info.grad_bytes());
+    m->set_param_bytes(info.param_bytes());
+    m->set_rss_bytes(info.rss_bytes());
+  }
+  void Finished() override { Finish(grpc::Status::OK); }
+  void Unregister() override {
+    absl::MutexLock l(&service_->calls_mu_);
+    service_->memory_calls_.erase(this);
+  }
+
+  v1::GetMemoryResponse* const resp_;
+  const v1::GetShardInfoRequest request_;
+  std::vector<v1::GetShardInfoResponse> infos_;
+};
+
+// GetFlightRecords: every shard owner's ring, 5 s each at most; a rank that
+// did not answer is represented by the ring it reported (if any), and the
+// first divergence is computed.
+class CoordinatorService::FlightCall : public FanOutCall {
+ public:
+  FlightCall(CoordinatorService* service, v1::GetFlightRecordsResponse* resp) : FanOutCall(service), resp_(resp) {}
+
+ private:
+  void Prepare(size_t n) override {
+    rings_.resize(n);
+    errors_.resize(n);
+  }
+  void CallOwner(v1::ShardOwner::Stub* stub, grpc::ClientContext* ctx, size_t r,
+                 std::function<void(grpc::Status)> done) override {
+    stub->async()->GetFlightRecord(ctx, &request_, &rings_[r], std::move(done));
+  }
+  void NotJoinedLocked(size_t r) override { errors_[r] = "never joined"; }
+  void AnswerLocked(size_t r, const std::string& address, const grpc::Status& s) override {
+    if (!s.ok()) errors_[r] = absl::StrCat("shard owner at ", address, ": ", s.error_message());
+  }
+  void Finished() override {
     std::map<int, v1::FlightRecord> reported;
     for (v1::FlightRecord& f : service_->flight_records_.Reported()) reported[f.rank()] = std::move(f);
     for (size_t r = 0; r < rings_.size(); ++r) {
@@ -441,16 +417,15 @@ class CoordinatorService::FlightCall : public grpc::ServerUnaryReactor {
         HeartbeatNotes(*service_->coordinator_)));
     Finish(grpc::Status::OK);
   }
+  void Unregister() override {
+    absl::MutexLock l(&service_->calls_mu_);
+    service_->flight_calls_.erase(this);
+  }
 
-  CoordinatorService* const service_;
   v1::GetFlightRecordsResponse* const resp_;
   const v1::GetFlightRecordRequest request_;
   std::vector<v1::FlightRecord> rings_;
   std::vector<std::string> errors_;  // written before the calls start or by their Answer
-  std::vector<std::unique_ptr<grpc::ClientContext>> contexts_;
-  absl::Mutex mu_;
-  int pending_ ABSL_GUARDED_BY(mu_) = 1;  // Start's hold
-  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 CoordinatorService::CoordinatorService(Coordinator* coordinator, std::string token)

@@ -92,6 +92,7 @@ class CoordinatorService final : public v1::Coordinator::CallbackService, public
 
   class SessionReactor;
   class WaitingCall;
+  class FanOutCall;
   class MemoryCall;
   class FlightCall;
 
