@@ -44,11 +44,29 @@ CoordinatorClient::CoordinatorClient(const std::string& address, std::string tok
       channel_(grpc::CreateCustomChannel(address, credentials, KeepaliveArgs())),
       stub_(v1::Coordinator::NewStub(channel_)) {}
 
+namespace {
+// The Session RPC's stream.
+class GrpcCoordinatorSession final : public CoordinatorSession {
+ public:
+  GrpcCoordinatorSession(
+      std::unique_ptr<grpc::ClientContext> ctx,
+      std::unique_ptr<grpc::ClientReaderWriter<v1::HeartbeatRequest, v1::HeartbeatResponse>> stream)
+      : ctx_(std::move(ctx)), stream_(std::move(stream)) {}
+  bool Send(const v1::HeartbeatRequest& hb) override { return stream_->Write(hb); }
+  bool Receive(v1::HeartbeatResponse* notice) override { return stream_->Read(notice); }
+  void Close() override { ctx_->TryCancel(); }
+
+ private:
+  std::unique_ptr<grpc::ClientContext> ctx_;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::HeartbeatRequest, v1::HeartbeatResponse>> stream_;
+};
+}  // namespace
+
 std::unique_ptr<CoordinatorSession> CoordinatorClient::OpenSession() {
   auto ctx = std::make_unique<grpc::ClientContext>();
   if (!token_.empty()) ctx->AddMetadata("authorization", "Bearer " + token_);
   auto stream = stub_->Session(ctx.get());
-  return std::make_unique<CoordinatorSession>(std::move(ctx), std::move(stream));
+  return std::make_unique<GrpcCoordinatorSession>(std::move(ctx), std::move(stream));
 }
 
 absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials(

@@ -1,6 +1,7 @@
 // Client of the coordinator's gRPC API, with the deadlines documented in
 // proto/shardopt.proto, and a KeyValueStore over it for Gloo's rendezvous.
-// Thread-safe (gRPC stubs are).
+// CoordinatorApi is the part a rank uses (so that it can be faked in tests);
+// CoordinatorClient implements it over gRPC. Thread-safe (gRPC stubs are).
 #ifndef SHARDOPT_CLIENT_COORDINATOR_CLIENT_H_
 #define SHARDOPT_CLIENT_COORDINATOR_CLIENT_H_
 
@@ -9,7 +10,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "client/kv_store.h"
+#include "client/comm/kv_store.h"
 #include <grpcpp/security/credentials.h>
 
 #include "proto/shardopt.grpc.pb.h"
@@ -37,19 +38,40 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials
 // another Receives. Close() ends it; Receive then returns false.
 class CoordinatorSession {
  public:
-  CoordinatorSession(std::unique_ptr<grpc::ClientContext> ctx,
-                     std::unique_ptr<grpc::ClientReaderWriter<v1::HeartbeatRequest, v1::HeartbeatResponse>> stream)
-      : ctx_(std::move(ctx)), stream_(std::move(stream)) {}
-  bool Send(const v1::HeartbeatRequest& hb) { return stream_->Write(hb); }
-  bool Receive(v1::HeartbeatResponse* notice) { return stream_->Read(notice); }
-  void Close() { ctx_->TryCancel(); }
-
- private:
-  std::unique_ptr<grpc::ClientContext> ctx_;
-  std::unique_ptr<grpc::ClientReaderWriter<v1::HeartbeatRequest, v1::HeartbeatResponse>> stream_;
+  virtual ~CoordinatorSession() = default;
+  // False once the session is broken or closed.
+  virtual bool Send(const v1::HeartbeatRequest& hb) = 0;
+  // Blocks until a notice arrives (true) or the session ends (false).
+  virtual bool Receive(v1::HeartbeatResponse* notice) = 0;
+  virtual void Close() = 0;
 };
 
-class CoordinatorClient {
+// What a rank (client/rank_agent.h) and the rendezvous store need of the
+// coordinator: the gRPC CoordinatorClient below, or a fake in tests
+// (tests/fake_coordinator.h). Implementations are thread-safe.
+class CoordinatorApi {
+ public:
+  virtual ~CoordinatorApi() = default;
+  virtual absl::StatusOr<v1::JoinResponse> Join(const v1::JoinRequest& req,
+                                                absl::Duration deadline) = 0;
+  virtual absl::StatusOr<v1::HeartbeatResponse> Heartbeat(const v1::HeartbeatRequest& req) = 0;
+  // This rank's session; never null (a session that cannot connect fails its
+  // first Send / Receive).
+  virtual std::unique_ptr<CoordinatorSession> OpenSession() = 0;
+  virtual absl::StatusOr<v1::GetJobResponse> GetJob(absl::Duration deadline = absl::Seconds(5)) = 0;
+  virtual absl::Status Abort(const std::string& reason, int rank) = 0;
+  virtual absl::Status Finish(int rank) = 0;
+  virtual absl::Status ReportFlightRecord(const v1::FlightRecord& record) = 0;
+  // The new hyper-parameter version; the checkpoint request number.
+  virtual absl::StatusOr<int64_t> SetLearningRate(double lr) = 0;
+  virtual absl::StatusOr<int64_t> RequestCheckpoint() = 0;
+  // Rendezvous key-value store.
+  virtual absl::Status KvSet(const std::string& key, const std::string& value) = 0;
+  virtual absl::StatusOr<std::string> KvGet(const std::string& key, absl::Duration wait) = 0;
+};
+
+// The coordinator over gRPC.
+class CoordinatorClient final : public CoordinatorApi {
  public:
   // Does not connect yet; `token` ("" = none) is sent as a bearer token.
   CoordinatorClient(const std::string& address, std::string token);
@@ -57,24 +79,25 @@ class CoordinatorClient {
                     std::shared_ptr<grpc::ChannelCredentials> credentials);
 
   const std::string& address() const { return address_; }
-  absl::StatusOr<v1::JoinResponse> Join(const v1::JoinRequest& req, absl::Duration deadline);
-  absl::Status KvSet(const std::string& key, const std::string& value);
-  absl::StatusOr<std::string> KvGet(const std::string& key, absl::Duration wait);
-  absl::StatusOr<v1::HeartbeatResponse> Heartbeat(const v1::HeartbeatRequest& req);
-  absl::StatusOr<v1::GetJobResponse> GetJob(absl::Duration deadline = absl::Seconds(5));
+  absl::StatusOr<v1::JoinResponse> Join(const v1::JoinRequest& req,
+                                        absl::Duration deadline) override;
+  absl::Status KvSet(const std::string& key, const std::string& value) override;
+  absl::StatusOr<std::string> KvGet(const std::string& key, absl::Duration wait) override;
+  absl::StatusOr<v1::HeartbeatResponse> Heartbeat(const v1::HeartbeatRequest& req) override;
+  absl::StatusOr<v1::GetJobResponse> GetJob(absl::Duration deadline = absl::Seconds(5)) override;
   absl::StatusOr<v1::GetLayoutResponse> GetLayout();
   absl::StatusOr<v1::GetMemoryResponse> GetMemory();
   // Flight recorder: a failing rank's ring (5 s); every rank's ring and their
   // first divergence (10 s).
-  absl::Status ReportFlightRecord(const v1::FlightRecord& record);
+  absl::Status ReportFlightRecord(const v1::FlightRecord& record) override;
   absl::StatusOr<v1::GetFlightRecordsResponse> GetFlightRecords();
-  absl::StatusOr<int64_t> SetLearningRate(double lr);
-  absl::Status Abort(const std::string& reason, int rank);
-  absl::Status Finish(int rank);
-  absl::StatusOr<int64_t> RequestCheckpoint();
+  absl::StatusOr<int64_t> SetLearningRate(double lr) override;
+  absl::Status Abort(const std::string& reason, int rank) override;
+  absl::Status Finish(int rank) override;
+  absl::StatusOr<int64_t> RequestCheckpoint() override;
   // Opens this rank's session. Broken connections are detected by keepalive
   // pings (every 5 s, 5 s timeout), so Send/Receive never block forever.
-  std::unique_ptr<CoordinatorSession> OpenSession();
+  std::unique_ptr<CoordinatorSession> OpenSession() override;
   // grpc.health.v1.Health/Check of the coordinator: "SERVING" or an error.
   absl::StatusOr<std::string> Health();
 
@@ -88,7 +111,7 @@ class CoordinatorClient {
 
 class GrpcKeyValueStore : public KeyValueStore {
  public:
-  explicit GrpcKeyValueStore(CoordinatorClient* client) : client_(client) {}
+  explicit GrpcKeyValueStore(CoordinatorApi* client) : client_(client) {}
   absl::Status Set(const std::string& key, const std::string& value) override {
     return client_->KvSet(key, value);
   }
@@ -97,7 +120,7 @@ class GrpcKeyValueStore : public KeyValueStore {
   }
 
  private:
-  CoordinatorClient* client_;
+  CoordinatorApi* client_;
 };
 
 }  // namespace shardopt

@@ -15,8 +15,6 @@
 #include "absl/synchronization/mutex.h"
 #include "common/planner.h"
 #include "common/status_macros.h"
-#include "client/device_backend.h"
-#include "server/cpu_kernels.h"
 
 namespace shardopt {
 
@@ -66,9 +64,12 @@ std::string DescribeModel(const Layout& layout, const ShardedOptimizerOptions& o
                                  " allow_cut=", o.plan.allow_cut,
                                  " grad_comm=", ElementTypeName(o.grad_comm_type),
                                  " max_grad_norm=", o.max_grad_norm, "\n");
-  for (const ParamSpec& p : layout.params()) {
+  absl::StrAppend(&out, "groups ", std::max<size_t>(1, o.groups.size()), "\n");
+  for (size_t i = 0; i < layout.params().size(); ++i) {
+    const ParamSpec& p = layout.params()[i];
     absl::StrAppend(&out, "param ", p.name, "\t", ShapeString(p.shape), " ", DTypeName(p.dtype),
-                    p.trainable ? " trainable" : " frozen", "\n");
+                    p.trainable ? " trainable" : " frozen", " group ",
+                    o.param_group.empty() ? 0 : o.param_group[i], "\n");
   }
   absl::StrAppend(&out, "count ", layout.params().size(), "\n");
   return out;
@@ -97,6 +98,11 @@ absl::StatusOr<std::unique_ptr<ShardedOptimizer>> ShardedOptimizer::Create(
     return absl::InvalidArgumentError("gradients travel as float32 or bfloat16");
   }
   if (named_parameters.empty()) return absl::InvalidArgumentError("the model has no parameters");
+  if (!opt.param_group.empty() && opt.param_group.size() != named_parameters.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("param_group has ", opt.param_group.size(),
+                                                   " entries for ", named_parameters.size(),
+                                                   " parameters"));
+  }
 
   std::vector<ParamSpec> specs;
   torch::ScalarType dtype = torch::kFloat;
@@ -110,10 +116,11 @@ absl::StatusOr<std::unique_ptr<ShardedOptimizer>> ShardedOptimizer::Create(
           "parameter '", name, "' is on device ", t.device().str(),
           "; supported: cpu, cuda (all parameters on one device)"));
     }
-    if (t.device().is_cuda() && CudaBackend() == nullptr) {
+    if (t.device().is_cuda() && (opt.kernel_backend == nullptr || !opt.kernel_backend->on_device())) {
       return absl::InvalidArgumentError(absl::StrCat(
           "parameter '", name, "' is on ", t.device().str(),
-          " but no CUDA backend is linked (link //client:cuda_backend)"));
+          " but the options name no CUDA kernel backend (link "
+          "//server/kernels/cuda:cuda_backend and set kernel_backend = MakeCudaKernelBackend())"));
     }
     if (t.device() != named_parameters.front().second.device()) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -178,6 +185,9 @@ ShardedOptimizer::~ShardedOptimizer() {
   }
   // Reductions still in flight use our buffers: let them finish (bounded).
   for (const auto& h : rs_handles_) {
+    if (h) (void)h->Wait(options_.timeout);
+  }
+  for (const auto& h : ag_handles_) {
     if (h) (void)h->Wait(options_.timeout);
   }
 }
@@ -252,7 +262,6 @@ absl::Status ShardedOptimizer::Init(
   if (dtype_ == torch::kFloat && options_.grad_comm_type == ElementType::kBFloat16) {
     comm_scratch_ = torch::zeros({flat}, on_device.dtype(torch::kBFloat16));
   }
-  const int nb = static_cast<int>(layout_.buckets().size());
   for (size_t i = 0; i < named_parameters.size(); ++i) {
     torch::Tensor p = named_parameters[i].second;
     params_.push_back(p);
@@ -264,6 +273,12 @@ absl::Status ShardedOptimizer::Init(
     p.set_data(view);
     p.mutable_grad() = grad_flat_.narrow(0, off, pl.numel).view(p.sizes());
   }
+  SHARDOPT_RETURN_IF_ERROR(BroadcastInitialValues());
+  SHARDOPT_RETURN_IF_ERROR(CreateShardOwner());
+  return InstallHooks(named_parameters);
+}
+
+absl::Status ShardedOptimizer::BroadcastInitialValues() {
   // Every rank starts from rank 0's values, as DDP does.
   const ElementType ptype = ElementTypeOf(dtype_);
   const int elem = ElementSize(ptype);
@@ -282,30 +297,35 @@ absl::Status ShardedOptimizer::Init(
         comm_->Broadcast(p.data_ptr(), p.numel(), ElementTypeOf(p.scalar_type()), 0),
         "initial broadcast of a frozen parameter", -1));
   }
-  // Owned slices: rank r's range of every bucket.
-  for (const Bucket& b : layout_.buckets()) {
-    owned_offset_.push_back(owned_elements_);
-    owned_elements_ += b.capacity_per_rank;
+  return absl::OkStatus();
+}
+
+absl::Status ShardedOptimizer::CreateShardOwner() {
+  ShardOwnerOptions o;
+  o.kind = options_.kind;
+  if (options_.groups.empty()) {
+    o.groups = {HyperParameters{options_.adam, options_.sgd}};
+  } else {
+    o.groups = options_.groups;
   }
-  const auto f32 = torch::TensorOptions().device(device_).dtype(torch::kFloat);
-  const bool adam = options_.kind != OptimizerKind::kSgd;
-  if (adam || options_.sgd.momentum != 0.0) state0_ = torch::zeros({owned_elements_}, f32);
-  if (adam) state1_ = torch::zeros({owned_elements_}, f32);
-  if (dtype_ == torch::kBFloat16) {
-    master_ = torch::empty({owned_elements_}, f32);
-    for (int b = 0; b < nb; ++b) {
-      const Bucket& bk = layout_.buckets()[b];
-      master_.narrow(0, owned_offset_[b], bk.capacity_per_rank)
-          .copy_(param_flat_.narrow(0, bk.flat_offset + rank_ * bk.capacity_per_rank,
-                                    bk.capacity_per_rank));
-    }
-  }
-  // Bookkeeping for the backward hooks.
+  o.param_group = options_.param_group;
+  std::shared_ptr<KernelBackend> backend = options_.kernel_backend;
+  if (backend == nullptr) backend = MakeCpuKernelBackend(options_.kernel_threads);
+  SHARDOPT_ASSIGN_OR_RETURN(
+      owner_, ShardOwner::Create(layout_, rank_, std::move(o), param_flat_, grad_flat_,
+                                 std::move(backend)));
+  return absl::OkStatus();
+}
+
+absl::Status ShardedOptimizer::InstallHooks(
+    const std::vector<std::pair<std::string, torch::Tensor>>& named_parameters) {
+  const int nb = static_cast<int>(layout_.buckets().size());
   ready_.assign(params_.size(), false);
   bucket_ready_count_.assign(nb, 0);
   bucket_size_.assign(nb, 0);
   for (int b = 0; b < nb; ++b) bucket_size_[b] = static_cast<int>(layout_.buckets()[b].params.size());
   rs_handles_.assign(nb, nullptr);
+  ag_handles_.assign(nb, nullptr);
   {
     absl::MutexLock lock(&hook_state_->mu);
     hook_state_->owner = this;
@@ -393,37 +413,31 @@ void ShardedOptimizer::SetGradientSync(bool enabled) {
 }
 
 void ShardedOptimizer::SetLearningRate(double lr) {
-  if (options_.kind == OptimizerKind::kSgd) {
-    options_.sgd.lr = lr;
-  } else {
-    options_.adam.lr = lr;
-  }
+  owner_->SetLearningRate(lr);
+  options_.sgd.lr = lr;
+  options_.adam.lr = lr;
 }
 
 absl::Status ShardedOptimizer::SetHyperParameters(const AdamConfig& adam, const SgdConfig& sgd) {
-  if (options_.kind == OptimizerKind::kSgd) {
-    SHARDOPT_RETURN_IF_ERROR(ValidateSgdConfig(sgd));
-    if ((sgd.momentum != 0.0) != (options_.sgd.momentum != 0.0)) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "SGD momentum ", sgd.momentum, " cannot replace ", options_.sgd.momentum,
-          ": one keeps a momentum buffer and the other does not"));
-    }
-    SgdConfig c = sgd;
-    c.maximize = options_.sgd.maximize;
-    options_.sgd = c;
-  } else {
-    SHARDOPT_RETURN_IF_ERROR(ValidateAdamConfig(adam));
-    AdamConfig c = adam;
-    c.decoupled_weight_decay = options_.adam.decoupled_weight_decay;
-    c.maximize = options_.adam.maximize;
-    options_.adam = c;
+  for (int g = 0; g < owner_->num_groups(); ++g) {
+    SHARDOPT_RETURN_IF_ERROR(owner_->SetGroup(g, HyperParameters{adam, sgd}));
+  }
+  const HyperParameters applied = owner_->group(0);
+  options_.adam = applied.adam;
+  options_.sgd = applied.sgd;
+  return absl::OkStatus();
+}
+
+absl::Status ShardedOptimizer::SetGroup(int g, const HyperParameters& hp) {
+  SHARDOPT_RETURN_IF_ERROR(owner_->SetGroup(g, hp));
+  if (g == 0) {  // options() reports group 0 (checkpoints, status lines)
+    options_.adam = owner_->group(0).adam;
+    options_.sgd = owner_->group(0).sgd;
   }
   return absl::OkStatus();
 }
 
-double ShardedOptimizer::learning_rate() const {
-  return options_.kind == OptimizerKind::kSgd ? options_.sgd.lr : options_.adam.lr;
-}
+double ShardedOptimizer::learning_rate() const { return owner_->learning_rate(); }
 
 void ShardedOptimizer::ZeroGrad() {
   std::vector<CommHandlePtr> in_flight;
@@ -451,143 +465,128 @@ void ShardedOptimizer::ZeroGrad() {
   accumulated_while_syncing_ = false;
 }
 
-absl::StatusOr<StepResult> ShardedOptimizer::Step() {
-  at::NoGradGuard no_grad;
+// Checks the backward state and launches the reductions of buckets no
+// gradient reached (unused parameters are reduced as zeros, as DDP's
+// find_unused_parameters does).
+absl::Status ShardedOptimizer::BeginStep() {
+  absl::MutexLock lock(&hook_state_->mu);
+  Trace(TraceEvent::kStepBegin, -1, -1);
+  if (grad_after_step_) {
+    return absl::FailedPreconditionError(
+        "gradients were accumulated on top of the previous step's reduced gradients: call "
+        "ZeroGrad() after Step() and before the next backward");
+  }
+  if (accumulated_while_syncing_) {
+    return absl::FailedPreconditionError(
+        "several backward passes ran with gradient sync on, so buckets were reduced before "
+        "all gradients were accumulated: call SetGradientSync(false) before all but the last "
+        "backward");
+  }
+  if (grads_seen_ == 0) {
+    return absl::FailedPreconditionError(
+        "Step() called without a backward pass since the last step (no gradient arrived)");
+  }
   const int nb = static_cast<int>(layout_.buckets().size());
-  std::vector<CommHandlePtr> rs;
+  while (next_launch_ < nb) LaunchReduceScatterLocked(next_launch_++);
+  return absl::OkStatus();
+}
+
+// Waits for bucket `b`'s reduce-scatter; its owned range of grad_flat_ then
+// holds the averaged gradient. On the CPU, adds its squared norm to *local_sq
+// (on a GPU one kernel takes the norm of every bucket, in GlobalNorm).
+absl::Status ShardedOptimizer::FinishReduce(int b, double* local_sq) {
+  CommHandlePtr handle;
   {
     absl::MutexLock lock(&hook_state_->mu);
-    Trace(TraceEvent::kStepBegin, -1, -1);
-    if (grad_after_step_) {
-      return absl::FailedPreconditionError(
-          "gradients were accumulated on top of the previous step's reduced gradients: call "
-          "ZeroGrad() after Step() and before the next backward");
-    }
-    if (accumulated_while_syncing_) {
-      return absl::FailedPreconditionError(
-          "several backward passes ran with gradient sync on, so buckets were reduced before "
-          "all gradients were accumulated: call SetGradientSync(false) before all but the last "
-          "backward");
-    }
-    if (grads_seen_ == 0) {
-      return absl::FailedPreconditionError(
-          "Step() called without a backward pass since the last step (no gradient arrived)");
-    }
-    // Buckets whose parameters got no gradient (unused in this step) are
-    // reduced now with zero gradients, as DDP's find_unused_parameters does.
-    while (next_launch_ < nb) LaunchReduceScatterLocked(next_launch_++);
-    rs = rs_handles_;
+    handle = rs_handles_[b];
   }
+  SHARDOPT_RETURN_IF_ERROR(WaitOrAbort(handle, "reduce-scatter", b));
+  {
+    absl::MutexLock lock(&hook_state_->mu);
+    Trace(TraceEvent::kReduceScatterDone, b, -1);
+  }
+  torch::Tensor g = owner_->owned_grad(b);
+  if (comm_scratch_.defined()) g.copy_(owner_->OwnedRange(comm_scratch_, b));
+  if (device_.is_cpu()) {
+    const double norm = g.norm().item<double>();
+    *local_sq += norm * norm;
+  }
+  return absl::OkStatus();
+}
+
+// The fused update of bucket `b`'s owned slice, then its all-gather.
+absl::Status ShardedOptimizer::UpdateAndGather(int b, int64_t step, int64_t* update_ns) {
+  const int64_t t0 = NowNs();
+  SHARDOPT_RETURN_IF_ERROR(owner_->Update(b, step));
+  *update_ns += NowNs() - t0;
+  {
+    absl::MutexLock lock(&hook_state_->mu);
+    Trace(TraceEvent::kUpdateDone, b, -1);
+    Trace(TraceEvent::kAllGatherStart, b, -1);
+  }
+  const Bucket& bk = layout_.buckets()[b];
   const ElementType ptype = ElementTypeOf(dtype_);
-  const int elem = ElementSize(ptype);
   char* pbase = static_cast<char*>(param_flat_.data_ptr());
-  char* gbase = static_cast<char*>(grad_flat_.data_ptr());
-  const int64_t step = step_ + 1;
-  int64_t update_ns = 0;
-  KernelOptions ko;
-  ko.num_threads = options_.kernel_threads;
+  CollectiveBucketScope tag(b);  // for the flight recorder
+  ag_handles_[b] =
+      comm_->AllGather(pbase + bk.flat_offset * ElementSize(ptype), bk.capacity_per_rank, ptype);
+  return absl::OkStatus();
+}
 
-  auto owned_grad = [&](int b) {
-    const Bucket& bk = layout_.buckets()[b];
-    return grad_flat_.narrow(0, bk.flat_offset + rank_ * bk.capacity_per_rank,
-                             bk.capacity_per_rank);
-  };
-  double local_sq = 0.0;
-  const bool on_gpu = device_.is_cuda();
-  auto finish_reduce = [&](int b) -> absl::Status {
-    SHARDOPT_RETURN_IF_ERROR(WaitOrAbort(rs[b], "reduce-scatter", b));
-    {
-      absl::MutexLock lock(&hook_state_->mu);
-      Trace(TraceEvent::kReduceScatterDone, b, -1);
-    }
-    torch::Tensor g = owned_grad(b);
-    if (comm_scratch_.defined()) {
-      const Bucket& bk = layout_.buckets()[b];
-      g.copy_(comm_scratch_.narrow(0, bk.flat_offset + rank_ * bk.capacity_per_rank,
-                                   bk.capacity_per_rank));
-    }
-    if (!on_gpu) {  // on a GPU one kernel takes the norm of every bucket (global_norm)
-      const double norm = g.norm().item<double>();
-      local_sq += norm * norm;
-    }
-    return absl::OkStatus();
-  };
-  // This rank's slice of bucket `b`: parameters (or master), gradients, state.
-  auto owned_update_slice = [&](int b) {
-    const Bucket& bk = layout_.buckets()[b];
-    const int64_t off = bk.flat_offset + rank_ * bk.capacity_per_rank;
-    UpdateSlice s;
-    s.size = bk.capacity_per_rank;
-    s.state0 = state0_.defined() ? state0_.data_ptr<float>() + owned_offset_[b] : nullptr;
-    s.state1 = state1_.defined() ? state1_.data_ptr<float>() + owned_offset_[b] : nullptr;
-    if (dtype_ == torch::kBFloat16) {
-      s.param = master_.data_ptr<float>() + owned_offset_[b];
-      s.grad_bf16 = reinterpret_cast<const uint16_t*>(gbase) + off;
-      s.param_bf16 = reinterpret_cast<uint16_t*>(pbase) + off;
-    } else {
-      s.param = reinterpret_cast<float*>(pbase) + off;
-      s.grad = reinterpret_cast<const float*>(gbase) + off;
-    }
-    return s;
-  };
-  std::vector<CommHandlePtr> ag(nb);
-  auto update = [&](int b) -> absl::Status {
-    const Bucket& bk = layout_.buckets()[b];
-    UpdateSlice s = owned_update_slice(b);
-    const int64_t t0 = NowNs();
-    absl::Status st =
-        on_gpu ? CudaBackend()->Update(options_.kind, options_.adam, options_.sgd, step, s)
-        : options_.kind == OptimizerKind::kSgd ? SgdStep(options_.sgd, step, {&s, 1}, ko)
-                                               : AdamStep(options_.adam, step, {&s, 1}, ko);
-    update_ns += NowNs() - t0;
-    if (!st.ok()) return st;
-    {
-      absl::MutexLock lock(&hook_state_->mu);
-      Trace(TraceEvent::kUpdateDone, b, -1);
-      Trace(TraceEvent::kAllGatherStart, b, -1);
-    }
-    CollectiveBucketScope tag(b);  // for the flight recorder
-    ag[b] = comm_->AllGather(pbase + bk.flat_offset * elem, bk.capacity_per_rank, ptype);
-    return absl::OkStatus();
-  };
-  auto global_norm = [&]() -> absl::StatusOr<double> {
-    if (on_gpu) {
-      std::vector<UpdateSlice> slices;
-      for (int b = 0; b < nb; ++b) slices.push_back(owned_update_slice(b));
-      SHARDOPT_ASSIGN_OR_RETURN(local_sq, CudaBackend()->SquaredNorm(slices));
-    }
-    float sq = static_cast<float>(local_sq);
-    SHARDOPT_RETURN_IF_ERROR(WaitOrAbort(
-        comm_->AllReduce(&sq, 1, ElementType::kFloat32, ReduceOp::kSum), "gradient norm", -1));
-    return std::sqrt(static_cast<double>(sq));
-  };
+absl::StatusOr<double> ShardedOptimizer::GlobalNorm(double local_sq) {
+  if (!device_.is_cpu()) {
+    SHARDOPT_ASSIGN_OR_RETURN(local_sq, owner_->SquaredGradNorm());
+  }
+  float sq = static_cast<float>(local_sq);
+  SHARDOPT_RETURN_IF_ERROR(WaitOrAbort(
+      comm_->AllReduce(&sq, 1, ElementType::kFloat32, ReduceOp::kSum), "gradient norm", -1));
+  return static_cast<double>(std::sqrt(sq));  // float, as torch's total norm
+}
 
+absl::StatusOr<StepResult> ShardedOptimizer::Step() {
+  at::NoGradGuard no_grad;
+  SHARDOPT_RETURN_IF_ERROR(BeginStep());
+  const int nb = static_cast<int>(layout_.buckets().size());
   StepResult result;
-  result.step = step;
+  result.step = step_ + 1;
   wait_ns_ = 0;
+  int64_t update_ns = 0;
+  double local_sq = 0.0;
   if (options_.max_grad_norm > 0.0) {
-    for (int b = 0; b < nb; ++b) SHARDOPT_RETURN_IF_ERROR(finish_reduce(b));
-    SHARDOPT_ASSIGN_OR_RETURN(result.grad_norm, global_norm());
-    const double coef = options_.max_grad_norm / (result.grad_norm + 1e-6);
-    if (coef < 1.0) {
+    // Clipping needs the global norm before any update.
+    for (int b = 0; b < nb; ++b) SHARDOPT_RETURN_IF_ERROR(FinishReduce(b, &local_sq));
+    SHARDOPT_ASSIGN_OR_RETURN(result.grad_norm, GlobalNorm(local_sq));
+    // torch.nn.utils.clip_grad_norm_'s arithmetic, in float32 as it does
+    // it: max_norm * reciprocal(total_norm + 1e-6), clamped to 1.
+    const float denom = static_cast<float>(result.grad_norm) + 1e-6f;
+    const float coef = (1.0f / denom) * static_cast<float>(options_.max_grad_norm);
+    if (coef < 1.0f) {
       result.clipped = true;
-      for (int b = 0; b < nb; ++b) owned_grad(b).mul_(coef);
+      owner_->ScaleGradients(coef);
     }
-    for (int b = 0; b < nb; ++b) SHARDOPT_RETURN_IF_ERROR(update(b));
+    for (int b = 0; b < nb; ++b) {
+      SHARDOPT_RETURN_IF_ERROR(UpdateAndGather(b, result.step, &update_ns));
+    }
   } else {
     for (int b = 0; b < nb; ++b) {
-      SHARDOPT_RETURN_IF_ERROR(finish_reduce(b));
-      SHARDOPT_RETURN_IF_ERROR(update(b));
+      SHARDOPT_RETURN_IF_ERROR(FinishReduce(b, &local_sq));
+      SHARDOPT_RETURN_IF_ERROR(UpdateAndGather(b, result.step, &update_ns));
     }
-    SHARDOPT_ASSIGN_OR_RETURN(result.grad_norm, global_norm());
+    SHARDOPT_ASSIGN_OR_RETURN(result.grad_norm, GlobalNorm(local_sq));
   }
   for (int b = 0; b < nb; ++b) {
-    SHARDOPT_RETURN_IF_ERROR(WaitOrAbort(ag[b], "all-gather", b));
+    SHARDOPT_RETURN_IF_ERROR(WaitOrAbort(ag_handles_[b], "all-gather", b));
+    ag_handles_[b] = nullptr;
     absl::MutexLock lock(&hook_state_->mu);
     Trace(TraceEvent::kAllGatherDone, b, -1);
   }
   result.comm_wait_seconds = wait_ns_ * 1e-9;
   result.update_seconds = update_ns * 1e-9;
+  EndStep(result.step);
+  return result;
+}
+
+void ShardedOptimizer::EndStep(int64_t step) {
   absl::MutexLock lock(&hook_state_->mu);
   std::fill(ready_.begin(), ready_.end(), false);
   std::fill(bucket_ready_count_.begin(), bucket_ready_count_.end(), 0);
@@ -597,68 +596,6 @@ absl::StatusOr<StepResult> ShardedOptimizer::Step() {
   needs_zero_grad_ = true;
   step_ = step;
   Trace(TraceEvent::kStepEnd, -1, -1);
-  return result;
-}
-
-absl::Status ShardedOptimizer::StageToHost() {
-  if (staged_) return absl::FailedPreconditionError("owned slices are already staged");
-  at::NoGradGuard no_grad;
-  const auto cpu = torch::TensorOptions().dtype(torch::kFloat);
-  host_master_ = torch::empty({owned_elements_}, cpu);
-  for (const Bucket& b : layout_.buckets()) {
-    torch::Tensor src =
-        dtype_ == torch::kBFloat16
-            ? master_.narrow(0, owned_offset_[b.index], b.capacity_per_rank)
-            : param_flat_.narrow(0, b.flat_offset + rank_ * b.capacity_per_rank, b.capacity_per_rank);
-    host_master_.narrow(0, owned_offset_[b.index], b.capacity_per_rank).copy_(src);
-  }
-  if (state0_.defined()) host_state0_ = state0_.to(torch::kCPU);
-  if (state1_.defined()) host_state1_ = state1_.to(torch::kCPU);
-  staged_ = true;
-  return absl::OkStatus();
-}
-
-absl::Status ShardedOptimizer::EndStaging(bool copy_back) {
-  if (!staged_) return absl::FailedPreconditionError("owned slices are not staged");
-  at::NoGradGuard no_grad;
-  if (copy_back) {
-    for (const Bucket& b : layout_.buckets()) {
-      torch::Tensor dst =
-          dtype_ == torch::kBFloat16
-              ? master_.narrow(0, owned_offset_[b.index], b.capacity_per_rank)
-              : param_flat_.narrow(0, b.flat_offset + rank_ * b.capacity_per_rank, b.capacity_per_rank);
-      dst.copy_(host_master_.narrow(0, owned_offset_[b.index], b.capacity_per_rank));
-    }
-    if (state0_.defined()) state0_.copy_(host_state0_);
-    if (state1_.defined()) state1_.copy_(host_state1_);
-  }
-  host_master_ = host_state0_ = host_state1_ = torch::Tensor();
-  staged_ = false;
-  return absl::OkStatus();
-}
-
-ShardedOptimizer::OwnedSlice ShardedOptimizer::owned_slice(int b) {
-  const Bucket& bk = layout_.buckets()[b];
-  OwnedSlice s;
-  s.size = bk.capacity_per_rank;
-  if (staged_) {
-    s.master = host_master_.data_ptr<float>() + owned_offset_[b];
-    s.state0 = host_state0_.defined() ? host_state0_.data_ptr<float>() + owned_offset_[b] : nullptr;
-    s.state1 = host_state1_.defined() ? host_state1_.data_ptr<float>() + owned_offset_[b] : nullptr;
-    return s;
-  }
-  s.master = dtype_ == torch::kBFloat16
-                 ? master_.data_ptr<float>() + owned_offset_[b]
-                 : param_flat_.data_ptr<float>() + bk.flat_offset + rank_ * bk.capacity_per_rank;
-  s.state0 = state0_.defined() ? state0_.data_ptr<float>() + owned_offset_[b] : nullptr;
-  s.state1 = state1_.defined() ? state1_.data_ptr<float>() + owned_offset_[b] : nullptr;
-  return s;
-}
-
-std::vector<std::string> ShardedOptimizer::state_names() const {
-  if (options_.kind != OptimizerKind::kSgd) return {"exp_avg", "exp_avg_sq"};
-  if (options_.sgd.momentum != 0.0) return {"momentum_buffer"};
-  return {};
 }
 
 absl::Status ShardedOptimizer::FinishRestore(int64_t step) {
@@ -667,10 +604,7 @@ absl::Status ShardedOptimizer::FinishRestore(int64_t step) {
   const int elem = ElementSize(ptype);
   char* pbase = static_cast<char*>(param_flat_.data_ptr());
   for (const Bucket& b : layout_.buckets()) {
-    if (dtype_ == torch::kBFloat16) {
-      param_flat_.narrow(0, b.flat_offset + rank_ * b.capacity_per_rank, b.capacity_per_rank)
-          .copy_(master_.narrow(0, owned_offset_[b.index], b.capacity_per_rank));
-    }
+    owner_->WriteModelCopy(b.index);
     CollectiveBucketScope tag(b.index);  // for the flight recorder
     SHARDOPT_RETURN_IF_ERROR(WaitOrAbort(
         comm_->AllGather(pbase + b.flat_offset * elem, b.capacity_per_rank, ptype),
@@ -681,10 +615,8 @@ absl::Status ShardedOptimizer::FinishRestore(int64_t step) {
 }
 
 MemoryReport ShardedOptimizer::memory() const {
-  MemoryReport m;
+  MemoryReport m = owner_->memory();
   auto bytes = [](const torch::Tensor& t) { return t.defined() ? t.numel() * t.element_size() : 0; };
-  m.master_bytes = bytes(master_);
-  m.state_bytes = bytes(state0_) + bytes(state1_);
   m.grad_bytes = bytes(grad_flat_) + bytes(comm_scratch_);
   m.param_bytes = bytes(param_flat_);
   return m;

@@ -5,8 +5,9 @@
 // (planned by common/planner.h). When the last gradient of a bucket has been
 // accumulated in backward, that bucket's reduce-scatter starts at once,
 // overlapping the rest of backward. Step() waits for them, optionally clips by
-// the global gradient norm, runs the fused update over this rank's slices, and
-// all-gathers every bucket as soon as its slice is updated.
+// the global gradient norm, has this rank's ShardOwner (server/shard_owner.h)
+// run the fused update of its slices, and all-gathers every bucket as soon as
+// its slice is updated.
 //
 // Usage per step:   opt->ZeroGrad(); loss.backward(); opt->Step();
 // Gradient accumulation: SetGradientSync(false) for all but the last backward.
@@ -26,9 +27,11 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "client/communicator.h"
+#include "client/comm/communicator.h"
 #include "common/layout.h"
-#include "server/optimizer_config.h"
+#include "server/kernels/kernel_backend.h"
+#include "server/kernels/optimizer_config.h"
+#include "server/shard_owner.h"
 
 namespace torch {
 namespace autograd {
@@ -43,6 +46,15 @@ struct ShardedOptimizerOptions {
   // Adam and AdamW hyper-parameters (decoupled_weight_decay follows `kind`).
   AdamConfig adam;
   SgdConfig sgd;
+  // Parameter groups (torch.optim's param_groups), each with its own
+  // hyper-parameters. Empty: one group with `adam` / `sgd` above.
+  std::vector<HyperParameters> groups;
+  // Group of every parameter, in the order given to Create (empty: group 0).
+  std::vector<int> param_group;
+  // Where the fused updates run. Null: the CPU kernels for parameters in host
+  // memory; parameters on a GPU need MakeCudaKernelBackend()
+  // (server/kernels/cuda/cuda_backend.h).
+  std::shared_ptr<KernelBackend> kernel_backend;
   // Bucket cap, alignment, whether tensors may be cut.
   PlanOptions plan;
   // > 0: clip gradients by their global L2 norm, as
@@ -68,15 +80,6 @@ struct StepResult {
   // communication), and in the fused update.
   double comm_wait_seconds = 0.0;
   double update_seconds = 0.0;
-};
-
-// Bytes this rank holds, by role.
-struct MemoryReport {
-  int64_t master_bytes = 0;  // fp32 master copy of owned bf16 parameters
-  int64_t state_bytes = 0;   // optimizer state of owned slices
-  int64_t grad_bytes = 0;    // flat gradient buffer (+ comm scratch)
-  int64_t param_bytes = 0;   // flat parameter buffer
-  int64_t total() const { return master_bytes + state_bytes + grad_bytes + param_bytes; }
 };
 
 struct TraceEvent {
@@ -122,44 +125,40 @@ class ShardedOptimizer {
   // false: backward only accumulates locally (gradient accumulation, like
   // DDP's no_sync()); true (default): buckets are reduced during backward.
   void SetGradientSync(bool enabled);
-  // Takes effect at the next Step().
+  // Sets every group's learning rate; takes effect at the next Step().
   void SetLearningRate(double lr);
+  // Group 0's learning rate.
   double learning_rate() const;
-  // Replaces the hyper-parameters of this optimizer's kind (lr, betas, eps,
-  // weight decay; SGD momentum, dampening, nesterov), e.g. those a checkpoint
-  // saved. The kind, and whether SGD keeps a momentum buffer, cannot change.
+  // Replaces the hyper-parameters of every group (lr, betas, eps, weight
+  // decay; SGD momentum, dampening, nesterov), e.g. those a checkpoint saved.
+  // The kind, and whether SGD keeps a momentum buffer, cannot change.
   absl::Status SetHyperParameters(const AdamConfig& adam, const SgdConfig& sgd);
+  // One group's hyper-parameters (takes effect at the next Step()).
+  int num_groups() const { return owner_->num_groups(); }
+  HyperParameters group(int g) const { return owner_->group(g); }
+  absl::Status SetGroup(int g, const HyperParameters& hp);
 
   int64_t step_count() const { return step_; }
 
-  // For checkpoints (client/checkpoint.h). This rank's slice of bucket `b`:
-  // fp32 parameter values (the master copy for bf16 models) and optimizer
-  // state, capacity_per_rank elements each (state arrays null if unused).
-  struct OwnedSlice {
-    float* master = nullptr;
-    float* state0 = nullptr;
-    float* state1 = nullptr;
-    int64_t size = 0;
-  };
-  OwnedSlice owned_slice(int bucket);
-  // Names of the optimizer state arrays, as torch.optim calls them:
-  // {"exp_avg", "exp_avg_sq"} for Adam/AdamW, {"momentum_buffer"} for SGD
-  // with momentum, {} otherwise.
-  std::vector<std::string> state_names() const;
+  // This rank's partition: owned slices, optimizer state, hyper-parameters.
+  ShardOwner& shard_owner() { return *owner_; }
+  const ShardOwner& shard_owner() const { return *owner_; }
+  // For checkpoints (client/checkpoint/checkpoint.h); see ShardOwner.
+  using OwnedSlice = ShardOwner::OwnedSlice;
+  OwnedSlice owned_slice(int bucket) { return owner_->owned_slice(bucket); }
+  std::vector<std::string> state_names() const { return owner_->state_names(); }
   // After owned slices were overwritten (a restore): rewrites the bf16 copy,
   // all-gathers every bucket and sets the step count. Collective.
   absl::Status FinishRestore(int64_t step);
   Communicator* communicator() const { return comm_; }
   // True when parameters and state live on a GPU.
   bool on_device() const { return !device_.is_cpu(); }
-  // For checkpoints of GPU-resident state: StageToHost() copies this rank's
-  // owned slices (fp32 master values and state) into host buffers, which
-  // owned_slice() returns until EndStaging(copy_back): true writes the host
-  // buffers back to the device (a restore), false drops them (a save).
-  absl::Status StageToHost();
-  absl::Status EndStaging(bool copy_back);
+  // For checkpoints of GPU-resident state (see ShardOwner::StageToHost).
+  absl::Status StageToHost() { return owner_->StageToHost(); }
+  absl::Status EndStaging(bool copy_back) { return owner_->EndStaging(copy_back); }
   const Layout& layout() const { return layout_; }
   const ShardedOptimizerOptions& options() const { return options_; }
+  // Bytes this rank holds, by role (the owner's state plus flat buffers).
   MemoryReport memory() const;
   std::vector<TraceEvent> TakeTrace();
 
@@ -168,11 +167,20 @@ class ShardedOptimizer {
   ShardedOptimizer(ShardedOptimizerOptions options, Communicator* comm, Layout layout);
   absl::Status Init(const std::vector<std::pair<std::string, torch::Tensor>>& params);
   absl::Status CheckSameModelOnAllRanks();
+  absl::Status BroadcastInitialValues();
+  absl::Status CreateShardOwner();
+  absl::Status InstallHooks(const std::vector<std::pair<std::string, torch::Tensor>>& params);
   void OnGradReady(int param);
   void LaunchReadyBucketsLocked();
   void LaunchReduceScatterLocked(int bucket);
   void Trace(TraceEvent::Kind kind, int bucket, int param);
   absl::Status WaitOrAbort(const CommHandlePtr& handle, const char* what, int bucket);
+  // Step()'s stages.
+  absl::Status BeginStep();
+  absl::Status FinishReduce(int bucket, double* local_sq);
+  absl::Status UpdateAndGather(int bucket, int64_t step, int64_t* update_ns);
+  absl::StatusOr<double> GlobalNorm(double local_sq);
+  void EndStep(int64_t step);
 
   ShardedOptimizerOptions options_;
   Communicator* comm_;
@@ -185,13 +193,7 @@ class ShardedOptimizer {
   torch::Tensor param_flat_;  // model dtype, flat_size elements
   torch::Tensor grad_flat_;   // model dtype
   torch::Tensor comm_scratch_;  // bf16 gradients for communication, if converting
-  torch::Tensor master_;      // fp32 owned slices (bf16 models)
-  torch::Tensor state0_, state1_;  // fp32 owned slices
-  std::vector<int64_t> owned_offset_;  // per bucket: offset of its slice in master_/state
-  int64_t owned_elements_ = 0;
-  // Host copies of the owned slices while staged (GPU checkpoints).
-  bool staged_ = false;
-  torch::Tensor host_master_, host_state0_, host_state1_;
+  std::unique_ptr<ShardOwner> owner_;
 
   std::vector<torch::Tensor> params_;  // the model's parameters (views)
   std::vector<std::shared_ptr<torch::autograd::Node>> grad_accumulators_;
@@ -202,6 +204,7 @@ class ShardedOptimizer {
   std::vector<int> bucket_ready_count_;
   std::vector<int> bucket_size_;
   std::vector<CommHandlePtr> rs_handles_;
+  std::vector<CommHandlePtr> ag_handles_;  // training thread only
   int next_launch_ = 0;
   int64_t grads_seen_ = 0;
   bool sync_ = true;

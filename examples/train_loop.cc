@@ -6,7 +6,7 @@
 //
 // Run it again with more steps and it resumes from the latest checkpoint (at
 // any world size). --device=cuda puts the model on GPU LOCAL_RANK and uses NCCL
-// (needs a CUDA build of LibTorch; nothing else changes). tools/shardopt_train.cc
+// (needs a CUDA build of LibTorch; nothing else changes). tools/cli/shardopt_train.cc
 // is the full trainer: heartbeats, layout queries, coordinated checkpoints.
 #include <torch/torch.h>
 
@@ -15,11 +15,12 @@
 #include <memory>
 #include <string>
 
-#include "client/checkpoint.h"
+#include "client/checkpoint/checkpoint.h"
 #include "client/coordinator_client.h"
-#include "client/gloo_communicator.h"
-#include "client/nccl_communicator.h"
+#include "client/comm/gloo_communicator.h"
+#include "client/comm/nccl_communicator.h"
 #include "client/sharded_optimizer.h"
+#include "server/kernels/cuda/cuda_backend.h"
 
 namespace {
 
@@ -110,6 +111,8 @@ int main(int argc, char** argv) {
   options.kind = OptimizerKind::kAdamW;
   options.adam = AdamWConfig();
   options.max_grad_norm = 1.0;
+  // GPU parameters are updated by the CUDA kernels (CPU ones by the SIMD kernels).
+  if (device.is_cuda()) options.kernel_backend = MakeCudaKernelBackend();
   auto opt = ShardedOptimizer::Create(params, options, comm.get());
   if (!opt.ok()) return Fail(rank, "optimizer", opt.status());
 

@@ -1,9 +1,7 @@
 #include "server/coordinator_service.h"
 
-#include <unistd.h>
-
 #include <algorithm>
-#include <fstream>
+#include <functional>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -30,17 +28,6 @@ DType ParseDType(const std::string& s, bool* ok) {
   *ok = false;
   return DType::kFloat32;
 }
-
-}  // namespace
-
-int64_t ProcessRssBytes() {
-  std::ifstream f("/proc/self/statm");
-  int64_t size = 0, resident = 0;
-  if (!(f >> size >> resident)) return 0;
-  return resident * sysconf(_SC_PAGESIZE);
-}
-
-namespace {
 
 HeartbeatInfo FromProto(const v1::HeartbeatRequest& r) {
   HeartbeatInfo info{r.rank(), r.step(), r.loss(), r.samples_per_s(), r.progress()};
@@ -747,27 +734,6 @@ grpc::ServerUnaryReactor* CoordinatorService::GetFlightRecords(grpc::CallbackSer
       std::min(absl::Now() + absl::Seconds(5), absl::FromChrono(ctx->deadline()));
   call->Start(coordinator_->ShardOwnerAddresses(), deadline);
   return call;
-}
-
-grpc::ServerUnaryReactor* ShardOwnerService::GetFlightRecord(grpc::CallbackServerContext* ctx,
-                                                             const v1::GetFlightRecordRequest*,
-                                                             v1::FlightRecord* resp) {
-  if (auto s = CheckToken(ctx, token_); !s.ok()) return Done(ctx, s);
-  if (!flight_) {
-    return Done(ctx, grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
-                                  "this rank keeps no flight recorder"));
-  }
-  *resp = flight_();
-  return Done(ctx, grpc::Status::OK);
-}
-
-grpc::ServerUnaryReactor* ShardOwnerService::GetShardInfo(grpc::CallbackServerContext* ctx,
-                                                          const v1::GetShardInfoRequest*,
-                                                          v1::GetShardInfoResponse* resp) {
-  if (auto s = CheckToken(ctx, token_); !s.ok()) return Done(ctx, s);
-  *resp = provider_();
-  resp->set_rss_bytes(ProcessRssBytes());
-  return Done(ctx, grpc::Status::OK);
 }
 
 }  // namespace shardopt

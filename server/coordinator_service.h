@@ -12,7 +12,6 @@
 #define SHARDOPT_SERVER_COORDINATOR_SERVICE_H_
 
 #include <atomic>
-#include <functional>
 #include <map>
 #include <memory>
 #include <set>
@@ -120,31 +119,6 @@ class CoordinatorService final : public v1::Coordinator::CallbackService, public
   std::atomic<bool> stop_{false};
   std::thread watchdog_;
 };
-
-// Serves GetShardInfo from a provider the trainer installs, and
-// GetFlightRecord from another (UNIMPLEMENTED without one).
-class ShardOwnerService final : public v1::ShardOwner::CallbackService, public ManagedService {
- public:
-  using Provider = std::function<v1::GetShardInfoResponse()>;
-  using FlightProvider = std::function<v1::FlightRecord()>;
-  ShardOwnerService(Provider provider, std::string token, FlightProvider flight = nullptr)
-      : provider_(std::move(provider)), token_(std::move(token)), flight_(std::move(flight)) {}
-  bool RequiresToken() const override { return !token_.empty(); }
-  grpc::ServerUnaryReactor* GetShardInfo(grpc::CallbackServerContext* ctx,
-                                         const v1::GetShardInfoRequest* req,
-                                         v1::GetShardInfoResponse* resp) override;
-  grpc::ServerUnaryReactor* GetFlightRecord(grpc::CallbackServerContext* ctx,
-                                            const v1::GetFlightRecordRequest* req,
-                                            v1::FlightRecord* resp) override;
-
- private:
-  Provider provider_;
-  const std::string token_;
-  FlightProvider flight_;
-};
-
-// Resident set size of this process, from /proc/self/statm (0 if unknown).
-int64_t ProcessRssBytes();
 
 }  // namespace shardopt
 

@@ -1,4 +1,4 @@
-// The coordinator's side of the flight recorder (client/flight_recorder.h):
+// The coordinator's side of the flight recorder (client/comm/flight_recorder.h):
 // the rings ranks report when a job fails, validation of what they send, and
 // the analysis that says in one or two lines where the ranks first stopped
 // agreeing, e.g.
@@ -19,7 +19,7 @@
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "client/flight_recorder.h"
+#include "client/comm/flight_recorder.h"
 #include "proto/shardopt.pb.h"
 
 namespace shardopt {

@@ -19,9 +19,9 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
-#include "client/checkpoint.h"
-#include "client/manifest.h"
-#include "client/torch_interop.h"
+#include "client/checkpoint/checkpoint.h"
+#include "client/checkpoint/manifest.h"
+#include "client/checkpoint/torch_interop.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "tests/checkpoint_job.h"

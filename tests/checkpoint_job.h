@@ -10,8 +10,8 @@
 #include <thread>
 #include <vector>
 
-#include "client/checkpoint.h"
-#include "client/in_process_communicator.h"
+#include "client/checkpoint/checkpoint.h"
+#include "client/comm/in_process_communicator.h"
 #include "client/models.h"
 #include "gtest/gtest.h"
 #include "tests/training_harness.h"

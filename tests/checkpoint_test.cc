@@ -2,7 +2,7 @@
 // corruption of every kind is refused naming the file or parameter; a full
 // disk fails the save cleanly; crashes at any point leave LATEST complete;
 // consolidation yields whole tensors.
-#include "client/checkpoint.h"
+#include "client/checkpoint/checkpoint.h"
 
 #include <ATen/Parallel.h>
 
@@ -14,7 +14,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
-#include "client/in_process_communicator.h"
+#include "client/comm/in_process_communicator.h"
 #include "client/models.h"
 #include "common/crc32c.h"
 #include "gtest/gtest.h"

@@ -9,11 +9,11 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "client/gloo_communicator.h"
-#include "client/in_process_communicator.h"
-#include "client/kv_store.h"
+#include "client/comm/gloo_communicator.h"
+#include "client/comm/in_process_communicator.h"
+#include "client/comm/kv_store.h"
 #include "gtest/gtest.h"
-#include "server/update_slice.h"
+#include "server/kernels/update_slice.h"
 
 namespace shardopt {
 namespace {

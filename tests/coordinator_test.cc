@@ -18,6 +18,7 @@
 #include "common/planner.h"
 #include "gtest/gtest.h"
 #include "server/coordinator_service.h"
+#include "server/shard_owner_service.h"
 #include "server/rpc_server.h"
 
 namespace shardopt {

@@ -1,6 +1,6 @@
 // The fused CPU kernels against the scalar reference: bitwise equal for every
 // instruction set, thread count, size and optimizer variant, over 10 steps.
-#include "server/cpu_kernels.h"
+#include "server/kernels/cpu/cpu_kernels.h"
 
 #include <cmath>
 #include <cstring>
@@ -9,7 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
-#include "server/reference_optimizer.h"
+#include "server/kernels/reference_optimizer.h"
 
 namespace shardopt {
 namespace {

@@ -1,6 +1,6 @@
-// The flag parser of the command-line tools (tools/flags.h): every malformed
+// The flag parser of the command-line tools (tools/cli/flags.h): every malformed
 // or out-of-range value is refused by name, nothing falls back silently.
-#include "tools/flags.h"
+#include "tools/cli/flags.h"
 
 #include <cstdlib>
 #include <string>

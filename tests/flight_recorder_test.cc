@@ -5,7 +5,7 @@
 // a dead rank, all equal, failed waits, mismatched collectives, rings that
 // wrapped), validation, and the RPCs (ReportFlightRecord, GetFlightRecords
 // over live shard owners, falling back to reported rings).
-#include "client/flight_recorder.h"
+#include "client/comm/flight_recorder.h"
 
 #include <atomic>
 #include <cstdlib>
@@ -15,11 +15,12 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/coordinator_client.h"
-#include "client/in_process_communicator.h"
+#include "client/comm/in_process_communicator.h"
 #include "common/planner.h"
 #include "gtest/gtest.h"
 #include "server/coordinator.h"
 #include "server/coordinator_service.h"
+#include "server/shard_owner_service.h"
 #include "server/flight_records.h"
 #include "server/rpc_server.h"
 

@@ -10,8 +10,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
-#include "server/cuda/cuda_kernels.h"
-#include "server/reference_optimizer.h"
+#include "server/kernels/cuda/cuda_kernels.h"
+#include "server/kernels/reference_optimizer.h"
 
 namespace shardopt {
 namespace {

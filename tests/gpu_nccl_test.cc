@@ -5,10 +5,10 @@
 #include <string>
 #include <vector>
 
-#include "client/kv_store.h"
-#include "client/nccl_communicator.h"
+#include "client/comm/kv_store.h"
+#include "client/comm/nccl_communicator.h"
 #include "gtest/gtest.h"
-#include "server/cuda/cuda_kernels.h"
+#include "server/kernels/cuda/cuda_kernels.h"
 
 namespace shardopt {
 namespace {

@@ -22,12 +22,13 @@
 #include <memory>
 #include <vector>
 
-#include "client/checkpoint.h"
-#include "client/kv_store.h"
-#include "client/nccl_communicator.h"
+#include "client/checkpoint/checkpoint.h"
+#include "client/comm/kv_store.h"
+#include "client/comm/nccl_communicator.h"
 #include "client/sharded_optimizer.h"
 #include "gtest/gtest.h"
-#include "server/cuda/cuda_kernels.h"
+#include "server/kernels/cuda/cuda_backend.h"
+#include "server/kernels/cuda/cuda_kernels.h"
 
 namespace shardopt {
 namespace {
@@ -93,6 +94,7 @@ double Compare(OptimizerKind kind, double max_grad_norm) {
   opt.max_grad_norm = max_grad_norm;
   opt.plan.bucket_cap_elements = 40000;  // several buckets
   opt.trace = true;
+  opt.kernel_backend = MakeCudaKernelBackend();
   auto so = ShardedOptimizer::Create(Named(*ours), opt, comm->get());
   EXPECT_TRUE(so.ok()) << so.status();
   if (!so.ok()) return 1e9;
@@ -176,6 +178,7 @@ TEST_F(GpuShardedOptimizerTest, CheckpointSaveAndResumeOnTheGpu) {
   opt.kind = OptimizerKind::kAdamW;
   opt.adam = AdamWConfig();
   opt.plan.bucket_cap_elements = 40000;
+  opt.kernel_backend = MakeCudaKernelBackend();
   auto run = [&](bool resume, int from, int to, std::shared_ptr<Net>* out) {
     torch::manual_seed(7);
     auto net = std::make_shared<Net>();

@@ -7,8 +7,8 @@
 #include <fstream>
 #include <iostream>
 
-#include "client/checkpoint.h"
-#include "client/in_process_communicator.h"
+#include "client/checkpoint/checkpoint.h"
+#include "client/comm/in_process_communicator.h"
 #include "client/models.h"
 
 int main(int argc, char** argv) {

@@ -9,8 +9,8 @@
 #include <ATen/Parallel.h>
 
 #include "absl/strings/numbers.h"
-#include "client/gloo_communicator.h"
-#include "client/kv_store.h"
+#include "client/comm/gloo_communicator.h"
+#include "client/comm/kv_store.h"
 #include "tests/training_harness.h"
 
 int main(int argc, char** argv) {

@@ -29,7 +29,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
-#include "client/in_process_communicator.h"
+#include "client/comm/in_process_communicator.h"
 #include "client/models.h"
 #include "client/sharded_optimizer.h"
 #include "gtest/gtest.h"

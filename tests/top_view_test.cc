@@ -1,7 +1,7 @@
-// The frame of `shardctl top` (tools/top_view.h): header, one line per rank,
+// The frame of `shardctl top` (tools/cli/top_view.h): header, one line per rank,
 // the slowest rank marked and highlighted, truncation to the terminal's width
 // and height, "-" for values a rank has not reported.
-#include "tools/top_view.h"
+#include "tools/cli/top_view.h"
 
 #include <algorithm>
 #include <cmath>

@@ -18,7 +18,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
-#include "server/reference_optimizer.h"
+#include "server/kernels/reference_optimizer.h"
 
 namespace shardopt {
 namespace {

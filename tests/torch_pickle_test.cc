@@ -2,7 +2,7 @@
 // back bitwise as torch.load reads them; LibTorch's pickle_save output too;
 // truncated, mutated, hostile and foreign input is an error Status, never a
 // crash, a hang or a blow-up.
-#include "client/torch_pickle.h"
+#include "client/checkpoint/torch_pickle.h"
 
 #include <ATen/ATen.h>
 #include <caffe2/serialize/inline_container.h>

@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "client/communicator.h"
+#include "client/comm/communicator.h"
 #include "client/sharded_optimizer.h"
 
 namespace shardopt {

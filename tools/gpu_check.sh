@@ -3,7 +3,7 @@
 # under 10 minutes, all results in one JSON file:
 #   tools/gpu_check.sh [OUT_DIR]          (default: $OUT, else ./out)
 # 1. builds, in parallel, with nvcc and g++ alone: the CUDA kernels
-#    (sm_80 + sm_90), tools/gpu_check.cu, and the GPU gtests;
+#    (sm_80 + sm_90), tools/bench/gpu_check.cu, and the GPU gtests;
 # 2. gpu_check: every kernel (Adam, AdamW, SGD; fp32, bf16/fp16 model copies,
 #    bf16/fp16 gradients; 0, 1, odd, misaligned, 100 slices, > 2^31 bytes per
 #    array) bitwise against the scalar reference; Adam vs a device-to-device
@@ -11,8 +11,8 @@
 # 3. where Python PyTorch with CUDA is installed: torch.optim.Adam(fused=True)
 #    on the same parameter count;
 # 5. bench_gpu_step: one step on GPT-2 small shapes, ShardedOptimizer vs the
-#    bare kernel vs ATen's fused Adam (tools/bench_gpu_step.cc);
-# 4. the gtests: kernels vs server/reference_optimizer.cc, NcclCommunicator
+#    bare kernel vs ATen's fused Adam (tools/bench/bench_gpu_step.cc);
+# 4. the gtests: kernels vs server/kernels/reference_optimizer.cc, NcclCommunicator
 #    (world size 1), and the real ShardedOptimizer step on the GPU through
 #    NCCL against LibTorch's optimizers, and a GPU checkpoint save + resume (built against the installed PyTorch's
 #    LibTorch, which must have CUDA).
@@ -86,12 +86,12 @@ compile() {  # name, command...: runs in the background, log in $b/name.log
 }
 # Stage 1: every object, in parallel.
 say "building (parallel)"
-compile impl $NVCC "${NVFLAGS[@]}" $arch -c server/cuda/cuda_kernels_impl.cu -o "$b/impl.o"
-compile check $NVCC "${NVFLAGS[@]}" $arch -c tools/gpu_check.cu -o "$b/check.o"
-common_srcs=(server/update_slice.cc server/optimizer_config.cc server/reference_optimizer.cc
-             server/cuda/cuda_kernels.cc client/communicator.cc client/kv_store.cc
-             client/device_backend.cc client/cuda_backend.cc common/layout.cc common/planner.cc
-             common/crc32c.cc common/file_system.cc common/model_shapes.cc client/manifest.cc)
+compile impl $NVCC "${NVFLAGS[@]}" $arch -c server/kernels/cuda/cuda_kernels_impl.cu -o "$b/impl.o"
+compile check $NVCC "${NVFLAGS[@]}" $arch -c tools/bench/gpu_check.cu -o "$b/check.o"
+common_srcs=(server/kernels/update_slice.cc server/kernels/optimizer_config.cc server/kernels/reference_optimizer.cc
+             server/kernels/cuda/cuda_kernels.cc client/comm/communicator.cc client/comm/kv_store.cc
+             server/kernels/cuda/cuda_backend.cc server/kernels/cpu/cpu_backend.cc common/layout.cc common/planner.cc
+             common/crc32c.cc common/file_system.cc common/model_shapes.cc client/checkpoint/manifest.cc)
 # tools/check_gpu_sources.sh (run by tools/test.sh, i.e. CI) checks with
 # `bazel query` that every source the GPU targets depend on is named in this
 # script, so this list cannot silently fall behind the BUILD files.
@@ -99,20 +99,20 @@ if [[ $have_absl == 1 ]]; then
   for s in "${common_srcs[@]}" tests/gpu_kernels_test.cc; do
     n=$(basename "$s" .cc); compile "$n" $CXX "${CXXFLAGS[@]}" -c "$s" -o "$b/$n.o"
   done
-  compile cpu_kernels $CXX "${CXXFLAGS[@]}" -fopenmp -c server/cpu_kernels.cc -o "$b/cpu_kernels.o"
+  compile cpu_kernels $CXX "${CXXFLAGS[@]}" -fopenmp -c server/kernels/cpu/cpu_kernels.cc -o "$b/cpu_kernels.o"
   kflags=(-O3 -fno-math-errno -fno-trapping-math)
-  compile k_base $CXX "${CXXFLAGS[@]}" "${kflags[@]}" -c server/cpu_kernels_baseline.cc -o "$b/k_base.o"
-  compile k_avx2 $CXX "${CXXFLAGS[@]}" "${kflags[@]}" -mavx2 -mfma -mf16c -c server/cpu_kernels_avx2.cc -o "$b/k_avx2.o"
+  compile k_base $CXX "${CXXFLAGS[@]}" "${kflags[@]}" -c server/kernels/cpu/cpu_kernels_baseline.cc -o "$b/k_base.o"
+  compile k_avx2 $CXX "${CXXFLAGS[@]}" "${kflags[@]}" -mavx2 -mfma -mf16c -c server/kernels/cpu/cpu_kernels_avx2.cc -o "$b/k_avx2.o"
   compile k_avx512 $CXX "${CXXFLAGS[@]}" "${kflags[@]}" -mavx512f -mavx512bw -mavx512vl -mavx2 -mfma \
-    -mprefer-vector-width=512 -c server/cpu_kernels_avx512.cc -o "$b/k_avx512.o"
+    -mprefer-vector-width=512 -c server/kernels/cpu/cpu_kernels_avx512.cc -o "$b/k_avx512.o"
   if [[ -n $nccl_lib ]]; then
-    for s in client/nccl_communicator.cc tests/gpu_nccl_test.cc; do
+    for s in client/comm/nccl_communicator.cc tests/gpu_nccl_test.cc; do
       n=$(basename "$s" .cc); compile "$n" $CXX "${CXXFLAGS[@]}" -I"$nccl_inc" -c "$s" -o "$b/$n.o"
     done
     if [[ $torch_cuda == 1 || ${BUILD_TORCH_TEST:-0} == 1 ]]; then
       tinc=(); for d in $torch_inc; do tinc+=(-isystem "$d"); done
-      for s in client/sharded_optimizer.cc client/checkpoint.cc tests/gpu_sharded_optimizer_test.cc \
-               tools/bench_gpu_step.cc; do
+      for s in client/sharded_optimizer.cc server/shard_owner.cc client/checkpoint/checkpoint.cc tests/gpu_sharded_optimizer_test.cc \
+               tools/bench/bench_gpu_step.cc; do
         n=$(basename "$s" .cc)
         # LibTorch's headers may need C++20 (newer PyTorch): try 17, then 20.
         compile "$n" bash -c "$CXX ${CXXFLAGS[*]} -D_GLIBCXX_USE_CXX11_ABI=$torch_abi ${tinc[*]} -I$nccl_inc -c $s -o $b/$n.o 2>$b/$n.c17.log || $CXX ${CXXFLAGS[*]/-std=c++17/-std=c++20} -D_GLIBCXX_USE_CXX11_ABI=$torch_abi ${tinc[*]} -I$nccl_inc -c $s -o $b/$n.o"
@@ -156,7 +156,7 @@ if [[ $have_absl == 1 ]]; then
       [[ -f $torch_lib/libtorch_cuda.so ]] && tcuda=(-Wl,--no-as-needed -ltorch_cuda -lc10_cuda -Wl,--as-needed)
       # (BUILD_TORCH_TEST=1 builds it against a CPU LibTorch too, to check the build.)
       # Shared cudart here: one runtime with LibTorch's (same soname).
-      link gpu_sharded_optimizer_test $CXX $(obj gpu_sharded_optimizer_test sharded_optimizer checkpoint manifest crc32c file_system cuda_backend device_backend \
+      link gpu_sharded_optimizer_test $CXX $(obj gpu_sharded_optimizer_test sharded_optimizer checkpoint manifest crc32c file_system cuda_backend cpu_backend shard_owner \
           nccl_communicator communicator kv_store layout planner cpu_kernels k_base k_avx2 k_avx512 optimizer_config \
           update_slice cuda_kernels impl) -fopenmp \
         "${deps_lib[@]}" -Wl,--start-group "${absl_libs[@]}" -Wl,--end-group "${gtest_libs[@]}" "${nccl_link[@]}" \
@@ -164,7 +164,7 @@ if [[ $have_absl == 1 ]]; then
         -ltorch -ltorch_cpu -lc10 -L"$CUDA_HOME/lib64" -Wl,-rpath,"$CUDA_HOME/lib64" -lcudart \
         -o "$b/gpu_sharded_optimizer_test"
       [[ -f $b/bench_gpu_step.o ]] && link bench_gpu_step $CXX $(obj bench_gpu_step model_shapes sharded_optimizer cuda_backend \
-          device_backend nccl_communicator communicator kv_store layout planner cpu_kernels k_base k_avx2 k_avx512 \
+          cpu_backend shard_owner nccl_communicator communicator kv_store layout planner cpu_kernels k_base k_avx2 k_avx512 \
           optimizer_config update_slice cuda_kernels impl) -fopenmp \
         "${deps_lib[@]}" -Wl,--start-group "${absl_libs[@]}" -Wl,--end-group -lpthread "${nccl_link[@]}" \
         -L"$torch_lib" -Wl,-rpath,"$torch_lib" -Wl,--allow-shlib-undefined "${tcuda[@]}" \

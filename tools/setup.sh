@@ -22,6 +22,8 @@ PACKAGES=(
   # metrics: the Prometheus client library (shardrun --metrics-port); the
   # Prometheus server and promtool for tests/prometheus_test.sh
   prometheus-cpp-dev prometheus
+  # Python API: the pybind11 extension (python/), its tests and the Python benchmark
+  pybind11-dev python3-pytest python3-torchvision
 )
 
 case "${1:-}" in

@@ -1,13 +1,20 @@
 // The per-element math of every optimizer, written once.
 //
-// The reference (server/reference_optimizer.cc), the vectorised CPU kernels
-// (server/cpu_kernels_isa.inc, one build per ISA), the CUDA kernels
-// (server/cuda/cuda_kernels_impl.cu) and the standalone GPU check
-// (tools/gpu_check.cu) all call these functions, so they compute the same
+// The reference (server/kernels/reference_optimizer.cc), the vectorised CPU kernels
+// (server/kernels/cpu/cpu_kernels_isa.inc, one build per ISA), the CUDA kernels
+// (server/kernels/cuda/cuda_kernels_impl.cu) and the standalone GPU check
+// (tools/bench/gpu_check.cu) all call these functions, so they compute the same
 // expressions in the same order: with contraction off (-ffp-contract=off,
 // nvcc -fmad=false) and IEEE division and square root, every build gives
 // bitwise the result of the reference. The expressions are those of
-// torch.optim (PyTorch 1.13, single-tensor path), in float.
+// torch.optim (PyTorch 1.13, single-tensor path), in float, including where
+// ATen fuses: `x.add_(y, alpha=a)` is one fused multiply-add in ATen's
+// vectorised CPU kernels (Vectorized::fmadd), so it is fmaf(y, a, x) here
+// too, and `x.addcmul_(y, z, value=a)` is fmaf(a * y, z, x) (both checked
+// element by element against torch 1.13 on an AVX2 CPU); that makes shardopt's steps bitwise those of torch.optim.AdamW / SGD
+// on CPUs with FMA (x86-64 AVX2 and later). Explicit fmaf is exact in every
+// build (a libm call where the ISA has no FMA instruction: the baseline
+// kernels on pre-AVX2 CPUs are slower, not different).
 //
 // Plain C++ with no dependencies: nvcc compiles it for the device.
 #ifndef SHARDOPT_SERVER_KERNELS_OPTIMIZER_MATH_H_
@@ -25,7 +32,7 @@ namespace shardopt {
 
 // Per-step scalars, computed in double as PyTorch does and rounded to float
 // where PyTorch passes them to a float kernel (MakeAdamScalars, in
-// server/update_slice.h).
+// server/kernels/update_slice.h).
 struct AdamScalars {
   float grad_sign;        // -1 when maximizing
   float weight_decay;     // L2 term (Adam); 0 for AdamW
@@ -56,10 +63,10 @@ struct SgdScalars {
 template <bool kL2, bool kDecoupled>
 SHARDOPT_HD void AdamElement(const AdamScalars& k, float& p, float g, float& m, float& v) {
   g = g * k.grad_sign;
-  if (kL2) g = g + k.weight_decay * p;                // grad.add(param, alpha=wd)
+  if (kL2) g = fmaf(p, k.weight_decay, g);            // grad.add(param, alpha=wd)
   if (kDecoupled) p = p * k.decay;                    // param.mul_(1 - lr * wd)
-  m = m * k.beta1 + k.one_minus_beta1 * g;            // exp_avg.mul_(b1).add_(g, 1 - b1)
-  v = v * k.beta2 + k.one_minus_beta2 * g * g;        // exp_avg_sq.mul_(b2).addcmul_(g, g, 1 - b2)
+  m = fmaf(g, k.one_minus_beta1, m * k.beta1);        // exp_avg.mul_(b1).add_(g, 1 - b1)
+  v = fmaf(k.one_minus_beta2 * g, g, v * k.beta2);    // exp_avg_sq.mul_(b2).addcmul_(g, g, 1 - b2)
   const float denom = sqrtf(v) / k.bias_correction2_sqrt + k.eps;
   p = p + k.neg_step_size * m / denom;                // param.addcdiv_(m, denom, -step_size)
 }
@@ -68,12 +75,12 @@ SHARDOPT_HD void AdamElement(const AdamScalars& k, float& p, float g, float& m, 
 template <bool kL2, bool kMomentum, bool kFirst, bool kNesterov>
 SHARDOPT_HD void SgdElement(const SgdScalars& k, float& p, float g, float& b) {
   float d = g * k.grad_sign;
-  if (kL2) d = d + k.weight_decay * p;                // grad.add(param, alpha=wd)
+  if (kL2) d = fmaf(p, k.weight_decay, d);            // grad.add(param, alpha=wd)
   if (kMomentum) {
-    b = kFirst ? d : b * k.momentum + k.one_minus_dampening * d;
-    d = kNesterov ? d + k.momentum * b : b;
+    b = kFirst ? d : fmaf(d, k.one_minus_dampening, b * k.momentum);  // buf.mul_(m).add_(d, 1 - damp)
+    d = kNesterov ? fmaf(b, k.momentum, d) : b;       // d.add(buf, alpha=momentum)
   }
-  p = p + k.neg_lr * d;                               // param.add_(d, alpha=-lr)
+  p = fmaf(d, k.neg_lr, p);                           // param.add_(d, alpha=-lr)
 }
 
 // Adam's memory traffic (read p, g, m, v; write p, m, v) with trivial

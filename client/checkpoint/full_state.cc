@@ -1,0 +1,137 @@
+#include "client/checkpoint/full_state.h"
+
+#include <ATen/ATen.h>
+
+#include <cstring>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "client/checkpoint/checkpoint.h"
+#include "common/status_macros.h"
+
+namespace shardopt {
+
+namespace {
+
+// Names of the arrays of an owned slice, in OwnedSlice order.
+std::vector<std::string> ArrayNames(const ShardedOptimizer& opt) {
+  std::vector<std::string> names = {"param"};
+  for (const std::string& s : opt.state_names()) names.push_back(s);
+  return names;
+}
+
+float* ArrayOf(const ShardedOptimizer::OwnedSlice& s, size_t k) {
+  return k == 0 ? s.master : k == 1 ? s.state0 : s.state1;
+}
+
+absl::Status Wait(ShardedOptimizer& opt, CommHandlePtr h) {
+  absl::Status s = h->Wait(opt.options().timeout);
+  // A timed-out collective may still write into its buffer: the caller's
+  // buffers are kept alive by leaking them in that case (see below).
+  if (!s.ok()) opt.communicator()->Abort(s);
+  return s;
+}
+
+}  // namespace
+
+absl::StatusOr<FullState> GatherFullState(ShardedOptimizer& opt) {
+  const Layout& layout = opt.layout();
+  const int world = layout.world_size();
+  const int rank = opt.communicator()->rank();
+  const std::vector<std::string> names = ArrayNames(opt);
+  const bool staged = opt.on_device();
+  if (staged) SHARDOPT_RETURN_IF_ERROR(opt.StageToHost());
+  FullState out;
+  out.step = opt.step_count();
+  absl::Status status;
+  for (const Bucket& b : layout.buckets()) {
+    ShardedOptimizer::OwnedSlice own = opt.owned_slice(b.index);
+    for (size_t k = 0; k < names.size() && status.ok(); ++k) {
+      // Heap buffer: leaked if the all-gather times out (it may still write).
+      auto* buf = new std::vector<float>(static_cast<size_t>(b.capacity_per_rank) * world);
+      std::memcpy(buf->data() + rank * b.capacity_per_rank, ArrayOf(own, k),
+                  b.capacity_per_rank * sizeof(float));
+      CollectiveBucketScope tag(b.index);
+      status = Wait(opt, opt.communicator()->AllGather(buf->data(), b.capacity_per_rank,
+                                                       ElementType::kFloat32));
+      if (!status.ok()) break;  // `buf` leaked on purpose
+      for (int p : b.params) {
+        const ParamSpec& spec = layout.params()[p];
+        const ParamPlacement& pl = layout.placement(p);
+        out.tensors[spec.name][names[k]] =
+            torch::from_blob(buf->data() + pl.bucket_offset, {pl.numel}, torch::kFloat)
+                .clone()
+                .view(spec.shape);
+      }
+      delete buf;
+    }
+    if (!status.ok()) break;
+  }
+  if (staged) (void)opt.EndStaging(/*copy_back=*/false);
+  SHARDOPT_RETURN_IF_ERROR(status);
+  return out;
+}
+
+absl::Status LoadFullState(ShardedOptimizer& opt, const FullState& state) {
+  const Layout& layout = opt.layout();
+  const int rank = opt.communicator()->rank();
+  const std::vector<std::string> names = ArrayNames(opt);
+  std::vector<HyperParameters> groups;
+  for (int g = 0; g < opt.num_groups(); ++g) groups.push_back(opt.group(g));
+  RestoredCheckpoint info;
+  info.step = state.step;
+  info.format = "state_dict";
+  auto fill = [&]() -> absl::Status {
+    if (state.step < 0) return absl::InvalidArgumentError("step must be >= 0");
+    for (const Piece& p : layout.PiecesOfRank(rank)) {
+      const ParamSpec& spec = layout.params()[p.param];
+      auto it = state.tensors.find(spec.name);
+      if (it == state.tensors.end()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("the state has no entry for parameter '", spec.name, "'"));
+      }
+      ShardedOptimizer::OwnedSlice own = opt.owned_slice(p.bucket);
+      for (size_t k = 1; k < names.size(); ++k) {  // states only: parameters stay the model's
+        auto t = it->second.find(names[k]);
+        if (t == it->second.end()) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "parameter '", spec.name, "' has no '", names[k], "' in the state (it has: ",
+              absl::StrJoin(it->second, ", ", [](std::string* o, const auto& kv) { o->append(kv.first); }),
+              ")"));
+        }
+        if (!t->second.defined() || t->second.sizes().vec() != spec.shape) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "state '", names[k], "' of parameter '", spec.name, "' has shape [",
+              t->second.defined() ? absl::StrJoin(t->second.sizes(), ", ") : "undefined",
+              "], the parameter [", absl::StrJoin(spec.shape, ", "), "]"));
+        }
+        torch::Tensor src = t->second.to(torch::kCPU, torch::kFloat).contiguous().view({-1});
+        std::memcpy(ArrayOf(own, k) + p.rank_offset, src.data_ptr<float>() + p.param_offset,
+                    p.length * sizeof(float));
+      }
+    }
+    return absl::OkStatus();
+  };
+  // RestoreOwnedSlices applies info.optimizer to every group: give it group
+  // 0's values, then put every group back.
+  const HyperParameters& g0 = groups[0];
+  SavedOptimizer& s = info.optimizer;
+  s.kind = OptimizerKindName(opt.options().kind);
+  const bool sgd = opt.options().kind == OptimizerKind::kSgd;
+  s.lr = sgd ? g0.sgd.lr : g0.adam.lr;
+  s.beta1 = g0.adam.beta1;
+  s.beta2 = g0.adam.beta2;
+  s.eps = g0.adam.eps;
+  s.momentum = g0.sgd.momentum;
+  s.dampening = g0.sgd.dampening;
+  s.nesterov = g0.sgd.nesterov;
+  s.weight_decay = sgd ? g0.sgd.weight_decay : g0.adam.weight_decay;
+  SHARDOPT_RETURN_IF_ERROR(RestoreOwnedSlices(opt, fill, info));
+  for (size_t g = 0; g < groups.size(); ++g) {
+    SHARDOPT_RETURN_IF_ERROR(opt.SetGroup(static_cast<int>(g), groups[g]));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace shardopt

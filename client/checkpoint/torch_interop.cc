@@ -1,0 +1,450 @@
+#include "client/checkpoint/torch_interop.h"
+
+#include <torch/serialize.h>
+
+#include <climits>
+#include <cstdlib>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "client/checkpoint/checkpoint.h"
+#include "client/comm/in_process_communicator.h"
+#include "client/sharded_optimizer.h"
+#include "client/checkpoint/torch_pickle.h"
+#include "common/status_macros.h"
+
+namespace shardopt {
+
+namespace {
+
+// LibTorch reports failures (an allocation too large for this machine, ...)
+// by exceptions: they become one-line Statuses here.
+template <typename Fn>
+auto Guarded(const char* what, Fn fn) -> decltype(fn()) {
+  try {
+    return fn();
+  } catch (const std::bad_alloc&) {
+    return absl::ResourceExhaustedError(absl::StrCat(what, ": out of memory"));
+  } catch (const c10::Error& e) {
+    return absl::InternalError(absl::StrCat(what, ": ", e.what_without_backtrace()));
+  } catch (const std::exception& e) {
+    return absl::InternalError(absl::StrCat(what, ": ", e.what()));
+  }
+}
+
+absl::Status ExportTorchUnguarded(FileSystem* fs, const std::string& dir, const std::string& out) {
+  SHARDOPT_RETURN_IF_ERROR(VerifyCheckpoint(fs, dir));
+  SHARDOPT_ASSIGN_OR_RETURN(Manifest m, ReadManifest(fs, dir));
+  const std::vector<std::string>& states = m.states;
+  // Whole tensors, assembled from the pieces (which the manifest guarantees
+  // tile every trainable tensor exactly).
+  std::vector<std::vector<torch::Tensor>> full(m.params.size());
+  std::vector<int> trainable;
+  for (size_t i = 0; i < m.params.size(); ++i) {
+    if (!m.params[i].trainable) continue;
+    trainable.push_back(static_cast<int>(i));
+    for (size_t s = 0; s < states.size(); ++s) full[i].push_back(torch::empty(m.params[i].shape));
+  }
+  for (const ManifestPiece& p : m.pieces) {
+    const std::string file = dir + "/" + m.files[p.file].name;
+    for (size_t s = 0; s < states.size(); ++s) {
+      float* dst = full[p.param][s].data_ptr<float>() + p.offset;
+      SHARDOPT_RETURN_IF_ERROR(fs->ReadAt(file, static_cast<uint64_t>(p.begin[s]),
+                                          static_cast<size_t>(p.length) * 4, dst));
+      SHARDOPT_RETURN_IF_ERROR(CheckPieceCrcs(m, p, s, reinterpret_cast<const char*>(dst), file));
+    }
+  }
+  const std::string& kind = m.optimizer.kind;
+  const double step = static_cast<double>(m.step);
+  c10::Dict<int64_t, c10::Dict<std::string, torch::Tensor>> state;
+  c10::Dict<std::string, torch::Tensor> named;
+  c10::List<std::string> names;
+  c10::List<int64_t> indices;
+  for (size_t k = 0; k < trainable.size(); ++k) {
+    const int i = trainable[k];
+    const std::string& name = m.params[i].name;
+    names.push_back(name);
+    indices.push_back(static_cast<int64_t>(k));
+    named.insert(name, full[i][0]);
+    c10::Dict<std::string, torch::Tensor> st;
+    if (kind != "sgd") st.insert("step", torch::tensor(step));
+    for (size_t s = 1; s < states.size(); ++s) st.insert(states[s], full[i][s]);
+    if (states.size() > 1) state.insert(static_cast<int64_t>(k), st);
+  }
+  const SavedOptimizer& o = m.optimizer;
+  c10::impl::GenericDict group(c10::StringType::get(), c10::AnyType::get());
+  group.insert("lr", o.lr);
+  group.insert("weight_decay", o.weight_decay);
+  group.insert("maximize", false);
+  group.insert("foreach", c10::IValue());
+  if (kind == "sgd") {
+    group.insert("momentum", o.momentum);
+    group.insert("dampening", o.dampening);
+    group.insert("nesterov", o.nesterov);
+    group.insert("differentiable", false);
+  } else {
+    group.insert("betas", c10::ivalue::Tuple::create({o.beta1, o.beta2}));
+    group.insert("eps", o.eps);
+    group.insert("amsgrad", false);
+    group.insert("capturable", false);
+    group.insert("differentiable", false);
+    group.insert("fused", false);
+  }
+  group.insert("params", indices);
+  c10::impl::GenericList groups(c10::AnyType::get());
+  groups.push_back(group);
+  c10::impl::GenericDict top(c10::StringType::get(), c10::AnyType::get());
+  top.insert("state", state);
+  top.insert("param_groups", groups);
+  top.insert("param_names", names);
+  top.insert("params", named);
+  top.insert("step", static_cast<int64_t>(m.step));
+  const std::vector<char> bytes = torch::pickle_save(top);
+  const std::string data(bytes.begin(), bytes.end());
+  return WriteFileAtomically(fs, out, data);
+}
+
+}  // namespace
+
+absl::Status ExportTorch(FileSystem* fs, const std::string& dir, const std::string& out) {
+  return Guarded("exporting for torch", [&] { return ExportTorchUnguarded(fs, dir, out); });
+}
+
+namespace {
+
+absl::Status Bad(const std::string& file, const std::string& what) {
+  return absl::InvalidArgumentError(absl::StrCat("'", file, "': ", what));
+}
+
+const PyValue* FindDict(const PyValue* v, const char* key) {
+  if (v == nullptr) return nullptr;
+  const PyValue* f = v->Find(std::string(key));
+  return f != nullptr && f->kind == PyValue::Kind::kDict ? f : nullptr;
+}
+
+bool IsOptimizerStateDict(const PyValue* v) {
+  return v != nullptr && v->kind == PyValue::Kind::kDict && FindDict(v, "state") != nullptr &&
+         v->Find(std::string("param_groups")) != nullptr;
+}
+
+// name -> tensor of a model state_dict (or a combined file's "model").
+absl::StatusOr<std::vector<std::pair<std::string, at::Tensor>>> ModelTensors(const PyValue* sd,
+                                                                              const std::string& file) {
+  if (sd == nullptr || sd->kind != PyValue::Kind::kDict) return Bad(file, "holds no model state_dict");
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const auto& [k, v] : sd->entries) {
+    if (k->kind != PyValue::Kind::kString) return Bad(file, "a model state_dict key is not a string");
+    if (v->kind != PyValue::Kind::kTensor) {
+      return Bad(file, absl::StrCat("model entry '", k->s, "' is ", v->Describe(), ", not a tensor"));
+    }
+    out.push_back({k->s, v->tensor});
+  }
+  return out;
+}
+
+bool IsBuffer(const std::string& name, const at::Tensor& t) {
+  auto ends = [&](const char* suffix) {
+    const size_t n = std::strlen(suffix);
+    return name.size() >= n && name.compare(name.size() - n, n, suffix) == 0;
+  };
+  return !t.is_floating_point() || ends("running_mean") || ends("running_var") || ends("num_batches_tracked");
+}
+
+absl::StatusOr<double> Number(const PyValue* group, const char* key, const std::string& file, int g) {
+  const PyValue* v = group->Find(std::string(key));
+  if (v == nullptr || !v->IsNumber()) {
+    return Bad(file, absl::StrCat("param_groups[", g, "] has no number '", key, "'"));
+  }
+  return v->AsDouble();
+}
+
+// Hyper-parameters of every group; shardopt's optimizer has one set, so the
+// groups must agree.
+absl::StatusOr<SavedOptimizer> GroupHyper(const PyValue* group, OptimizerKind kind, const std::string& file, int g) {
+  SavedOptimizer o;
+  o.kind = OptimizerKindName(kind);
+  SHARDOPT_ASSIGN_OR_RETURN(o.lr, Number(group, "lr", file, g));
+  SHARDOPT_ASSIGN_OR_RETURN(o.weight_decay, Number(group, "weight_decay", file, g));
+  for (const char* flag : {"amsgrad", "maximize"}) {
+    const PyValue* v = group->Find(std::string(flag));
+    if (v != nullptr && v->kind == PyValue::Kind::kBool && v->b) {
+      return Bad(file, absl::StrCat(flag, "=True is not supported by shardopt"));
+    }
+  }
+  if (kind == OptimizerKind::kSgd) {
+    SHARDOPT_ASSIGN_OR_RETURN(o.momentum, Number(group, "momentum", file, g));
+    SHARDOPT_ASSIGN_OR_RETURN(o.dampening, Number(group, "dampening", file, g));
+    const PyValue* n = group->Find(std::string("nesterov"));
+    o.nesterov = n != nullptr && n->kind == PyValue::Kind::kBool && n->b;
+  } else {
+    const PyValue* betas = group->Find(std::string("betas"));
+    if (betas == nullptr || (betas->kind != PyValue::Kind::kTuple && betas->kind != PyValue::Kind::kList) ||
+        betas->items.size() != 2 || !betas->items[0]->IsNumber() || !betas->items[1]->IsNumber()) {
+      return Bad(file, absl::StrCat("param_groups[", g, "] has no betas (is this an SGD state_dict? use --optimizer=sgd)"));
+    }
+    o.beta1 = betas->items[0]->AsDouble();
+    o.beta2 = betas->items[1]->AsDouble();
+    SHARDOPT_ASSIGN_OR_RETURN(o.eps, Number(group, "eps", file, g));
+  }
+  return o;
+}
+
+bool SameHyper(const SavedOptimizer& a, const SavedOptimizer& b) {
+  return a.lr == b.lr && a.weight_decay == b.weight_decay && a.beta1 == b.beta1 && a.beta2 == b.beta2 &&
+         a.eps == b.eps && a.momentum == b.momentum && a.dampening == b.dampening && a.nesterov == b.nesterov;
+}
+
+// The optimizer's parameter indices, in order, and its hyper-parameters.
+absl::Status ReadGroups(const PyValue* sd, OptimizerKind kind, const std::string& file, std::vector<int64_t>* indices,
+                        SavedOptimizer* hyper) {
+  const PyValue* groups = sd->Find(std::string("param_groups"));
+  if (groups->kind != PyValue::Kind::kList || groups->items.empty()) return Bad(file, "param_groups is not a list");
+  for (size_t g = 0; g < groups->items.size(); ++g) {
+    const PyValue* group = groups->items[g].get();
+    if (group->kind != PyValue::Kind::kDict) return Bad(file, "a param_group is not a dict");
+    SHARDOPT_ASSIGN_OR_RETURN(SavedOptimizer h, GroupHyper(group, kind, file, static_cast<int>(g)));
+    if (g == 0) {
+      *hyper = h;
+    } else if (!SameHyper(h, *hyper)) {
+      return Bad(file, absl::StrCat("param_groups[", g, "] has other hyper-parameters than param_groups[0] (e.g. no "
+                                    "weight decay on biases); shardopt applies one set to every parameter"));
+    }
+    const PyValue* params = group->Find(std::string("params"));
+    if (params == nullptr || params->kind != PyValue::Kind::kList) return Bad(file, "a param_group has no params list");
+    for (const auto& p : params->items) {
+      if (p->kind != PyValue::Kind::kInt) return Bad(file, "a param_group's params are not indices");
+      indices->push_back(p->i);
+    }
+  }
+  if (groups->items.size() > 1) {
+    return Bad(file, "has several param_groups; without parameter names their order cannot be matched to the model");
+  }
+  return absl::OkStatus();
+}
+
+// Which name each optimizer index stands for.
+absl::StatusOr<std::vector<std::string>> IndexNames(const PyValue* top, size_t count,
+                                                    const std::vector<std::pair<std::string, at::Tensor>>& model,
+                                                    const std::vector<std::string>* expected, const std::string& file) {
+  std::vector<std::string> names;
+  if (expected != nullptr) {
+    names = *expected;
+  } else if (const PyValue* pn = top->Find(std::string("param_names")); pn != nullptr && pn->kind == PyValue::Kind::kList) {
+    for (const auto& n : pn->items) {
+      if (n->kind != PyValue::Kind::kString) return Bad(file, "param_names holds a non-string");
+      names.push_back(n->s);
+    }
+  } else {
+    for (const auto& [name, t] : model) {
+      if (!IsBuffer(name, t)) names.push_back(name);
+    }
+  }
+  if (names.size() != count) {
+    return Bad(file, absl::StrCat("the optimizer has ", count, " parameters, the model ", names.size(),
+                                  " (pass the matching model with --params)"));
+  }
+  return names;
+}
+
+absl::Status ReadState(const PyValue* sd, const std::vector<int64_t>& indices, OptimizerKind kind,
+                       const std::string& file, TorchCheckpoint* out) {
+  const PyValue* state = FindDict(sd, "state");
+  const std::vector<std::string> want = kind == OptimizerKind::kSgd ? std::vector<std::string>{"momentum_buffer"}
+                                                                      : std::vector<std::string>{"exp_avg", "exp_avg_sq"};
+  for (size_t k = 0; k < indices.size(); ++k) {
+    const std::string& name = out->names[k];
+    const PyValue* st = state->Find(indices[k]);
+    if (st == nullptr) continue;  // no step taken for this parameter yet
+    if (st->kind != PyValue::Kind::kDict) return Bad(file, absl::StrCat("state of '", name, "' is not a dict"));
+    for (const std::string& s : want) {
+      const PyValue* t = st->Find(s);
+      if (t == nullptr || t->kind != PyValue::Kind::kTensor) {
+        if (kind == OptimizerKind::kSgd && t == nullptr) continue;  // SGD without momentum
+        return Bad(file, absl::StrCat("state of '", name, "' has no tensor '", s, "' (another optimizer?)"));
+      }
+      out->state[name][s] = t->tensor.to(at::kFloat).contiguous();
+    }
+    if (const PyValue* step = st->Find(std::string("step")); step != nullptr && step->IsNumber()) {
+      out->step = std::max<int64_t>(out->step, static_cast<int64_t>(step->AsDouble()));
+    }
+  }
+  // torch's SGD keeps no step; a momentum buffer means the first step is past.
+  if (kind == OptimizerKind::kSgd && !out->state.empty()) out->step = std::max<int64_t>(out->step, 1);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<PyValuePtr> ReadTorch(const std::string& path) {
+  char resolved[PATH_MAX];
+  if (::realpath(path.c_str(), resolved) == nullptr) return absl::NotFoundError(absl::StrCat("'", path, "' does not exist"));
+  return ReadTorchFile(resolved);
+}
+
+}  // namespace
+
+namespace {
+
+absl::StatusOr<TorchCheckpoint> ReadTorchCheckpointUnguarded(const std::string& optimizer_file,
+                                                             const std::string& params_file, OptimizerKind kind,
+                                                             const std::vector<std::string>* expected) {
+  SHARDOPT_ASSIGN_OR_RETURN(PyValuePtr top, ReadTorch(optimizer_file));
+  const PyValue* sd = top.get();
+  const PyValue* model = FindDict(top.get(), "params");
+  if (!IsOptimizerStateDict(sd)) {
+    sd = nullptr;
+    for (const char* key : {"optimizer", "optimizer_state_dict"}) {
+      if (IsOptimizerStateDict(FindDict(top.get(), key))) sd = FindDict(top.get(), key);
+    }
+    for (const char* key : {"model", "model_state_dict", "state_dict"}) {
+      if (FindDict(top.get(), key) != nullptr) model = FindDict(top.get(), key);
+    }
+  }
+  if (sd == nullptr) {
+    return Bad(optimizer_file, absl::StrCat("is ", top->Describe(), ", neither an optimizer state_dict ('state', "
+                                            "'param_groups') nor {'model': ..., 'optimizer': ...}"));
+  }
+  PyValuePtr params_top;
+  if (!params_file.empty()) {
+    SHARDOPT_ASSIGN_OR_RETURN(params_top, ReadTorch(params_file));
+    model = params_top.get();
+    for (const char* key : {"model", "model_state_dict", "state_dict", "params"}) {
+      if (FindDict(params_top.get(), key) != nullptr) model = FindDict(params_top.get(), key);
+    }
+  }
+  if (model == nullptr) {
+    return Bad(optimizer_file, "holds no parameters: pass the model's state_dict file (--params=MODEL.pt)");
+  }
+  const std::string& model_file = params_file.empty() ? optimizer_file : params_file;
+  SHARDOPT_ASSIGN_OR_RETURN(auto tensors, ModelTensors(model, model_file));
+  TorchCheckpoint out;
+  std::vector<int64_t> indices;
+  SHARDOPT_RETURN_IF_ERROR(ReadGroups(sd, kind, optimizer_file, &indices, &out.optimizer));
+  SHARDOPT_ASSIGN_OR_RETURN(out.names, IndexNames(top.get(), indices.size(), tensors, expected, optimizer_file));
+  for (const std::string& name : out.names) {
+    auto it = std::find_if(tensors.begin(), tensors.end(), [&](const auto& e) { return e.first == name; });
+    if (it == tensors.end()) return Bad(model_file, absl::StrCat("has no parameter '", name, "'"));
+    out.params[name] = it->second.to(at::kFloat).contiguous();
+  }
+  SHARDOPT_RETURN_IF_ERROR(ReadState(sd, indices, kind, optimizer_file, &out));
+  for (const auto& [name, states] : out.state) {
+    for (const auto& [s, t] : states) {
+      if (t.numel() != out.params[name].numel()) {
+        return Bad(optimizer_file, absl::StrCat("'", s, "' of '", name, "' has ", t.numel(), " elements, the parameter ",
+                                                out.params[name].numel()));
+      }
+    }
+  }
+  if (const PyValue* step = top->Find(std::string("step")); step != nullptr && step->kind == PyValue::Kind::kInt) {
+    out.step = step->i;  // shardopt's export records it (SGD's state has none)
+  }
+  if (out.step < 0) return Bad(optimizer_file, "has a negative step");
+  return out;
+}
+
+}  // namespace
+
+absl::StatusOr<TorchCheckpoint> ReadTorchCheckpoint(const std::string& optimizer_file, const std::string& params_file,
+                                                    OptimizerKind kind, const std::vector<std::string>* expected) {
+  return Guarded(optimizer_file.c_str(), [&] {
+    return ReadTorchCheckpointUnguarded(optimizer_file, params_file, kind, expected);
+  });
+}
+
+namespace {
+
+// Writes this rank's owned slices from `t`.
+absl::Status FillFromTorch(ShardedOptimizer& opt, const TorchCheckpoint& t, const std::string& file) {
+  const Layout& layout = opt.layout();
+  const std::vector<std::string> states = opt.state_names();
+  for (const Piece& p : layout.PiecesOfRank(opt.communicator()->rank())) {
+    const ParamSpec& spec = layout.params()[p.param];
+    auto it = t.params.find(spec.name);
+    if (it == t.params.end()) return Bad(file, absl::StrCat("has no parameter '", spec.name, "'"));
+    if (it->second.numel() != layout.placement(p.param).numel) {
+      return Bad(file, absl::StrCat("parameter '", spec.name, "' has ", it->second.numel(), " elements, this model ",
+                                    layout.placement(p.param).numel));
+    }
+    ShardedOptimizer::OwnedSlice slice = opt.owned_slice(p.bucket);
+    std::memcpy(slice.master + p.rank_offset, it->second.data_ptr<float>() + p.param_offset, p.length * 4);
+    float* arrays[2] = {slice.state0, slice.state1};
+    auto st = t.state.find(spec.name);
+    for (size_t s = 0; s < states.size(); ++s) {
+      if (st == t.state.end() || st->second.count(states[s]) == 0) {
+        if (t.step > 0) return Bad(file, absl::StrCat("has no '", states[s], "' for '", spec.name, "'"));
+        std::memset(arrays[s] + p.rank_offset, 0, p.length * 4);  // before the first step: zero state
+        continue;
+      }
+      std::memcpy(arrays[s] + p.rank_offset, st->second.at(states[s]).data_ptr<float>() + p.param_offset, p.length * 4);
+    }
+  }
+  return absl::OkStatus();
+}
+
+std::vector<std::string> TrainableNames(const Layout& layout) {
+  std::vector<std::string> names;
+  for (const ParamSpec& p : layout.params()) {
+    if (p.trainable) names.push_back(p.name);
+  }
+  return names;
+}
+
+absl::StatusOr<RestoredCheckpoint> LoadTorchCheckpoint(ShardedOptimizer& opt, const std::string& path) {
+  RestoredCheckpoint info;
+  auto fill = [&]() -> absl::Status {
+    const std::vector<std::string> names = TrainableNames(opt.layout());
+    SHARDOPT_ASSIGN_OR_RETURN(TorchCheckpoint t, ReadTorchCheckpoint(path, "", opt.options().kind, &names));
+    info = {path, "torch", t.step, 0, t.optimizer, {}, false};
+    return FillFromTorch(opt, t, path);
+  };
+  SHARDOPT_RETURN_IF_ERROR(RestoreOwnedSlices(opt, fill, info));
+  return info;
+}
+
+}  // namespace
+
+namespace {
+
+absl::Status ImportTorchUnguarded(const std::string& optimizer_file, const std::string& params_file,
+                                  OptimizerKind kind, const std::string& out_root) {
+  SHARDOPT_ASSIGN_OR_RETURN(TorchCheckpoint t, ReadTorchCheckpoint(optimizer_file, params_file, kind));
+  std::vector<std::pair<std::string, torch::Tensor>> params;
+  for (const std::string& name : t.names) {
+    params.emplace_back(name, t.params.at(name).clone().set_requires_grad(true));
+  }
+  ShardedOptimizerOptions o;
+  o.kind = kind;
+  if (kind == OptimizerKind::kAdamW) o.adam = AdamWConfig();
+  if (kind == OptimizerKind::kSgd) o.sgd.momentum = t.optimizer.momentum;
+  InProcessWorld world(1, absl::Seconds(60));
+  auto comm = world.Connect(0);
+  SHARDOPT_ASSIGN_OR_RETURN(auto opt, ShardedOptimizer::Create(params, o, comm.get()));
+  RestoredCheckpoint info{optimizer_file, "torch", t.step, 0, t.optimizer, {}, false};
+  SHARDOPT_RETURN_IF_ERROR(RestoreOwnedSlices(*opt, [&] { return FillFromTorch(*opt, t, optimizer_file); }, info));
+  return SaveCheckpoint(*opt, out_root).status();
+}
+
+}  // namespace
+
+absl::Status ImportTorch(const std::string& optimizer_file, const std::string& params_file, OptimizerKind kind,
+                         const std::string& out_root) {
+  return Guarded(optimizer_file.c_str(), [&] { return ImportTorchUnguarded(optimizer_file, params_file, kind, out_root); });
+}
+
+absl::StatusOr<RestoredCheckpoint> LoadAnyCheckpoint(ShardedOptimizer& opt, const std::string& path, FileSystem* fs) {
+  std::string target = path;
+  if (fs->Kind(path) == EntryKind::kSymlink) {
+    // The user named this file; a link to it is fine (files inside a
+    // checkpoint directory are never followed).
+    char resolved[PATH_MAX];
+    if (::realpath(path.c_str(), resolved) != nullptr) target = resolved;
+  }
+  if (fs->Kind(target) == EntryKind::kFile) {
+    char magic[4] = {0, 0, 0, 0};
+    auto size = fs->FileSize(target);
+    if (size.ok() && *size >= 4 && fs->ReadAt(target, 0, 4, magic).ok() && std::memcmp(magic, "PK\x03\x04", 4) == 0) {
+      return LoadTorchCheckpoint(opt, target);
+    }
+  }
+  return LoadCheckpoint(opt, target, fs);
+}
+
+}  // namespace shardopt

@@ -1,0 +1,1537 @@
+#include "client/checkpoint/torch_pickle.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/Storage.h>
+#include <c10/util/Exception.h>
+#include <caffe2/serialize/inline_container.h>
+#include <caffe2/serialize/read_adapter_interface.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <tuple>
+#include <unordered_map>
+#include <unordered_set>
+
+#include "absl/status/status.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_join.h"
+
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
+              "torch.save writes little-endian storages, which this reader uses as they are");
+
+#define TP_RETURN_IF_ERROR(expr)          \
+  do {                                    \
+    ::absl::Status tp_status_ = (expr);   \
+    if (!tp_status_.ok()) return tp_status_; \
+  } while (0)
+#define TP_CONCAT_INNER_(a, b) a##b
+#define TP_CONCAT_(a, b) TP_CONCAT_INNER_(a, b)
+#define TP_ASSIGN_OR_RETURN(lhs, expr) TP_ASSIGN_OR_RETURN_IMPL_(TP_CONCAT_(tp_statusor_, __LINE__), lhs, expr)
+#define TP_ASSIGN_OR_RETURN_IMPL_(tmp, lhs, expr) \
+  auto tmp = (expr);                              \
+  if (!tmp.ok()) return tmp.status();             \
+  lhs = std::move(tmp).value()
+
+namespace shardopt {
+
+// ---------------------------------------------------------------------------
+// PyValue
+
+namespace {
+
+struct DtypeInfo {
+  c10::ScalarType type;
+  const char* name;     // as torch prints it: torch.float32
+  const char* storage;  // the legacy typed storage class: torch.FloatStorage
+};
+
+constexpr DtypeInfo kDtypes[] = {
+    {c10::ScalarType::Float, "float32", "FloatStorage"},
+    {c10::ScalarType::Double, "float64", "DoubleStorage"},
+    {c10::ScalarType::Half, "float16", "HalfStorage"},
+    {c10::ScalarType::BFloat16, "bfloat16", "BFloat16Storage"},
+    {c10::ScalarType::Long, "int64", "LongStorage"},
+    {c10::ScalarType::Int, "int32", "IntStorage"},
+    {c10::ScalarType::Short, "int16", "ShortStorage"},
+    {c10::ScalarType::Char, "int8", "CharStorage"},
+    {c10::ScalarType::Byte, "uint8", "ByteStorage"},
+    {c10::ScalarType::Bool, "bool", "BoolStorage"},
+    {c10::ScalarType::ComplexFloat, "complex64", "ComplexFloatStorage"},
+    {c10::ScalarType::ComplexDouble, "complex128", "ComplexDoubleStorage"},
+};
+
+std::string DtypeName(c10::ScalarType t) {
+  for (const DtypeInfo& d : kDtypes) {
+    if (d.type == t) return d.name;
+  }
+  return c10::toString(t);
+}
+
+}  // namespace
+
+const PyValue* PyValue::Find(const std::string& key) const {
+  if (kind != Kind::kDict) return nullptr;
+  for (const auto& [k, v] : entries) {
+    if (k->kind == Kind::kString && k->s == key) return v.get();
+  }
+  return nullptr;
+}
+
+const PyValue* PyValue::Find(int64_t key) const {
+  if (kind != Kind::kDict) return nullptr;
+  for (const auto& [k, v] : entries) {
+    if (k->kind == Kind::kInt && k->i == key) return v.get();
+  }
+  return nullptr;
+}
+
+bool PyValue::IsNumber() const {
+  switch (kind) {
+    case Kind::kBool:
+    case Kind::kInt:
+    case Kind::kFloat:
+      return true;
+    case Kind::kTensor:
+      return tensor.defined() && tensor.numel() == 1 && !tensor.is_complex();
+    default:
+      return false;
+  }
+}
+
+double PyValue::AsDouble() const {
+  switch (kind) {
+    case Kind::kBool:
+      return b ? 1.0 : 0.0;
+    case Kind::kInt:
+      return static_cast<double>(i);
+    case Kind::kFloat:
+      return f;
+    case Kind::kTensor:
+      if (IsNumber()) return tensor.item<double>();
+      break;
+    default:
+      break;
+  }
+  return std::numeric_limits<double>::quiet_NaN();
+}
+
+std::string PyValue::Describe() const {
+  switch (kind) {
+    case Kind::kNone:
+      return "None";
+    case Kind::kBool:
+      return "bool";
+    case Kind::kInt:
+      return "int";
+    case Kind::kFloat:
+      return "float";
+    case Kind::kString:
+      return "str";
+    case Kind::kBytes:
+      return "bytes";
+    case Kind::kList:
+      return "list";
+    case Kind::kTuple:
+      return "tuple";
+    case Kind::kDict:
+      return "dict";
+    case Kind::kTensor:
+      if (!tensor.defined()) return "tensor (undefined)";
+      return absl::StrCat("tensor ", DtypeName(tensor.scalar_type()), " [", absl::StrJoin(tensor.sizes(), ", "), "]");
+  }
+  return "?";
+}
+
+// ---------------------------------------------------------------------------
+// The unpickler
+
+namespace {
+
+using Kind = PyValue::Kind;
+
+// A string from the file, for an error message: escaped and cut short.
+std::string Quote(absl::string_view s) {
+  constexpr size_t kMax = 80;
+  std::string out = absl::StrCat("'", absl::CHexEscape(s.substr(0, kMax)));
+  if (s.size() > kMax) absl::StrAppend(&out, "...");
+  absl::StrAppend(&out, "'");
+  return out;
+}
+
+// An exception's message on one line, without LibTorch's backtrace.
+std::string ExceptionText(const std::exception& e) {
+  std::string text;
+  if (const auto* c10_error = dynamic_cast<const c10::Error*>(&e)) {
+    text = c10_error->what_without_backtrace();
+  } else {
+    text = e.what();
+  }
+  if (text.size() > 300) text = text.substr(0, 300) + "...";
+  for (char& c : text) {
+    if (c == '\n' || c == '\r' || c == '\t') c = ' ';
+  }
+  return text;
+}
+
+uint64_t LoadLE(const char* p, int n) {
+  uint64_t v = 0;
+  for (int k = n - 1; k >= 0; --k) v = (v << 8) | static_cast<uint8_t>(p[k]);
+  return v;
+}
+
+// UTF-8 as Python's unpickler accepts it (surrogates pass).
+bool ValidUtf8(absl::string_view s) {
+  size_t i = 0;
+  const size_t n = s.size();
+  while (i < n) {
+    const auto c = static_cast<uint8_t>(s[i]);
+    if (c < 0x80) {
+      ++i;
+      continue;
+    }
+    size_t len;
+    uint32_t cp;
+    if ((c & 0xE0) == 0xC0) {
+      len = 2, cp = c & 0x1F;
+    } else if ((c & 0xF0) == 0xE0) {
+      len = 3, cp = c & 0x0F;
+    } else if ((c & 0xF8) == 0xF0) {
+      len = 4, cp = c & 0x07;
+    } else {
+      return false;
+    }
+    if (n - i < len) return false;
+    for (size_t k = 1; k < len; ++k) {
+      const auto d = static_cast<uint8_t>(s[i + k]);
+      if ((d & 0xC0) != 0x80) return false;
+      cp = (cp << 6) | (d & 0x3F);
+    }
+    if ((len == 2 && cp < 0x80) || (len == 3 && cp < 0x800) || (len == 4 && (cp < 0x10000 || cp > 0x10FFFF))) {
+      return false;  // overlong or out of range
+    }
+    i += len;
+  }
+  return true;
+}
+
+// str.encode('latin1') of valid UTF-8; false if a code point is above 0xFF.
+bool EncodeLatin1(absl::string_view s, std::string* out) {
+  out->clear();
+  out->reserve(s.size());
+  for (size_t i = 0; i < s.size();) {
+    const auto c = static_cast<uint8_t>(s[i]);
+    if (c < 0x80) {
+      out->push_back(static_cast<char>(c));
+      ++i;
+    } else if ((c & 0xE0) == 0xC0 && i + 1 < s.size()) {
+      const uint32_t cp = ((c & 0x1Fu) << 6) | (static_cast<uint8_t>(s[i + 1]) & 0x3Fu);
+      if (cp > 0xFF) return false;
+      out->push_back(static_cast<char>(cp));
+      i += 2;
+    } else {
+      return false;
+    }
+  }
+  return true;
+}
+
+const char* OpName(int op) {
+  switch (op) {
+    case '(': return "MARK";
+    case '.': return "STOP";
+    case '0': return "POP";
+    case '1': return "POP_MARK";
+    case '2': return "DUP";
+    case 'F': return "FLOAT";
+    case 'I': return "INT";
+    case 'J': return "BININT";
+    case 'K': return "BININT1";
+    case 'L': return "LONG";
+    case 'M': return "BININT2";
+    case 'N': return "NONE";
+    case 'P': return "PERSID";
+    case 'Q': return "BINPERSID";
+    case 'R': return "REDUCE";
+    case 'S': return "STRING";
+    case 'T': return "BINSTRING";
+    case 'U': return "SHORT_BINSTRING";
+    case 'V': return "UNICODE";
+    case 'X': return "BINUNICODE";
+    case 'a': return "APPEND";
+    case 'b': return "BUILD";
+    case 'c': return "GLOBAL";
+    case 'd': return "DICT";
+    case '}': return "EMPTY_DICT";
+    case 'e': return "APPENDS";
+    case 'g': return "GET";
+    case 'h': return "BINGET";
+    case 'i': return "INST";
+    case 'j': return "LONG_BINGET";
+    case 'l': return "LIST";
+    case ']': return "EMPTY_LIST";
+    case 'o': return "OBJ";
+    case 'p': return "PUT";
+    case 'q': return "BINPUT";
+    case 'r': return "LONG_BINPUT";
+    case 's': return "SETITEM";
+    case 't': return "TUPLE";
+    case ')': return "EMPTY_TUPLE";
+    case 'u': return "SETITEMS";
+    case 'G': return "BINFLOAT";
+    case 'B': return "BINBYTES";
+    case 'C': return "SHORT_BINBYTES";
+    case 0x80: return "PROTO";
+    case 0x81: return "NEWOBJ";
+    case 0x82: return "EXT1";
+    case 0x83: return "EXT2";
+    case 0x84: return "EXT4";
+    case 0x85: return "TUPLE1";
+    case 0x86: return "TUPLE2";
+    case 0x87: return "TUPLE3";
+    case 0x88: return "NEWTRUE";
+    case 0x89: return "NEWFALSE";
+    case 0x8a: return "LONG1";
+    case 0x8b: return "LONG4";
+    case 0x8c: return "SHORT_BINUNICODE";
+    case 0x8d: return "BINUNICODE8";
+    case 0x8e: return "BINBYTES8";
+    case 0x8f: return "EMPTY_SET";
+    case 0x90: return "ADDITEMS";
+    case 0x91: return "FROZENSET";
+    case 0x92: return "NEWOBJ_EX";
+    case 0x93: return "STACK_GLOBAL";
+    case 0x94: return "MEMOIZE";
+    case 0x95: return "FRAME";
+    case 0x96: return "BYTEARRAY8";
+    case 0x97: return "NEXT_BUFFER";
+    case 0x98: return "READONLY_BUFFER";
+    default: return nullptr;
+  }
+}
+
+// The whitelisted GLOBALs that can be called (REDUCE / NEWOBJ) or named.
+enum class Fn {
+  kOrderedDict,
+  kRebuildTensorV2,
+  kRebuildParameter,
+  kRebuildParameterWithState,
+  kStorageType,
+  kRestoreTypeTag,
+  kBuildIntList,
+  kBuildDoubleList,
+  kBuildBoolList,
+  kBuildTensorList,
+  kDevice,
+  kCodecsEncode,
+  kBytes,
+};
+
+struct Callable {
+  Fn fn;
+  std::string name;  // module.name, for messages
+  c10::ScalarType dtype = c10::ScalarType::Undefined;  // kStorageType
+};
+
+constexpr size_t kMaxGlobalName = 256;
+constexpr size_t kMaxDims = 64;
+
+class Unpickler {
+ public:
+  Unpickler(absl::string_view data, const StorageLoader& loader, const std::string& name,
+            const TorchReadLimits& limits)
+      : data_(data), loader_(loader), name_(name), limits_(limits) {}
+  ~Unpickler() { Dismantle(); }
+
+  absl::StatusOr<PyValuePtr> Run() {
+    while (true) {
+      op_pos_ = pos_;
+      if (pos_ >= data_.size()) {
+        op_ = -1;
+        return Corrupt("truncated: the pickle ends before its STOP opcode");
+      }
+      op_ = static_cast<uint8_t>(data_[pos_++]);
+      if (op_ == '.') return Finish();
+      TP_RETURN_IF_ERROR(Step());
+    }
+  }
+
+ private:
+  // ---- errors
+
+  absl::Status Error(absl::StatusCode code, absl::string_view what) const {
+    std::string where;
+    if (op_ < 0) {
+      where = absl::StrCat("byte ", op_pos_);
+    } else if (const char* name = OpName(op_)) {
+      where = absl::StrCat("byte ", op_pos_, " (", name, ")");
+    } else {
+      where = absl::StrCat("byte ", op_pos_, " (opcode 0x", absl::Hex(op_, absl::kZeroPad2), ")");
+    }
+    return absl::Status(code, absl::StrCat(name_, ": data.pkl ", where, ": ", what));
+  }
+  absl::Status Corrupt(absl::string_view what) const { return Error(absl::StatusCode::kDataLoss, what); }
+  absl::Status Unsupported(absl::string_view what) const {
+    return Error(absl::StatusCode::kInvalidArgument, what);
+  }
+
+  // ---- input
+
+  absl::StatusOr<absl::string_view> Take(uint64_t n) {
+    const uint64_t left = data_.size() - pos_;
+    if (n > left) return Corrupt(absl::StrCat("truncated: needs ", n, " bytes, ", left, " left"));
+    absl::string_view out = data_.substr(pos_, n);
+    pos_ += n;
+    return out;
+  }
+
+  absl::StatusOr<uint64_t> TakeLE(int n) {
+    TP_ASSIGN_OR_RETURN(absl::string_view b, Take(n));
+    return LoadLE(b.data(), n);
+  }
+
+  // A text argument ending in '\n' (GLOBAL, INT, LONG).
+  absl::StatusOr<absl::string_view> TakeLine(size_t max_len) {
+    const size_t limit = std::min<size_t>(data_.size() - pos_, max_len + 1);
+    const size_t nl = data_.substr(pos_, limit).find('\n');
+    if (nl == absl::string_view::npos) {
+      return Corrupt(limit <= max_len ? "truncated: no end of line" : "text argument too long");
+    }
+    absl::string_view out = data_.substr(pos_, nl);
+    pos_ += nl + 1;
+    return out;
+  }
+
+  // ---- values
+
+  absl::Status Count(uint64_t n) {
+    items_ += n;
+    if (items_ > static_cast<uint64_t>(std::max<int64_t>(limits_.max_items, 0))) {
+      return Unsupported(absl::StrCat("more than max_items (", limits_.max_items, ") values"));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<PyValuePtr> New(Kind kind) {
+    TP_RETURN_IF_ERROR(Count(1));
+    auto v = std::make_shared<PyValue>();
+    v->kind = kind;
+    arena_.push_back(v);
+    return v;
+  }
+
+  absl::Status PushNew(Kind kind) {
+    TP_ASSIGN_OR_RETURN(PyValuePtr v, New(kind));
+    stack_.push_back(std::move(v));
+    return absl::OkStatus();
+  }
+
+  absl::Status PushInt(int64_t i) {
+    TP_ASSIGN_OR_RETURN(PyValuePtr v, New(Kind::kInt));
+    v->i = i;
+    stack_.push_back(std::move(v));
+    return absl::OkStatus();
+  }
+
+  absl::Status PushString(Kind kind, absl::string_view s) {
+    if (kind == Kind::kString && !ValidUtf8(s)) return Corrupt("string is not valid UTF-8");
+    TP_ASSIGN_OR_RETURN(PyValuePtr v, New(kind));
+    v->s.assign(s.data(), s.size());
+    stack_.push_back(std::move(v));
+    return absl::OkStatus();
+  }
+
+  std::string DescribeNode(const PyValue* v) const {
+    if (auto it = callables_.find(v); it != callables_.end()) return absl::StrCat("global ", it->second.name);
+    if (storage_nodes_.count(v)) {
+      return absl::StrCat("storage ", DtypeName(v->tensor.scalar_type()), " of ", v->tensor.numel());
+    }
+    return v->Describe();
+  }
+
+  // ---- the stack (Python's: MARK starts a new frame; below it is out of reach)
+
+  size_t FrameBase() const { return marks_.empty() ? 0 : marks_.back(); }
+
+  absl::StatusOr<PyValuePtr> Pop() {
+    if (stack_.size() <= FrameBase()) return Corrupt("stack underflow");
+    PyValuePtr v = std::move(stack_.back());
+    stack_.pop_back();
+    return v;
+  }
+
+  absl::StatusOr<PyValue*> Top() {
+    if (stack_.size() <= FrameBase()) return Corrupt("stack underflow");
+    return stack_.back().get();
+  }
+
+  absl::StatusOr<std::vector<PyValuePtr>> PopMark() {
+    if (marks_.empty()) return Corrupt("no MARK on the stack");
+    const size_t base = marks_.back();
+    marks_.pop_back();
+    std::vector<PyValuePtr> items(std::make_move_iterator(stack_.begin() + base),
+                                  std::make_move_iterator(stack_.end()));
+    stack_.resize(base);
+    return items;
+  }
+
+  // ---- containers
+
+  // Python dict semantics: equal keys (1 == True == 1.0) share an entry; a
+  // later SETITEM replaces the value. Keys get an id once per key object, so
+  // a long key reused through the memo costs its length only once.
+  absl::StatusOr<uint64_t> KeyId(const PyValue* k) {
+    if (auto it = key_ids_.find(k); it != key_ids_.end()) return it->second;
+    std::string canon;
+    if (callables_.count(k) || k->kind == Kind::kTuple || k->kind == Kind::kTensor) {
+      canon = absl::StrCat("p", reinterpret_cast<uintptr_t>(k));  // by identity
+    } else {
+      switch (k->kind) {
+        case Kind::kNone:
+          canon = "N";
+          break;
+        case Kind::kBool:
+          canon = k->b ? "n1" : "n0";
+          break;
+        case Kind::kInt:
+          canon = absl::StrCat("n", k->i);
+          break;
+        case Kind::kFloat:
+          if (std::isfinite(k->f) && std::trunc(k->f) == k->f && std::fabs(k->f) < 9.2e18) {
+            canon = absl::StrCat("n", static_cast<int64_t>(k->f));
+          } else {
+            uint64_t bits;
+            std::memcpy(&bits, &k->f, 8);
+            canon = absl::StrCat("f", bits);
+          }
+          break;
+        case Kind::kString:
+          canon = absl::StrCat("s", k->s);
+          break;
+        case Kind::kBytes:
+          canon = absl::StrCat("b", k->s);
+          break;
+        default:
+          return Unsupported(absl::StrCat("unhashable ", DescribeNode(k), " as a dict key"));
+      }
+    }
+    const uint64_t id = key_intern_.emplace(std::move(canon), key_intern_.size()).first->second;
+    key_ids_.emplace(k, id);
+    return id;
+  }
+
+  absl::Status SetItem(PyValue* dict, PyValuePtr key, PyValuePtr value) {
+    TP_ASSIGN_OR_RETURN(const uint64_t id, KeyId(key.get()));
+    auto& index = dict_index_[dict];
+    const auto [it, inserted] = index.emplace(id, dict->entries.size());
+    if (!inserted) {
+      dict->entries[it->second].second = std::move(value);
+      return absl::OkStatus();
+    }
+    TP_RETURN_IF_ERROR(Count(1));
+    dict->entries.emplace_back(std::move(key), std::move(value));
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<PyValue*> TopOfKind(Kind kind, absl::string_view what) {
+    TP_ASSIGN_OR_RETURN(PyValue * top, Top());
+    if (top->kind != kind || callables_.count(top) || storage_nodes_.count(top)) {
+      return Unsupported(absl::StrCat(what, " on a ", DescribeNode(top)));
+    }
+    return top;
+  }
+
+  // ---- opcodes
+
+  absl::Status Step() {
+    switch (op_) {
+      case 0x80: {  // PROTO
+        TP_ASSIGN_OR_RETURN(const uint64_t proto, TakeLE(1));
+        if (proto > 5) return Unsupported(absl::StrCat("pickle protocol ", proto));
+        return absl::OkStatus();
+      }
+      case 0x95: {  // FRAME: only a length prefix for buffering
+        TP_ASSIGN_OR_RETURN(const uint64_t len, TakeLE(8));
+        if (len > data_.size() - pos_) return Corrupt("frame runs past the end of the pickle");
+        return absl::OkStatus();
+      }
+      case '(':
+        if (static_cast<int64_t>(marks_.size()) >= limits_.max_depth) {
+          return Unsupported(absl::StrCat("more than max_depth (", limits_.max_depth, ") nested MARKs"));
+        }
+        marks_.push_back(stack_.size());
+        return absl::OkStatus();
+      case '0':  // POP
+        if (stack_.size() > FrameBase()) {
+          stack_.pop_back();
+          return absl::OkStatus();
+        }
+        return PopMark().status();
+      case '1':  // POP_MARK
+        return PopMark().status();
+      case '2': {  // DUP
+        TP_ASSIGN_OR_RETURN(PyValue * top, Top());
+        (void)top;
+        stack_.push_back(stack_.back());
+        return absl::OkStatus();
+      }
+      case 'N':
+        return PushNew(Kind::kNone);
+      case 0x88:
+      case 0x89: {  // NEWTRUE, NEWFALSE
+        TP_ASSIGN_OR_RETURN(PyValuePtr v, New(Kind::kBool));
+        v->b = op_ == 0x88;
+        stack_.push_back(std::move(v));
+        return absl::OkStatus();
+      }
+      case 'J': {  // BININT
+        TP_ASSIGN_OR_RETURN(const uint64_t v, TakeLE(4));
+        return PushInt(static_cast<int32_t>(static_cast<uint32_t>(v)));
+      }
+      case 'K': {  // BININT1
+        TP_ASSIGN_OR_RETURN(const uint64_t v, TakeLE(1));
+        return PushInt(static_cast<int64_t>(v));
+      }
+      case 'M': {  // BININT2
+        TP_ASSIGN_OR_RETURN(const uint64_t v, TakeLE(2));
+        return PushInt(static_cast<int64_t>(v));
+      }
+      case 0x8a: {  // LONG1
+        TP_ASSIGN_OR_RETURN(const uint64_t n, TakeLE(1));
+        return PushLong(n);
+      }
+      case 0x8b: {  // LONG4
+        TP_ASSIGN_OR_RETURN(const uint64_t n, TakeLE(4));
+        if (n & 0x80000000u) return Corrupt("negative LONG4 length");
+        return PushLong(n);
+      }
+      case 'I':
+      case 'L': {  // INT, LONG (text)
+        TP_ASSIGN_OR_RETURN(absl::string_view text, TakeLine(64));
+        if (op_ == 'I' && (text == "00" || text == "01")) {
+          TP_ASSIGN_OR_RETURN(PyValuePtr v, New(Kind::kBool));
+          v->b = text == "01";
+          stack_.push_back(std::move(v));
+          return absl::OkStatus();
+        }
+        if (op_ == 'L' && !text.empty() && text.back() == 'L') text.remove_suffix(1);
+        int64_t i;
+        if (!absl::SimpleAtoi(text, &i)) return Corrupt(absl::StrCat("bad or too large integer ", Quote(text)));
+        return PushInt(i);
+      }
+      case 'G': {  // BINFLOAT: big-endian
+        TP_ASSIGN_OR_RETURN(absl::string_view b, Take(8));
+        uint64_t bits = 0;
+        for (int k = 0; k < 8; ++k) bits = (bits << 8) | static_cast<uint8_t>(b[k]);
+        TP_ASSIGN_OR_RETURN(PyValuePtr v, New(Kind::kFloat));
+        std::memcpy(&v->f, &bits, 8);
+        stack_.push_back(std::move(v));
+        return absl::OkStatus();
+      }
+      case 'X':  // BINUNICODE
+        return PushSized(4, Kind::kString);
+      case 0x8c:  // SHORT_BINUNICODE
+        return PushSized(1, Kind::kString);
+      case 0x8d:  // BINUNICODE8
+        return PushSized(8, Kind::kString);
+      case 'T': {  // BINSTRING (a Python 2 str; Python 3 decodes it as ASCII)
+        TP_ASSIGN_OR_RETURN(const uint64_t n, TakeLE(4));
+        if (n & 0x80000000u) return Corrupt("negative BINSTRING length");
+        TP_ASSIGN_OR_RETURN(absl::string_view s, Take(n));
+        return PushString(Kind::kString, s);
+      }
+      case 'U':  // SHORT_BINSTRING
+        return PushSized(1, Kind::kString);
+      case 'B':  // BINBYTES
+        return PushSized(4, Kind::kBytes);
+      case 'C':  // SHORT_BINBYTES
+        return PushSized(1, Kind::kBytes);
+      case 0x8e:  // BINBYTES8
+      case 0x96:  // BYTEARRAY8
+        return PushSized(8, Kind::kBytes);
+      case ']':
+        return PushNew(Kind::kList);
+      case '}':
+        return PushNew(Kind::kDict);
+      case ')':
+        return PushNew(Kind::kTuple);
+      case 'l':
+      case 't': {  // LIST, TUPLE
+        TP_ASSIGN_OR_RETURN(std::vector<PyValuePtr> items, PopMark());
+        TP_RETURN_IF_ERROR(Count(items.size()));
+        TP_ASSIGN_OR_RETURN(PyValuePtr v, New(op_ == 'l' ? Kind::kList : Kind::kTuple));
+        v->items = std::move(items);
+        stack_.push_back(std::move(v));
+        return absl::OkStatus();
+      }
+      case 0x85:
+      case 0x86:
+      case 0x87: {  // TUPLE1, TUPLE2, TUPLE3
+        const size_t n = op_ - 0x84;
+        if (stack_.size() < FrameBase() + n) return Corrupt("stack underflow");
+        TP_RETURN_IF_ERROR(Count(n));
+        TP_ASSIGN_OR_RETURN(PyValuePtr v, New(Kind::kTuple));
+        v->items.assign(std::make_move_iterator(stack_.end() - n), std::make_move_iterator(stack_.end()));
+        stack_.resize(stack_.size() - n);
+        stack_.push_back(std::move(v));
+        return absl::OkStatus();
+      }
+      case 'd': {  // DICT
+        TP_ASSIGN_OR_RETURN(std::vector<PyValuePtr> items, PopMark());
+        if (items.size() % 2) return Corrupt("DICT with an odd number of items");
+        TP_ASSIGN_OR_RETURN(PyValuePtr v, New(Kind::kDict));
+        for (size_t k = 0; k < items.size(); k += 2) {
+          TP_RETURN_IF_ERROR(SetItem(v.get(), std::move(items[k]), std::move(items[k + 1])));
+        }
+        stack_.push_back(std::move(v));
+        return absl::OkStatus();
+      }
+      case 'a': {  // APPEND
+        TP_ASSIGN_OR_RETURN(PyValuePtr item, Pop());
+        TP_ASSIGN_OR_RETURN(PyValue * list, TopOfKind(Kind::kList, "APPEND"));
+        TP_RETURN_IF_ERROR(Count(1));
+        list->items.push_back(std::move(item));
+        return absl::OkStatus();
+      }
+      case 'e': {  // APPENDS
+        TP_ASSIGN_OR_RETURN(std::vector<PyValuePtr> items, PopMark());
+        TP_ASSIGN_OR_RETURN(PyValue * list, TopOfKind(Kind::kList, "APPENDS"));
+        TP_RETURN_IF_ERROR(Count(items.size()));
+        list->items.insert(list->items.end(), std::make_move_iterator(items.begin()),
+                           std::make_move_iterator(items.end()));
+        return absl::OkStatus();
+      }
+      case 's': {  // SETITEM
+        TP_ASSIGN_OR_RETURN(PyValuePtr value, Pop());
+        TP_ASSIGN_OR_RETURN(PyValuePtr key, Pop());
+        TP_ASSIGN_OR_RETURN(PyValue * dict, TopOfKind(Kind::kDict, "SETITEM"));
+        return SetItem(dict, std::move(key), std::move(value));
+      }
+      case 'u': {  // SETITEMS
+        TP_ASSIGN_OR_RETURN(std::vector<PyValuePtr> items, PopMark());
+        if (items.size() % 2) return Corrupt("SETITEMS with an odd number of items");
+        TP_ASSIGN_OR_RETURN(PyValue * dict, TopOfKind(Kind::kDict, "SETITEMS"));
+        for (size_t k = 0; k < items.size(); k += 2) {
+          TP_RETURN_IF_ERROR(SetItem(dict, std::move(items[k]), std::move(items[k + 1])));
+        }
+        return absl::OkStatus();
+      }
+      case 'q': {  // BINPUT
+        TP_ASSIGN_OR_RETURN(const uint64_t k, TakeLE(1));
+        return Memoize(k);
+      }
+      case 'r': {  // LONG_BINPUT
+        TP_ASSIGN_OR_RETURN(const uint64_t k, TakeLE(4));
+        return Memoize(k);
+      }
+      case 0x94:  // MEMOIZE
+        return Memoize(memo_.size());
+      case 'h': {  // BINGET
+        TP_ASSIGN_OR_RETURN(const uint64_t k, TakeLE(1));
+        return MemoGet(k);
+      }
+      case 'j': {  // LONG_BINGET
+        TP_ASSIGN_OR_RETURN(const uint64_t k, TakeLE(4));
+        return MemoGet(k);
+      }
+      case 'c': {  // GLOBAL
+        TP_ASSIGN_OR_RETURN(absl::string_view module, TakeLine(kMaxGlobalName));
+        TP_ASSIGN_OR_RETURN(absl::string_view name, TakeLine(kMaxGlobalName));
+        return PushGlobal(module, name);
+      }
+      case 0x93: {  // STACK_GLOBAL
+        TP_ASSIGN_OR_RETURN(PyValuePtr name, Pop());
+        TP_ASSIGN_OR_RETURN(PyValuePtr module, Pop());
+        if (name->kind != Kind::kString || module->kind != Kind::kString) {
+          return Unsupported("STACK_GLOBAL of a non-string");
+        }
+        if (name->s.size() > kMaxGlobalName || module->s.size() > kMaxGlobalName) {
+          return Unsupported("STACK_GLOBAL name too long");
+        }
+        return PushGlobal(module->s, name->s);
+      }
+      case 'R':     // REDUCE
+      case 0x81: {  // NEWOBJ: cls.__new__(cls, *args); only OrderedDict is a class here
+        TP_ASSIGN_OR_RETURN(PyValuePtr args, Pop());
+        TP_ASSIGN_OR_RETURN(PyValuePtr fn, Pop());
+        auto it = callables_.find(fn.get());
+        if (it == callables_.end()) {
+          return Unsupported(absl::StrCat("call of a ", DescribeNode(fn.get()), ", not of a whitelisted global"));
+        }
+        if (args->kind != Kind::kTuple) {
+          return Corrupt(absl::StrCat("the arguments of ", it->second.name, " are a ", DescribeNode(args.get()),
+                                      ", not a tuple"));
+        }
+        if (op_ == 0x81 && it->second.fn != Fn::kOrderedDict) {
+          return Unsupported(absl::StrCat("NEWOBJ of ", it->second.name));
+        }
+        TP_ASSIGN_OR_RETURN(PyValuePtr result, Call(it->second, args->items));
+        stack_.push_back(std::move(result));
+        return absl::OkStatus();
+      }
+      case 'b': {  // BUILD: obj.__setstate__(state)
+        TP_ASSIGN_OR_RETURN(PyValuePtr state, Pop());
+        TP_ASSIGN_OR_RETURN(PyValue * obj, Top());
+        if (!ordered_dicts_.count(obj)) {
+          return Unsupported(absl::StrCat("BUILD (setting the state) of a ", DescribeNode(obj),
+                                          "; only an OrderedDict's (e.g. _metadata) is accepted"));
+        }
+        return absl::OkStatus();  // the attributes (_metadata) are dropped
+      }
+      case 'Q': {  // BINPERSID
+        TP_ASSIGN_OR_RETURN(PyValuePtr pid, Pop());
+        TP_ASSIGN_OR_RETURN(PyValuePtr storage, LoadStorage(*pid));
+        stack_.push_back(std::move(storage));
+        return absl::OkStatus();
+      }
+      case 0x8f:
+      case 0x90:
+      case 0x91:
+        return Unsupported("sets are not supported");
+      default:
+        if (OpName(op_) != nullptr) return Unsupported("unsupported pickle opcode");
+        return Corrupt("unknown pickle opcode");
+    }
+  }
+
+  absl::Status PushSized(int len_bytes, Kind kind) {
+    TP_ASSIGN_OR_RETURN(const uint64_t n, TakeLE(len_bytes));
+    TP_ASSIGN_OR_RETURN(absl::string_view s, Take(n));
+    return PushString(kind, s);
+  }
+
+  // Little-endian two's complement of n bytes; must fit in 64 bits.
+  absl::Status PushLong(uint64_t n) {
+    TP_ASSIGN_OR_RETURN(absl::string_view b, Take(n));
+    if (n == 0) return PushInt(0);
+    const size_t low = std::min<size_t>(n, 8);
+    const bool negative = static_cast<uint8_t>(b[n - 1]) & 0x80;
+    for (size_t k = 8; k < n; ++k) {
+      if (static_cast<uint8_t>(b[k]) != (negative ? 0xFF : 0x00)) {
+        return Unsupported("integer does not fit in 64 bits");
+      }
+    }
+    uint64_t v = LoadLE(b.data(), static_cast<int>(low));
+    if (low < 8 && negative) v |= ~uint64_t{0} << (8 * low);
+    if (n > 8 && (static_cast<int64_t>(v) < 0) != negative) return Unsupported("integer does not fit in 64 bits");
+    return PushInt(static_cast<int64_t>(v));
+  }
+
+  absl::Status Memoize(uint64_t key) {
+    TP_ASSIGN_OR_RETURN(PyValue * top, Top());
+    (void)top;
+    memo_[key] = stack_.back();
+    return absl::OkStatus();
+  }
+
+  absl::Status MemoGet(uint64_t key) {
+    auto it = memo_.find(key);
+    if (it == memo_.end()) return Corrupt(absl::StrCat("memo entry ", key, " was never stored"));
+    stack_.push_back(it->second);
+    return absl::OkStatus();
+  }
+
+  // ---- globals
+
+  absl::Status PushGlobal(absl::string_view module, absl::string_view name) {
+    const std::string full = absl::StrCat(module, ".", name);
+    Callable c;
+    c.name = full;
+    if (module == "collections" && name == "OrderedDict") {
+      c.fn = Fn::kOrderedDict;
+    } else if (module == "torch._utils" && name == "_rebuild_tensor_v2") {
+      c.fn = Fn::kRebuildTensorV2;
+    } else if (module == "torch._utils" && name == "_rebuild_parameter") {
+      c.fn = Fn::kRebuildParameter;
+    } else if (module == "torch._utils" && name == "_rebuild_parameter_with_state") {
+      c.fn = Fn::kRebuildParameterWithState;
+    } else if (module == "torch.jit._pickle" && name == "restore_type_tag") {
+      c.fn = Fn::kRestoreTypeTag;
+    } else if (module == "torch.jit._pickle" && name == "build_intlist") {
+      c.fn = Fn::kBuildIntList;
+    } else if (module == "torch.jit._pickle" && name == "build_doublelist") {
+      c.fn = Fn::kBuildDoubleList;
+    } else if (module == "torch.jit._pickle" && name == "build_boollist") {
+      c.fn = Fn::kBuildBoolList;
+    } else if (module == "torch.jit._pickle" && name == "build_tensorlist") {
+      c.fn = Fn::kBuildTensorList;
+    } else if (module == "torch" && name == "device") {
+      c.fn = Fn::kDevice;
+    } else if (module == "_codecs" && name == "encode") {
+      c.fn = Fn::kCodecsEncode;
+    } else if ((module == "builtins" || module == "__builtin__") && name == "bytes") {
+      c.fn = Fn::kBytes;
+    } else if ((module == "builtins" || module == "__builtin__") && (name == "set" || name == "frozenset")) {
+      return Unsupported(absl::StrCat("global ", Quote(full), ": sets are not supported"));
+    } else {
+      bool found = false;
+      if (module == "torch") {
+        for (const DtypeInfo& d : kDtypes) {
+          if (name == d.storage) {
+            c.fn = Fn::kStorageType;
+            c.dtype = d.type;
+            found = true;
+            break;
+          }
+          if (name == d.name) {  // a torch.dtype: reads as the string "torch.float32"
+            return PushString(Kind::kString, full);
+          }
+        }
+      }
+      if (!found) {
+        return Unsupported(absl::StrCat("global ", Quote(full),
+                                        " is not on the whitelist (this reader only rebuilds tensors, dicts, "
+                                        "lists and scalars; it never imports code)"));
+      }
+    }
+    TP_ASSIGN_OR_RETURN(PyValuePtr v, New(Kind::kNone));
+    callables_.emplace(v.get(), std::move(c));
+    stack_.push_back(std::move(v));
+    return absl::OkStatus();
+  }
+
+  bool IsPlain(const PyValuePtr& v, Kind kind) const {
+    return v->kind == kind && !callables_.count(v.get()) && !storage_nodes_.count(v.get());
+  }
+
+  absl::StatusOr<PyValuePtr> Call(const Callable& c, const std::vector<PyValuePtr>& args) {
+    auto bad_args = [&](absl::string_view why) {
+      std::vector<std::string> kinds;
+      for (const auto& a : args) kinds.push_back(DescribeNode(a.get()));
+      return Unsupported(absl::StrCat(c.name, "(", absl::StrJoin(kinds, ", "), "): ", why));
+    };
+    switch (c.fn) {
+      case Fn::kOrderedDict: {
+        if (!args.empty()) return bad_args("expected no arguments");
+        TP_ASSIGN_OR_RETURN(PyValuePtr d, New(Kind::kDict));
+        ordered_dicts_.insert(d.get());
+        return d;
+      }
+      case Fn::kRebuildTensorV2:
+        return RebuildTensor(c, args);
+      case Fn::kRebuildParameter:
+      case Fn::kRebuildParameterWithState: {
+        const size_t want = c.fn == Fn::kRebuildParameter ? 3 : 4;
+        if (args.size() != want) return bad_args(absl::StrCat("expected ", want, " arguments"));
+        if (!IsPlain(args[0], Kind::kTensor)) return bad_args("the data is not a tensor");
+        if (!IsPlain(args[1], Kind::kBool)) return bad_args("requires_grad is not a bool");
+        return args[0];  // requires_grad, hooks and state are dropped
+      }
+      case Fn::kStorageType:
+        return bad_args("a storage class is only used in persistent ids");
+      case Fn::kRestoreTypeTag:
+        if (args.size() != 2 || !IsPlain(args[1], Kind::kString)) return bad_args("expected (value, type string)");
+        return args[0];
+      case Fn::kBuildIntList:
+      case Fn::kBuildDoubleList:
+      case Fn::kBuildBoolList:
+      case Fn::kBuildTensorList:
+        if (args.size() != 1 || !IsPlain(args[0], Kind::kList)) return bad_args("expected one list");
+        return args[0];
+      case Fn::kDevice: {
+        if (args.empty() || args.size() > 2 || !IsPlain(args[0], Kind::kString) || args[0]->s.size() > 32) {
+          return bad_args("expected (type[, index])");
+        }
+        std::string device = args[0]->s;
+        if (args.size() == 2) {
+          if (IsPlain(args[1], Kind::kInt)) {
+            absl::StrAppend(&device, ":", args[1]->i);
+          } else if (!IsPlain(args[1], Kind::kNone)) {
+            return bad_args("the index is not an int");
+          }
+        }
+        TP_ASSIGN_OR_RETURN(PyValuePtr v, New(Kind::kString));
+        v->s = std::move(device);
+        return v;
+      }
+      case Fn::kCodecsEncode: {  // protocol 2's bytes: _codecs.encode(str, 'latin1')
+        if (args.size() != 2 || !IsPlain(args[0], Kind::kString) || !IsPlain(args[1], Kind::kString) ||
+            (args[1]->s != "latin1" && args[1]->s != "latin-1")) {
+          return bad_args("expected (str, 'latin1')");
+        }
+        // Once per string object: a memoized string encoded again and again
+        // would otherwise cost its length each time.
+        if (auto it = encoded_.find(args[0].get()); it != encoded_.end()) return it->second;
+        std::string bytes;
+        if (!EncodeLatin1(args[0]->s, &bytes)) return bad_args("the string is not latin-1");
+        TP_ASSIGN_OR_RETURN(PyValuePtr v, New(Kind::kBytes));
+        v->s = std::move(bytes);
+        encoded_.emplace(args[0].get(), v);
+        return v;
+      }
+      case Fn::kBytes:
+        if (!args.empty()) return bad_args("expected no arguments");
+        return New(Kind::kBytes);
+    }
+    return bad_args("not callable");
+  }
+
+  absl::StatusOr<std::vector<int64_t>> IntTuple(const PyValuePtr& v, absl::string_view what) {
+    if (!IsPlain(v, Kind::kTuple) && !IsPlain(v, Kind::kList)) {
+      return Unsupported(absl::StrCat("_rebuild_tensor_v2: ", what, " is a ", DescribeNode(v.get())));
+    }
+    if (v->items.size() > kMaxDims) {
+      return Unsupported(absl::StrCat("_rebuild_tensor_v2: ", v->items.size(), " dimensions"));
+    }
+    std::vector<int64_t> out;
+    for (const auto& item : v->items) {
+      if (!IsPlain(item, Kind::kInt) || item->i < 0) {
+        return Unsupported(absl::StrCat("_rebuild_tensor_v2: ", what, " holds a ", DescribeNode(item.get()),
+                                        item->kind == Kind::kInt ? " < 0" : ""));
+      }
+      out.push_back(item->i);
+    }
+    return out;
+  }
+
+  // torch._utils._rebuild_tensor_v2(storage, storage_offset, size, stride,
+  // requires_grad, backward_hooks[, metadata])
+  absl::StatusOr<PyValuePtr> RebuildTensor(const Callable& c, const std::vector<PyValuePtr>& args) {
+    if (args.size() != 6 && args.size() != 7) {
+      return Unsupported(absl::StrCat(c.name, " takes 6 or 7 arguments, got ", args.size()));
+    }
+    if (!storage_nodes_.count(args[0].get())) {
+      return Unsupported(absl::StrCat(c.name, ": the storage is a ", DescribeNode(args[0].get())));
+    }
+    if (!IsPlain(args[1], Kind::kInt) || args[1]->i < 0) {
+      return Unsupported(absl::StrCat(c.name, ": the storage offset is a ", DescribeNode(args[1].get())));
+    }
+    TP_ASSIGN_OR_RETURN(const std::vector<int64_t> sizes, IntTuple(args[2], "the size"));
+    TP_ASSIGN_OR_RETURN(const std::vector<int64_t> strides, IntTuple(args[3], "the stride"));
+    if (sizes.size() != strides.size()) {
+      return Unsupported(absl::StrCat(c.name, ": ", sizes.size(), " sizes but ", strides.size(), " strides"));
+    }
+    if (!IsPlain(args[4], Kind::kBool)) {
+      return Unsupported(absl::StrCat(c.name, ": requires_grad is a ", DescribeNode(args[4].get())));
+    }
+    if (!IsPlain(args[5], Kind::kDict) && !IsPlain(args[5], Kind::kNone)) {
+      return Unsupported(absl::StrCat(c.name, ": backward_hooks is a ", DescribeNode(args[5].get())));
+    }
+    const at::Tensor& base = args[0]->tensor;
+    const int64_t storage_numel = base.numel();
+    const int64_t offset = args[1]->i;
+    int64_t numel = 1;
+    for (int64_t s : sizes) {
+      if (__builtin_mul_overflow(numel, s, &numel)) return Unsupported(absl::StrCat(c.name, ": size overflows"));
+    }
+    const std::string shape = absl::StrCat("size [", absl::StrJoin(sizes, ", "), "] stride [",
+                                           absl::StrJoin(strides, ", "), "] offset ", offset);
+    if (numel == 0) {
+      if (offset > storage_numel) {
+        return Corrupt(absl::StrCat(c.name, ": ", shape, " is outside a storage of ", storage_numel));
+      }
+    } else {
+      int64_t last = offset;
+      for (size_t d = 0; d < sizes.size(); ++d) {
+        int64_t span;
+        if (__builtin_mul_overflow(sizes[d] - 1, strides[d], &span) || __builtin_add_overflow(last, span, &last)) {
+          return Unsupported(absl::StrCat(c.name, ": ", shape, " overflows"));
+        }
+      }
+      if (last >= storage_numel) {
+        return Corrupt(absl::StrCat(c.name, ": ", shape, " reaches element ", last, " of a storage of ",
+                                    storage_numel));
+      }
+    }
+    bool contiguous = true;  // as torch defines it: strides of size-1 dims don't matter
+    if (numel > 0) {
+      int64_t expected = 1;
+      for (size_t d = sizes.size(); d-- > 0;) {
+        if (sizes[d] == 1) continue;
+        if (strides[d] != expected) contiguous = false;
+        expected *= sizes[d];  // <= numel: no overflow
+      }
+    }
+    TP_ASSIGN_OR_RETURN(PyValuePtr v, New(Kind::kTensor));
+    if (offset == 0 && numel == storage_numel && (contiguous || numel == 0)) {
+      v->tensor = base.view(sizes);  // the whole storage: shared, like torch.load's
+    } else {
+      int64_t bytes;
+      if (__builtin_mul_overflow(numel, static_cast<int64_t>(base.element_size()), &bytes) ||
+          __builtin_add_overflow(tensor_bytes_, bytes, &tensor_bytes_) ||
+          tensor_bytes_ > limits_.max_tensor_bytes) {
+        return Unsupported(absl::StrCat("tensor views add up to more than max_tensor_bytes (",
+                                        limits_.max_tensor_bytes, ")"));
+      }
+      v->tensor = base.as_strided(sizes, strides, base.storage_offset() + offset)
+                      .clone(at::MemoryFormat::Contiguous);
+    }
+    return v;
+  }
+
+  // Persistent id ('storage', storage_type, key, location, numel).
+  absl::StatusOr<PyValuePtr> LoadStorage(const PyValue& pid) {
+    const auto& t = pid.items;
+    if (pid.kind != Kind::kTuple || t.size() != 5 || !IsPlain(t[0], Kind::kString) || t[0]->s != "storage") {
+      return Unsupported(absl::StrCat("persistent id is a ", DescribeNode(&pid),
+                                      ", not ('storage', type, key, location, numel)"));
+    }
+    auto type = callables_.find(t[1].get());
+    if (type == callables_.end() || type->second.fn != Fn::kStorageType) {
+      return Unsupported(absl::StrCat("storage type is a ", DescribeNode(t[1].get())));
+    }
+    if (!IsPlain(t[2], Kind::kString) || t[2]->s.empty() || t[2]->s.size() > 64 ||
+        !std::all_of(t[2]->s.begin(), t[2]->s.end(),
+                     [](char ch) { return absl::ascii_isalnum(ch) || ch == '_' || ch == '.' || ch == '-'; })) {
+      return Unsupported(absl::StrCat("bad storage key ", IsPlain(t[2], Kind::kString) ? Quote(t[2]->s)
+                                                                                       : DescribeNode(t[2].get())));
+    }
+    if (!IsPlain(t[3], Kind::kString)) return Unsupported("storage location is not a string");
+    if (!IsPlain(t[4], Kind::kInt) || t[4]->i < 0) {
+      return Unsupported(absl::StrCat("storage size is a ", DescribeNode(t[4].get())));
+    }
+    const std::string& key = t[2]->s;
+    const c10::ScalarType dtype = type->second.dtype;
+    const int64_t numel = t[4]->i;
+    if (auto it = storages_by_key_.find(key); it != storages_by_key_.end()) {
+      const at::Tensor& have = it->second->tensor;
+      if (have.scalar_type() != dtype || have.numel() != numel) {
+        return Corrupt(absl::StrCat("storage ", Quote(key), " is referenced as ", DtypeName(dtype), " x ", numel,
+                                    " and as ", DtypeName(have.scalar_type()), " x ", have.numel()));
+      }
+      return it->second;
+    }
+    // Location ("cpu", "cuda:0", ...) is ignored: everything loads on the CPU.
+    absl::StatusOr<at::Tensor> loaded = loader_(key, dtype, numel);
+    if (!loaded.ok()) return Error(loaded.status().code(), loaded.status().message());
+    const at::Tensor& s = *loaded;
+    if (!s.defined() || s.scalar_type() != dtype || s.dim() != 1 || s.numel() != numel || !s.is_contiguous() ||
+        !s.device().is_cpu()) {
+      PyValue got;
+      got.kind = Kind::kTensor;
+      got.tensor = s;
+      return Corrupt(absl::StrCat("storage ", Quote(key), " loaded as a ", got.Describe(), ", not as ",
+                                  DtypeName(dtype), " x ", numel));
+    }
+    TP_ASSIGN_OR_RETURN(PyValuePtr v, New(Kind::kTensor));
+    v->tensor = s;
+    storage_nodes_.insert(v.get());
+    storages_by_key_.emplace(key, v);
+    return v;
+  }
+
+  // ---- the end
+
+  // The result must be acyclic, at most max_depth deep, and hold no bare
+  // globals. Iterative: neither the input nor a cycle can exhaust the C++
+  // stack. Marks what is reachable so that Dismantle keeps exactly that.
+  absl::StatusOr<PyValuePtr> Finish() {
+    TP_ASSIGN_OR_RETURN(PyValuePtr result, Pop());
+    if (!stack_.empty() || !marks_.empty()) {
+      return Corrupt(absl::StrCat("STOP leaves ", stack_.size(), " values and ", marks_.size(),
+                                  " MARKs on the stack"));
+    }
+    if (pos_ != data_.size()) return Corrupt(absl::StrCat(data_.size() - pos_, " bytes follow STOP"));
+    const int64_t max_depth = std::max<int64_t>(limits_.max_depth, 1);
+    // height_: finished nodes -> height (leaf 0); on_path_: nodes being visited.
+    struct Frame {
+      const PyValue* node;
+      size_t next;
+      int64_t height;
+    };
+    std::unordered_set<const PyValue*> on_path;
+    std::vector<Frame> path;
+    auto enter = [&](const PyValue* v) -> absl::Status {
+      if (auto it = callables_.find(v); it != callables_.end()) {
+        return Unsupported(absl::StrCat("the data holds the global ", it->second.name, " itself, not a call of it"));
+      }
+      if (static_cast<int64_t>(path.size()) + 1 > max_depth) {
+        return Unsupported(absl::StrCat("nested deeper than max_depth (", limits_.max_depth, ")"));
+      }
+      on_path.insert(v);
+      path.push_back({v, 0, 0});
+      return absl::OkStatus();
+    };
+    TP_RETURN_IF_ERROR(enter(result.get()));
+    while (!path.empty()) {
+      Frame& f = path.back();
+      const PyValue* child = nullptr;
+      const size_t n_items = f.node->items.size();
+      if (f.next < n_items) {
+        child = f.node->items[f.next].get();
+      } else if (f.next < n_items + 2 * f.node->entries.size()) {
+        const auto& e = f.node->entries[(f.next - n_items) / 2];
+        child = ((f.next - n_items) % 2 == 0 ? e.first : e.second).get();
+      }
+      if (child != nullptr) {
+        ++f.next;
+        if (auto it = height_.find(child); it != height_.end()) {
+          if (static_cast<int64_t>(path.size()) + 1 + it->second > max_depth) {
+            return Unsupported(absl::StrCat("nested deeper than max_depth (", limits_.max_depth, ")"));
+          }
+          f.height = std::max(f.height, it->second + 1);
+          continue;
+        }
+        if (on_path.count(child)) return Unsupported("the data contains a reference cycle");
+        TP_RETURN_IF_ERROR(enter(child));
+        continue;
+      }
+      const int64_t h = f.height;
+      height_.emplace(f.node, h);
+      on_path.erase(f.node);
+      path.pop_back();
+      if (!path.empty()) path.back().height = std::max(path.back().height, h + 1);
+    }
+    succeeded_ = true;
+    return result;
+  }
+
+  // Cuts every node the result does not reach loose from its children, so
+  // that dropping the arena frees them one by one (no deep recursion, no
+  // leaked cycles) whatever the pickle built.
+  void Dismantle() {
+    stack_.clear();
+    memo_.clear();
+    storages_by_key_.clear();
+    encoded_.clear();
+    for (const PyValuePtr& v : arena_) {
+      if (succeeded_ && height_.count(v.get())) continue;
+      v->items.clear();
+      v->entries.clear();
+    }
+    arena_.clear();
+  }
+
+  const absl::string_view data_;
+  const StorageLoader& loader_;
+  const std::string& name_;
+  const TorchReadLimits limits_;
+
+  size_t pos_ = 0;
+  size_t op_pos_ = 0;
+  int op_ = -1;
+  uint64_t items_ = 0;
+  int64_t tensor_bytes_ = 0;
+  bool succeeded_ = false;
+
+  std::vector<PyValuePtr> arena_;  // every value created
+  std::vector<PyValuePtr> stack_;
+  std::vector<size_t> marks_;
+  std::unordered_map<uint64_t, PyValuePtr> memo_;
+  std::unordered_map<const PyValue*, Callable> callables_;
+  std::unordered_set<const PyValue*> storage_nodes_;
+  std::unordered_map<std::string, PyValuePtr> storages_by_key_;
+  std::unordered_set<const PyValue*> ordered_dicts_;
+  std::unordered_map<const PyValue*, PyValuePtr> encoded_;
+  std::unordered_map<const PyValue*, uint64_t> key_ids_;
+  std::unordered_map<std::string, uint64_t> key_intern_;
+  std::unordered_map<const PyValue*, std::unordered_map<uint64_t, size_t>> dict_index_;
+  std::unordered_map<const PyValue*, int64_t> height_;
+};
+
+// ---------------------------------------------------------------------------
+// The zip container
+
+// Reads from memory or a file; never past the end (what is missing reads as
+// zeros and the short count tells miniz).
+class BoundedReadAdapter final : public caffe2::serialize::ReadAdapterInterface {
+ public:
+  BoundedReadAdapter(const char* data, uint64_t size) : data_(data), size_(size) {}
+  BoundedReadAdapter(int fd, uint64_t size) : fd_(fd), size_(size) {}
+  ~BoundedReadAdapter() override {
+    if (fd_ >= 0) close(fd_);
+  }
+  BoundedReadAdapter(const BoundedReadAdapter&) = delete;
+  BoundedReadAdapter& operator=(const BoundedReadAdapter&) = delete;
+
+  size_t size() const override { return size_; }
+
+  size_t read(uint64_t pos, void* buf, size_t n, const char* /*what*/ = "") const override {
+    char* out = static_cast<char*>(buf);
+    size_t got = 0;
+    if (pos < size_) {
+      const size_t want = static_cast<size_t>(std::min<uint64_t>(n, size_ - pos));
+      if (data_ != nullptr) {
+        std::memcpy(out, data_ + pos, want);
+        got = want;
+      } else {
+        while (got < want) {
+          const ssize_t r = pread(fd_, out + got, want - got, static_cast<off_t>(pos + got));
+          if (r < 0 && errno == EINTR) continue;
+          if (r <= 0) break;
+          got += static_cast<size_t>(r);
+        }
+      }
+    }
+    if (got < n) std::memset(out + got, 0, n - got);
+    return got;
+  }
+
+ private:
+  const char* data_ = nullptr;
+  int fd_ = -1;
+  uint64_t size_;
+};
+
+// Checks the zip's central directory before miniz acts on it: every record
+// stored (torch.save never compresses) and inside the file, names unique.
+// miniz allocates a record's declared size before reading it; this keeps
+// that within the file.
+absl::Status CheckZipDirectory(const BoundedReadAdapter& in, const std::string& name) {
+  const uint64_t size = in.size();
+  auto corrupt = [&](absl::string_view what) { return absl::DataLossError(absl::StrCat(name, ": ", what)); };
+  constexpr uint64_t kEocd = 22, kLocator = 20, kEocd64 = 56, kCentral = 46;
+  if (size < kEocd) return corrupt("too short for a zip archive (truncated?)");
+  const uint64_t tail_len = std::min<uint64_t>(size, kEocd + 65535);
+  std::string tail(tail_len, '\0');
+  in.read(size - tail_len, tail.data(), tail_len);
+  int64_t at = -1;
+  for (int64_t k = static_cast<int64_t>(tail_len - kEocd); k >= 0; --k) {
+    if (LoadLE(tail.data() + k, 4) == 0x06054b50) {
+      at = k;
+      break;
+    }
+  }
+  if (at < 0) return corrupt("no zip end-of-central-directory record (truncated, or not a zip archive)");
+  const uint64_t eocd = size - tail_len + static_cast<uint64_t>(at);
+  const char* e = tail.data() + at;
+  uint64_t entries = LoadLE(e + 10, 2), cd_size = LoadLE(e + 12, 4), cd_ofs = LoadLE(e + 16, 4);
+  if (eocd >= kLocator + kEocd64) {  // zip64, as miniz finds it
+    char locator[kLocator];
+    in.read(eocd - kLocator, locator, kLocator);
+    if (LoadLE(locator, 4) == 0x07064b50) {
+      const uint64_t z_ofs = LoadLE(locator + 8, 8);
+      if (z_ofs > size - kEocd64) return corrupt("bad zip64 end-of-central-directory locator");
+      char z[kEocd64];
+      in.read(z_ofs, z, kEocd64);
+      if (LoadLE(z, 4) == 0x06064b50) {
+        entries = LoadLE(z + 32, 8);
+        cd_size = LoadLE(z + 40, 8);
+        cd_ofs = LoadLE(z + 48, 8);
+      }
+    }
+  }
+  if (cd_ofs > size || cd_size > size - cd_ofs) return corrupt("the zip central directory lies outside the file");
+  if (entries > cd_size / kCentral) return corrupt("the zip central directory is too small for its entries");
+  std::string cd(cd_size, '\0');
+  if (in.read(cd_ofs, cd.data(), cd_size) != cd_size) return corrupt("cannot read the zip central directory");
+  struct Record {
+    std::string name;
+    uint64_t local;  // offset of the local header
+    uint64_t size;
+  };
+  std::vector<Record> records;
+  std::unordered_map<std::string, size_t> by_name;  // lowercased, as miniz looks names up
+  size_t p = 0;
+  for (uint64_t k = 0; k < entries; ++k) {
+    if (cd.size() - p < kCentral || LoadLE(&cd[p], 4) != 0x02014b50) {
+      return corrupt("bad zip central directory entry");
+    }
+    const char* h = &cd[p];
+    const uint64_t flags = LoadLE(h + 8, 2), method = LoadLE(h + 10, 2), external = LoadLE(h + 38, 4);
+    uint64_t comp = LoadLE(h + 20, 4), uncomp = LoadLE(h + 24, 4), local = LoadLE(h + 42, 4);
+    const size_t name_len = LoadLE(h + 28, 2), extra_len = LoadLE(h + 30, 2), comment_len = LoadLE(h + 32, 2);
+    if (cd.size() - p - kCentral < name_len + extra_len + comment_len) {
+      return corrupt("bad zip central directory entry");
+    }
+    const std::string record(h + kCentral, name_len);
+    absl::string_view extra(h + kCentral + name_len, extra_len);
+    if (uncomp == 0xFFFFFFFF || comp == 0xFFFFFFFF || local == 0xFFFFFFFF) {
+      bool found = false;
+      while (extra.size() >= 4) {
+        const uint64_t id = LoadLE(extra.data(), 2), len = LoadLE(extra.data() + 2, 2);
+        if (len > extra.size() - 4) break;
+        absl::string_view field = extra.substr(4, len);
+        extra.remove_prefix(4 + len);
+        if (id != 1) continue;
+        found = true;
+        for (uint64_t* v : {&uncomp, &comp, &local}) {
+          if (*v != 0xFFFFFFFF) continue;
+          if (field.size() < 8) return corrupt(absl::StrCat("bad zip64 sizes for record ", Quote(record)));
+          *v = LoadLE(field.data(), 8);
+          field.remove_prefix(8);
+        }
+        break;
+      }
+      if (!found) return corrupt(absl::StrCat("no zip64 sizes for record ", Quote(record)));
+    }
+    if (method != 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, ": record ", Quote(record), " is compressed (zip method ", method,
+                       "); torch.save stores records uncompressed (was the file re-zipped?)"));
+    }
+    if (flags & 0x61) {  // encrypted, strongly encrypted, compressed patch data
+      return corrupt(absl::StrCat("record ", Quote(record), " is encrypted or patch data"));
+    }
+    if (comp != uncomp) return corrupt(absl::StrCat("record ", Quote(record), " has inconsistent sizes"));
+    // miniz "extracts" a directory as nothing, leaving the buffer it
+    // allocated for the declared size uninitialized.
+    if (uncomp != 0 && ((external & 0x10) || absl::EndsWith(record, "/"))) {
+      return corrupt(absl::StrCat("record ", Quote(record), " is marked as a directory"));
+    }
+    if (local > size || uncomp > size - local) {
+      return corrupt(absl::StrCat("record ", Quote(record), " (", uncomp, " bytes) runs past the end of the file"));
+    }
+    if (!by_name.emplace(absl::AsciiStrToLower(record), records.size()).second) {
+      return corrupt(absl::StrCat("record ", Quote(record), " appears twice"));
+    }
+    records.push_back({record, local, uncomp});
+    p += kCentral + name_len + extra_len + comment_len;
+  }
+  // What PyTorchStreamReader's constructor checks once miniz has opened the
+  // archive, checked here first: when the constructor throws there, it leaks
+  // miniz's state.
+  if (records.empty()) return corrupt("the zip archive holds no records");
+  const size_t slash = records[0].name.find('/');
+  if (slash == std::string::npos) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, ": a zip archive whose records are not in a folder, not a torch.save file"));
+  }
+  const std::string prefix = absl::AsciiStrToLower(records[0].name.substr(0, slash + 1));
+  auto version = by_name.find(prefix + ".data/version");
+  if (version == by_name.end()) version = by_name.find(prefix + "version");
+  if (version == by_name.end()) return corrupt("the zip archive has no version record");
+  const Record& v = records[version->second];
+  char local[30];
+  if (v.size > 32 || in.read(v.local, local, 30) != 30 || LoadLE(local, 4) != 0x04034b50) {
+    return corrupt("bad version record");
+  }
+  const uint64_t data = v.local + 30 + LoadLE(local + 26, 2) + LoadLE(local + 28, 2);
+  std::string text(v.size, '\0');
+  if (data > size || v.size > size - data || in.read(data, text.data(), v.size) != v.size) {
+    return corrupt("bad version record");
+  }
+  // As std::stoull reads it: blanks, then digits.
+  size_t k = 0;
+  while (k < text.size() && absl::ascii_isspace(text[k])) ++k;
+  if (k < text.size() && text[k] == '+') ++k;
+  uint64_t format = 0;
+  size_t digits = 0;
+  for (; k < text.size() && absl::ascii_isdigit(text[k]) && digits < 19; ++k, ++digits) {
+    format = format * 10 + (text[k] - '0');
+  }
+  if (digits == 0 || digits == 19) return corrupt(absl::StrCat("bad version record ", Quote(text)));
+  if (format < caffe2::serialize::kMinSupportedFileFormatVersion ||
+      format > caffe2::serialize::kMaxSupportedFileFormatVersion) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        name, ": archive format version ", format, "; this LibTorch reads versions ",
+        caffe2::serialize::kMinSupportedFileFormatVersion, " to ", caffe2::serialize::kMaxSupportedFileFormatVersion));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<PyValuePtr> ReadArchive(const std::shared_ptr<BoundedReadAdapter>& in, const std::string& name,
+                                       const TorchReadLimits& limits) {
+  const uint64_t size = in->size();
+  if (size > static_cast<uint64_t>(std::max<int64_t>(limits.max_file_bytes, 0))) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, ": ", size, " bytes, more than max_file_bytes (", limits.max_file_bytes, ")"));
+  }
+  if (size == 0) return absl::InvalidArgumentError(absl::StrCat(name, ": empty file, not a torch.save file"));
+  char head[14];
+  in->read(0, head, sizeof(head));
+  // The legacy format starts with the pickled magic number 0x1950a86a20f9469cfc6c.
+  static constexpr char kLegacy[14] = {'\x80', '\x02', '\x8a', '\x0a', '\x6c', '\xfc', '\x9c',
+                                       '\x46', '\xf9', '\x20', '\x6a', '\xa8', '\x50', '\x19'};
+  if (size >= sizeof(head) && std::memcmp(head, kLegacy, sizeof(head)) == 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, ": a torch.save file in the legacy format (written with "
+                           "_use_new_zipfile_serialization=False); re-save it with a current torch.save"));
+  }
+  if (size < 4 || std::memcmp(head, "PK\x03\x04", 4) != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(name, ": not a torch.save file (not a zip archive; starts with ",
+                                                   Quote(absl::string_view(head, std::min<uint64_t>(size, 8))),
+                                                   ")"));
+  }
+  TP_RETURN_IF_ERROR(CheckZipDirectory(*in, name));
+  try {
+    caffe2::serialize::PyTorchStreamReader reader(std::static_pointer_cast<caffe2::serialize::ReadAdapterInterface>(in));
+    if (reader.hasRecord("byteorder")) {
+      auto [ptr, len] = reader.getRecord("byteorder");
+      const std::string order(static_cast<const char*>(ptr.get()), len);
+      if (order != "little") {
+        return absl::InvalidArgumentError(
+            absl::StrCat(name, ": storages are stored ", Quote(order), "-endian; only little-endian is supported"));
+      }
+    }
+    if (!reader.hasRecord("data.pkl")) {
+      return absl::InvalidArgumentError(absl::StrCat(name, ": a zip archive without data.pkl, not a torch.save file"));
+    }
+    auto [pkl_ptr, pkl_len] = reader.getRecord("data.pkl");
+    uint64_t loaded = pkl_len;  // bytes taken out of the archive so far
+    StorageLoader loader = [&](const std::string& key, c10::ScalarType dtype,
+                               int64_t numel) -> absl::StatusOr<at::Tensor> {
+      const std::string record = "data/" + key;
+      try {
+        if (!reader.hasRecord(record)) return absl::DataLossError(absl::StrCat("no record ", record));
+        const uint64_t element = c10::elementSize(dtype);
+        if (static_cast<uint64_t>(numel) > (size - loaded) / element) {
+          return absl::DataLossError(absl::StrCat("storage ", record, " of ", numel, " ", DtypeName(dtype),
+                                                  " does not fit in what is left of the file"));
+        }
+        const uint64_t bytes = static_cast<uint64_t>(numel) * element;
+        auto [ptr, len] = reader.getRecord(record);
+        if (len != bytes) {
+          return absl::DataLossError(absl::StrCat("record ", record, " holds ", len, " bytes, not ", numel, " ",
+                                                  DtypeName(dtype), " (", bytes, " bytes)"));
+        }
+        loaded += bytes;
+        if (dtype == c10::ScalarType::Bool) {  // any byte but 0/1 is undefined behaviour for a bool
+          auto* b = static_cast<uint8_t*>(ptr.get());
+          for (uint64_t k = 0; k < bytes; ++k) b[k] = b[k] != 0;
+        }
+        c10::Storage storage(c10::Storage::use_byte_size_t(), bytes, std::move(ptr), nullptr, false);
+        return at::empty({0}, at::TensorOptions().dtype(dtype)).set_(storage, 0, {numel}, {1});
+      } catch (const std::exception& e) {
+        return absl::DataLossError(absl::StrCat("reading ", record, ": ", ExceptionText(e)));
+      }
+    };
+    return ParsePickle(absl::string_view(static_cast<const char*>(pkl_ptr.get()), pkl_len), loader, name, limits);
+  } catch (const std::exception& e) {
+    return absl::DataLossError(absl::StrCat(name, ": not a readable torch.save archive: ", ExceptionText(e)));
+  }
+}
+
+}  // namespace
+
+absl::StatusOr<PyValuePtr> ParsePickle(absl::string_view pickle, const StorageLoader& load_storage,
+                                       const std::string& name_for_errors, const TorchReadLimits& limits) {
+  try {
+    Unpickler unpickler(pickle, load_storage, name_for_errors, limits);
+    return unpickler.Run();
+  } catch (const std::bad_alloc&) {
+    return absl::InvalidArgumentError(absl::StrCat(name_for_errors, ": out of memory reading data.pkl"));
+  } catch (const std::exception& e) {
+    return absl::DataLossError(absl::StrCat(name_for_errors, ": data.pkl: ", ExceptionText(e)));
+  }
+}
+
+absl::StatusOr<PyValuePtr> ReadTorchBytes(const std::string& bytes, const std::string& name_for_errors,
+                                          const TorchReadLimits& limits) {
+  try {
+    return ReadArchive(std::make_shared<BoundedReadAdapter>(bytes.data(), bytes.size()), name_for_errors, limits);
+  } catch (const std::exception& e) {
+    return absl::DataLossError(absl::StrCat(name_for_errors, ": ", ExceptionText(e)));
+  }
+}
+
+absl::StatusOr<PyValuePtr> ReadTorchFile(const std::string& path, const TorchReadLimits& limits) {
+  // O_NONBLOCK: opening a FIFO must not wait for a writer.
+  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  if (fd < 0) {
+    const int err = errno;
+    if (err == ENOENT) return absl::NotFoundError(absl::StrCat(path, ": no such file"));
+    return absl::InvalidArgumentError(absl::StrCat(path, ": cannot open: ", std::strerror(err)));
+  }
+  struct stat st;
+  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    close(fd);
+    return absl::InvalidArgumentError(absl::StrCat(path, ": not a regular file"));
+  }
+  try {
+    return ReadArchive(std::make_shared<BoundedReadAdapter>(fd, static_cast<uint64_t>(st.st_size)), path, limits);
+  } catch (const std::exception& e) {
+    return absl::DataLossError(absl::StrCat(path, ": ", ExceptionText(e)));
+  }
+}
+
+}  // namespace shardopt

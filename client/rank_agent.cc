@@ -1,0 +1,592 @@
+#include "client/rank_agent.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cfloat>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <utility>
+
+#include <google/protobuf/util/json_util.h>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "client/checkpoint/checkpoint.h"
+#include "common/file_system.h"
+#include "server/flight_records.h"
+#include "server/rpc_server.h"
+#include "server/shard_owner_service.h"
+
+namespace shardopt {
+
+namespace {
+
+constexpr size_t kMaxStepTimes = 256;  // per heartbeat (the coordinator's limit)
+constexpr auto kSignalPoll = std::chrono::milliseconds(100);
+
+std::chrono::milliseconds Millis(absl::Duration d) {
+  return std::chrono::milliseconds(std::max<int64_t>(0, absl::ToInt64Milliseconds(d)));
+}
+
+std::string EnvStr(const char* name, const std::string& def) {
+  const char* v = std::getenv(name);
+  return v == nullptr ? def : std::string(v);
+}
+
+}  // namespace
+
+v1::JoinRequest MakeJoinRequest(const Layout& layout, const RankAgentOptions& options,
+                                int shard_owner_port, double learning_rate) {
+  v1::JoinRequest join;
+  join.set_job_id(options.job_id);
+  join.set_rank(options.rank);
+  join.set_world_size(layout.world_size());
+  join.set_host(options.host);
+  join.set_shard_owner_port(shard_owner_port);
+  join.set_device(options.device);
+  join.set_layout_hash(layout.hash());
+  join.set_learning_rate(learning_rate);
+  join.mutable_plan()->set_bucket_cap_elements(layout.options().bucket_cap_elements);
+  join.mutable_plan()->set_alignment_elements(layout.options().alignment_elements);
+  join.mutable_plan()->set_allow_cut(layout.options().allow_cut);
+  for (const ParamSpec& p : layout.params()) {
+    v1::ParamInfo* pi = join.add_params();
+    pi->set_name(p.name);
+    for (int64_t d : p.shape) pi->add_shape(d);
+    pi->set_dtype(DTypeName(p.dtype));
+    pi->set_trainable(p.trainable);
+  }
+  return join;
+}
+
+// ---------------------------------------------------------------- start, stop
+
+RankAgent::RankAgent(CoordinatorApi* client, ShardedOptimizer* optimizer, RankAgentOptions options)
+    : client_(client),
+      opt_(optimizer),
+      comm_(optimizer->communicator()),
+      options_(std::move(options)) {
+  if (auto* fr = dynamic_cast<FlightRecordingCommunicator*>(comm_); fr != nullptr) {
+    recorder_ = fr->recorder();
+  }
+  lr_applied_ = opt_->learning_rate();
+  metrics_.step_seconds.reserve(kMaxStepTimes);
+}
+
+absl::StatusOr<std::unique_ptr<RankAgent>> RankAgent::Start(CoordinatorApi* client,
+                                                            ShardedOptimizer* optimizer,
+                                                            RankAgentOptions options) {
+  if (client == nullptr || optimizer == nullptr) {
+    return absl::InvalidArgumentError("RankAgent needs a coordinator client and an optimizer");
+  }
+  const Communicator* comm = optimizer->communicator();
+  if (options.rank != comm->rank() || optimizer->layout().world_size() != comm->world_size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "RankAgent: rank ", options.rank, " given, but the communicator is rank ", comm->rank(),
+        " of ", comm->world_size(), " (the layout is for ", optimizer->layout().world_size(),
+        " ranks)"));
+  }
+  std::unique_ptr<RankAgent> agent(new RankAgent(client, optimizer, std::move(options)));
+  if (absl::Status s = agent->StartService(); !s.ok()) return s;
+  if (absl::Status s = agent->Join(); !s.ok()) return s;
+  agent->StartThreads();
+  return agent;
+}
+
+absl::Status RankAgent::StartService() {
+  if (!options_.serve_shard_owner) return absl::OkStatus();
+  ShardOwnerService::Sources sources;
+  sources.rank = options_.rank;
+  sources.owner = &opt_->shard_owner();
+  ShardedOptimizer* opt = opt_;
+  sources.memory = [opt] { return opt->memory(); };
+  sources.step = [this] { return step_now_.load(); };
+  const int rank = options_.rank;
+  std::shared_ptr<FlightRecorder> recorder = recorder_;
+  if (recorder != nullptr) {
+    sources.flight = [rank, recorder] { return ToFlightRecord(rank, recorder->Snapshot(), absl::Now(), ""); };
+  }
+  service_ = std::make_unique<ShardOwnerService>(std::move(sources), options_.token);
+  RpcServerOptions sopt;
+  sopt.address = options_.host + ":0";
+  auto server = RpcServer::Start(sopt, {service_.get()});
+  if (!server.ok()) return server.status();
+  server_ = *std::move(server);
+  shard_owner_port_ = server_->port();
+  return absl::OkStatus();
+}
+
+absl::Status RankAgent::Join() {
+  const v1::JoinRequest join =
+      MakeJoinRequest(opt_->layout(), options_, shard_owner_port_, opt_->learning_rate());
+  auto joined = client_->Join(join, std::max(options_.min_join_timeout, options_.collective_timeout));
+  if (!joined.ok()) return joined.status();
+  joined_ = *std::move(joined);
+  return absl::OkStatus();
+}
+
+void RankAgent::StartThreads() {
+  session_ = client_->OpenSession();
+  session_reader_ = std::thread([this] { SessionLoop(); });
+  heartbeat_ = std::thread([this] { HeartbeatLoop(); });
+}
+
+RankAgent::~RankAgent() { Stop(); }
+
+void RankAgent::Stop() {
+  if (stopped_) return;
+  stopped_ = true;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (heartbeat_.joinable()) heartbeat_.join();
+  if (session_ != nullptr) session_->Close();
+  if (session_reader_.joinable()) session_reader_.join();
+  if (server_ != nullptr) server_->Shutdown();
+}
+
+int RankAgent::Finish() {
+  (void)client_->Finish(options_.rank);
+  Stop();
+  return 0;
+}
+
+int RankAgent::Fail(const std::string& message, const std::optional<std::string>& coordinator_reason) {
+  const std::string& reason = coordinator_reason.has_value() ? *coordinator_reason : message;
+  if (!reason.empty()) (void)client_->Abort(reason, options_.rank);
+  failure_ = message;
+  PrintError(message);
+  if (!stopped_) ReportFlight();
+  Stop();
+  return 1;
+}
+
+// ---------------------------------------------------------------- heartbeats
+
+std::string RankAgent::abort_reason() const {
+  std::lock_guard<std::mutex> l(mu_);
+  return abort_reason_;
+}
+
+std::string RankAgent::WaitForAbort(absl::Duration timeout) {
+  std::unique_lock<std::mutex> l(mu_);
+  cv_.wait_for(l, Millis(timeout), [this] { return !abort_reason_.empty(); });
+  return abort_reason_;
+}
+
+void RankAgent::SetAbort(const std::string& reason) {
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    if (!abort_reason_.empty()) return;
+    abort_reason_ = reason;
+  }
+  cv_.notify_all();
+  comm_->Abort(absl::AbortedError(reason));
+}
+
+// One handler for the coordinator's notices, pushed on the session or
+// returned by a unary heartbeat: "" or the reason the job was aborted.
+std::string RankAgent::HandleNotice(const v1::HeartbeatResponse& r) {
+  std::lock_guard<std::mutex> l(mu_);
+  if (r.hyper_params_version() > wanted_.lr_version && r.learning_rate() > 0) {
+    wanted_.lr = r.learning_rate();
+    wanted_.lr_version = r.hyper_params_version();
+  }
+  wanted_.checkpoint_request = std::max(wanted_.checkpoint_request, r.checkpoint_request());
+  return r.abort() ? "job aborted: " + r.abort_reason() : "";
+}
+
+void RankAgent::SessionLoop() {
+  v1::HeartbeatResponse notice;
+  while (session_->Receive(&notice)) {
+    const std::string reason = HandleNotice(notice);
+    if (!reason.empty()) SetAbort(reason);
+  }
+  session_ok_ = false;
+}
+
+void RankAgent::FillMetrics(v1::RankMetrics* m) {
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    for (double v : metrics_.step_seconds) m->add_step_seconds(v);
+    metrics_.step_seconds.clear();
+    m->set_grad_norm(metrics_.grad_norm);
+    m->set_comm_wait_seconds(metrics_.comm_wait_seconds);
+    m->set_update_seconds(metrics_.update_seconds);
+    m->set_checkpoints_total(metrics_.checkpoints_total);
+    m->set_last_checkpoint_step(metrics_.last_checkpoint_step);
+    m->set_last_checkpoint_seconds(metrics_.last_checkpoint_seconds);
+    m->set_last_checkpoint_bytes(metrics_.last_checkpoint_bytes);
+  }
+  m->set_bytes_sent_total(comm_->counters().total_sent());
+  const MemoryReport mem = opt_->memory();
+  m->set_master_bytes(mem.master_bytes);
+  m->set_state_bytes(mem.state_bytes);
+  m->set_grad_bytes(mem.grad_bytes);
+  m->set_param_bytes(mem.param_bytes);
+  m->set_rss_bytes(ProcessRssBytes());
+  m->set_stalls_total(recorder_ != nullptr ? recorder_->stalls() : 0);
+}
+
+v1::HeartbeatRequest RankAgent::MakeHeartbeat() {
+  v1::HeartbeatRequest hb;
+  hb.set_rank(options_.rank);
+  hb.set_step(step_now_.load());
+  hb.set_loss(loss_now_.load());
+  hb.set_samples_per_s(sps_now_.load());
+  hb.set_progress(progress_.load());
+  hb.set_learning_rate(lr_applied_.load());
+  FillMetrics(hb.mutable_metrics());
+  return hb;
+}
+
+// Heartbeats: report progress, learn of aborts and learning-rate changes
+// (from unary heartbeats' answers once the session is gone).
+void RankAgent::HeartbeatLoop() {
+  absl::Time last_ok = absl::Now();
+  while (true) {
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      if (stop_) return;
+    }
+    const v1::HeartbeatRequest hb = MakeHeartbeat();
+    std::string reason;
+    if (const int sig = StopSignal(); sig != 0) {
+      reason = absl::StrCat("stopped by signal ", sig, " (shardrun is stopping the job, or it died)");
+    } else if (session_ok_.load() && session_->Send(hb)) {
+      last_ok = absl::Now();
+    } else {
+      // No session: plain heartbeats, until the coordinator is lost.
+      auto r = client_->Heartbeat(hb);
+      if (r.ok()) {
+        last_ok = absl::Now();
+        reason = HandleNotice(*r);
+      } else if (absl::Now() - last_ok > options_.coordinator_lost_after) {
+        reason = "lost the coordinator: " + std::string(r.status().message());
+      }
+    }
+    if (!reason.empty()) {
+      SetAbort(reason);
+      return;
+    }
+    // The next heartbeat, unless stopped (checking for a signal meanwhile).
+    const auto until = std::chrono::steady_clock::now() + Millis(options_.heartbeat_interval);
+    std::unique_lock<std::mutex> l(mu_);
+    while (!stop_ && std::chrono::steady_clock::now() < until && StopSignal() == 0) {
+      cv_.wait_for(l, std::min<std::chrono::steady_clock::duration>(
+                          kSignalPoll, until - std::chrono::steady_clock::now()));
+    }
+  }
+}
+
+// ---------------------------------------------------------------- steps
+
+void RankAgent::Resumed(int64_t step) { step_now_ = step; }
+
+void RankAgent::BeforeStep(int64_t step) {
+  step_start_ = absl::Now();
+  if (recorder_ != nullptr) recorder_->set_step(step);  // the step the next collectives belong to
+  ++progress_;
+}
+
+absl::StatusOr<AgreedStep> RankAgent::AfterStep(int64_t step, const StepResult& result, double loss) {
+  ++progress_;
+  const absl::Time agree_start = absl::Now();
+  auto agreed = Agree(step, !std::isfinite(loss));
+  if (!agreed.ok()) return agreed.status();
+  agreed->agree_seconds = absl::ToDoubleSeconds(absl::Now() - agree_start);
+  if (agreed->nonfinite_rank >= 0) return agreed;
+  RecordStep(result, agreed->agree_seconds);
+  step_now_ = step;
+  loss_now_ = loss;
+  return agreed;
+}
+
+void RankAgent::RecordStep(const StepResult& result, double agree_seconds) {
+  std::lock_guard<std::mutex> l(mu_);
+  if (metrics_.step_seconds.size() == kMaxStepTimes) metrics_.step_seconds.erase(metrics_.step_seconds.begin());
+  metrics_.step_seconds.push_back(absl::ToDoubleSeconds(absl::Now() - step_start_));
+  metrics_.grad_norm = result.grad_norm;
+  // The agreement is communication too: a rank slow after Step() makes the
+  // others wait there, and that must not count as their busy time.
+  metrics_.comm_wait_seconds = result.comm_wait_seconds + agree_seconds;
+  metrics_.update_seconds = result.update_seconds;
+}
+
+absl::Status RankAgent::AllReduceMax(int count) {
+  CommHandlePtr h = comm_->AllReduce(agree_buf_.data(), count, ElementType::kFloat32, ReduceOp::kMax);
+  absl::Status s = h->Wait(options_.collective_timeout);
+  if (!s.ok()) {
+    // A timed-out collective still runs on agree_buf_: abort it, and let it
+    // end before the buffer is reused.
+    comm_->Abort(s);
+    if (!h->done()) (void)h->Wait(absl::Seconds(10));
+  }
+  return s;
+}
+
+// Control actions (learning-rate changes, requested checkpoints) reach ranks
+// at different heartbeats, and a loss is known only to its rank: one 12-byte
+// all-reduce (max) makes every rank act on them at the same step, and stop
+// together when any rank's loss is not finite.
+absl::StatusOr<AgreedStep> RankAgent::Agree(int64_t step, bool nonfinite_loss) {
+  AgreedStep a;
+  lr_applied_ = opt_->learning_rate();  // (a resumed run restores its own)
+  Wanted wanted;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    wanted = wanted_;
+  }
+  agree_buf_ = {static_cast<float>(wanted.lr_version), static_cast<float>(wanted.checkpoint_request),
+                nonfinite_loss ? static_cast<float>(options_.rank + 1) : 0.0f};
+  if (absl::Status s = AllReduceMax(3); !s.ok()) return s;
+  const std::array<float, 3> ctl = agree_buf_;
+  if (ctl[2] > 0) {
+    a.nonfinite_rank = static_cast<int>(ctl[2]) - 1;
+    return a;
+  }
+  if (static_cast<int64_t>(ctl[0]) > applied_version_) {
+    if (absl::Status s = AgreeOnLearningRate(step, static_cast<int64_t>(ctl[0]), wanted, &a); !s.ok()) {
+      return s;
+    }
+  }
+  if (static_cast<int64_t>(ctl[1]) > done_request_) {
+    done_request_ = static_cast<int64_t>(ctl[1]);
+    if (options_.ckpt_dir.empty()) {
+      if (options_.rank == 0) Print("checkpoint requested, but no --ckpt-dir was given: skipped");
+    } else {
+      a.checkpoint = true;
+    }
+  }
+  return a;
+}
+
+// The learning rate of the newest version `version`, from a rank that has it.
+absl::Status RankAgent::AgreeOnLearningRate(int64_t step, int64_t version, const Wanted& wanted,
+                                            AgreedStep* out) {
+  agree_buf_[0] = wanted.lr_version == version ? static_cast<float>(wanted.lr) : 0.0f;
+  if (absl::Status s = AllReduceMax(1); !s.ok()) return s;
+  const float lr_new = agree_buf_[0];
+  applied_version_ = version;
+  if (std::isfinite(lr_new) && lr_new >= FLT_MIN) {
+    opt_->SetLearningRate(lr_new);
+    lr_applied_ = lr_new;
+    out->new_lr = lr_new;
+    if (options_.rank == 0) {
+      Print(absl::StrFormat("learning rate set to %g at step %lld", lr_new, static_cast<long long>(step)));
+    }
+  } else if (options_.rank == 0) {
+    Print(absl::StrFormat("learning rate %g requested at step %lld: not a positive float, ignored", wanted.lr,
+                          static_cast<long long>(step)));
+  }
+  return absl::OkStatus();
+}
+
+// ---------------------------------------------------------------- diagnosis
+
+// A peer's death usually shows up first as a broken connection (Gloo:
+// UNAVAILABLE "... failed after 0.2s, before its timeout"), which names no
+// rank; the control plane names it, so its diagnosis wins.
+std::string RankAgent::Diagnose(const absl::Status& status, absl::Time since) {
+  std::string reason = WaitForAbort(options_.verdict_wait);
+  if (!reason.empty()) return reason;
+  if (auto silent = SilentRanks(status)) return *silent;
+  if (status.code() == absl::StatusCode::kDeadlineExceeded) {
+    if (auto stalled = StalledRanks(status)) return *stalled;
+  }
+  // Failing well before its timeout: a broken connection.
+  const absl::Duration took = absl::Now() - since;
+  if (took >= options_.collective_timeout * 0.9) return status.ToString();
+  return absl::StrCat("a collective failed after ", absl::FormatDuration(absl::Trunc(took, absl::Milliseconds(1))),
+                      ", before its ", absl::FormatDuration(options_.collective_timeout),
+                      " timeout (a peer's connection broke) [", status.message(), "]");
+}
+
+// The coordinator's failure verdict, or ranks that went silent: the
+// coordinator declares them dead after its heartbeat timeout; wait for that
+// verdict a while (silent_wait).
+std::optional<std::string> RankAgent::SilentRanks(const absl::Status& status) {
+  std::string silent;
+  const absl::Time deadline = absl::Now() + options_.silent_wait;
+  while (true) {
+    auto job = client_->GetJob();
+    if (!job.ok()) break;
+    if (!job->failure().empty()) return "job failed: " + job->failure();
+    std::vector<std::string> quiet;
+    for (const auto& r : job->ranks()) {
+      if (r.rank() != options_.rank && r.seconds_since_heartbeat() > options_.silent_after_seconds) {
+        quiet.push_back(absl::StrFormat("%d (no heartbeat for %.1f s)", r.rank(), r.seconds_since_heartbeat()));
+      }
+    }
+    if (quiet.empty()) break;
+    silent = absl::StrJoin(quiet, ", ");
+    if (absl::Now() >= deadline) break;
+    // A verdict pushed meanwhile wins.
+    if (std::string reason = WaitForAbort(options_.poll_interval); !reason.empty()) return reason;
+  }
+  if (silent.empty()) return std::nullopt;
+  return absl::StrCat("lost rank(s) ", silent, ", probably dead [", status.message(), "]");
+}
+
+// A timeout: the ranks behind this one in progress (alive, but stalled).
+std::optional<std::string> RankAgent::StalledRanks(const absl::Status& status) {
+  auto job = client_->GetJob();
+  if (!job.ok()) return std::nullopt;
+  std::vector<std::string> behind;
+  for (const auto& r : job->ranks()) {
+    if (r.rank() != options_.rank && r.progress() < progress_.load()) {
+      behind.push_back(absl::StrCat(r.rank(), " (at step ", r.step(), ")"));
+    }
+  }
+  if (behind.empty()) return std::nullopt;
+  return absl::StrCat("collective timed out at step ", step_now_.load() + 1, "; stalled rank(s): ",
+                      absl::StrJoin(behind, ", "), " [", status.message(), "]");
+}
+
+// ---------------------------------------------------------------- checkpoints
+
+void RankAgent::RecordCheckpoint(int64_t step, const std::string& dir, double seconds) {
+  FileSystem* fs = PosixFileSystem();
+  int64_t bytes = 0;  // the whole checkpoint: every shard and the manifest
+  if (auto files = fs->ListDir(dir); files.ok()) {
+    for (const std::string& name : *files) {
+      if (auto size = fs->FileSize(absl::StrCat(dir, "/", name)); size.ok()) bytes += static_cast<int64_t>(*size);
+    }
+  }
+  std::lock_guard<std::mutex> l(mu_);
+  ++metrics_.checkpoints_total;
+  metrics_.last_checkpoint_step = step;
+  metrics_.last_checkpoint_seconds = seconds;
+  metrics_.last_checkpoint_bytes = bytes;
+}
+
+CheckpointOutcome RankAgent::Checkpoint(int64_t step) {
+  if (step == last_saved_) return CheckpointOutcome();
+  FileSystem* fs = PosixFileSystem();
+  const std::string expected = absl::StrCat(options_.ckpt_dir, "/step-", step);
+  auto before = ResolveCheckpoint(fs, options_.ckpt_dir);
+  const bool was_latest = before.ok() && *before == expected;
+  CheckpointOptions co;
+  if (options_.samples_per_step > 0) {
+    co.user_metadata["data_position"] = std::to_string(step * options_.samples_per_step);
+  }
+  const absl::Time t0 = absl::Now();
+  auto dir = SaveCheckpoint(*opt_, options_.ckpt_dir, co);
+  if (!dir.ok()) return SaveFailed(step, dir.status(), was_latest, t0);
+  last_saved_ = step;
+  const double took = absl::ToDoubleSeconds(absl::Now() - t0);
+  RecordCheckpoint(step, *dir, took);
+  if (options_.rank == 0) {
+    Print(absl::StrFormat("checkpoint %s written in %.2f s", *dir, absl::ToDoubleSeconds(absl::Now() - t0)));
+    if (options_.ckpt_keep > 0) {
+      absl::Status p = PruneCheckpoints(fs, options_.ckpt_dir, options_.ckpt_keep);
+      if (!p.ok()) Print("pruning old checkpoints failed: " + p.ToString());
+    }
+  }
+  return CheckpointOutcome();
+}
+
+// What a failed save left: whether the ranks can still talk, and whether
+// rank 0 committed the checkpoint before a later collective failed.
+CheckpointOutcome RankAgent::SaveFailed(int64_t step, const absl::Status& s, bool was_latest, absl::Time t0) {
+  CheckpointOutcome out;
+  // A wait that timed out leaves its collective running on buffers that are
+  // gone now: stop it. Then ask whether the ranks can still talk: an error
+  // they agreed on leaves the communicator healthy, a broken collective has
+  // aborted it (this fails at once then).
+  if (s.code() == absl::StatusCode::kDeadlineExceeded) comm_->Abort(s);
+  agree_buf_[0] = 0;
+  if (absl::Status p = AllReduceMax(1); !p.ok()) {
+    comm_->Abort(p);
+    out.fatal = true;
+  }
+  const std::string expected = absl::StrCat(options_.ckpt_dir, "/step-", step);
+  auto after = ResolveCheckpoint(PosixFileSystem(), options_.ckpt_dir);
+  out.committed = !was_latest && after.ok() && *after == expected;
+  const std::string cause = out.fatal ? Diagnose(s, t0) : s.ToString();
+  if (out.committed) {
+    last_saved_ = step;
+    out.status = absl::Status(s.code(), absl::StrCat("checkpoint ", expected,
+                                                     " was committed (LATEST names it), but a rank failed after the commit: ",
+                                                     cause));
+  } else {
+    out.status = absl::Status(s.code(), absl::StrCat("checkpoint at step ", step, " failed: ", cause));
+  }
+  return out;
+}
+
+absl::Status RankAgent::CheckpointDuringTraining(int64_t step) {
+  CheckpointOutcome sv = Checkpoint(step);
+  if (sv.status.ok() || sv.fatal) return sv.status;
+  // The rank that saw the error says so; rank 0 always does.
+  if (options_.rank == 0 || !absl::StrContains(sv.status.message(), "on another rank")) {
+    Print(absl::StrCat(sv.status.message(), " (training continues)"));
+  }
+  return absl::OkStatus();
+}
+
+// ---------------------------------------------------------------- failure
+
+// A failing rank sends its flight record (its last collectives) to the
+// coordinator, which shows where the ranks diverged; if that fails, it
+// writes it as JSON and says where.
+void RankAgent::ReportFlight() {
+  std::string reason = failure_;
+  if (reason.empty()) reason = abort_reason();
+  if (reason.empty()) reason = "the rank failed";
+  if (reason.size() > kMaxFlightReasonBytes) reason.resize(kMaxFlightReasonBytes);
+  std::vector<FlightEntry> ring;
+  if (recorder_ != nullptr) ring = recorder_->Snapshot();
+  const v1::FlightRecord record = ToFlightRecord(options_.rank, ring, absl::Now(), reason);
+  const absl::Status sent = client_->ReportFlightRecord(record);
+  if (!sent.ok()) WriteFlightRecord(record, sent);
+}
+
+void RankAgent::WriteFlightRecord(const v1::FlightRecord& record, const absl::Status& not_sent) {
+  std::string json;
+  google::protobuf::util::JsonPrintOptions jo;
+  jo.add_whitespace = true;
+  jo.always_print_primitive_fields = true;
+  (void)google::protobuf::util::MessageToJsonString(record, &json, jo);
+  std::string dir = !options_.flight_record_dir.empty() ? options_.flight_record_dir : options_.ckpt_dir;
+  std::string path;
+  if (!dir.empty()) {
+    (void)PosixFileSystem()->MakeDirs(dir);
+    path = absl::StrCat(dir, "/flight-record-rank-", options_.rank, ".json");
+  } else {
+    const std::string tmp = EnvStr("TMPDIR", "/tmp");
+    path = absl::StrCat(tmp.empty() ? "/tmp" : tmp, "/shardopt-flight-record-", options_.job_id, "-rank-",
+                        options_.rank, "-", getpid(), ".json");
+  }
+  FILE* f = std::fopen(path.c_str(), "w");
+  bool written = f != nullptr && std::fwrite(json.data(), 1, json.size(), f) == json.size();
+  if (f != nullptr && std::fclose(f) != 0) written = false;
+  PrintError(absl::StrCat("could not send the flight record to the coordinator (", not_sent.message(), "); ",
+                          written ? "wrote it to " : "could not write it to ", path));
+}
+
+void RankAgent::Print(const std::string& line) {
+  if (options_.print) {
+    options_.print(line);
+    return;
+  }
+  std::printf("%s\n", line.c_str());
+  std::fflush(stdout);
+}
+
+void RankAgent::PrintError(const std::string& line) {
+  if (options_.print_error) {
+    options_.print_error(line);
+    return;
+  }
+  std::fprintf(stderr, "%s[rank %d]: %s\n", options_.log_name.c_str(), options_.rank, line.c_str());
+}
+
+}  // namespace shardopt

@@ -1,0 +1,515 @@
+// The Python extension shardopt._C: thin bindings over the C++ API. The
+// Python package (python/shardopt/__init__.py) builds the user-facing
+// torch.optim.Optimizer on top of it. Tensors cross without copies: the
+// optimizer works on the caller's parameters (they become views of its flat
+// buffers). The GIL is released around everything that communicates or
+// computes; errors become ValueError (bad arguments) or RuntimeError.
+#include <torch/python.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "client/checkpoint/checkpoint.h"
+#include "client/checkpoint/torch_interop.h"
+#include "client/comm/flight_recorder.h"
+#include "client/comm/gloo_communicator.h"
+#include "client/coordinator_client.h"
+#include "client/rank_agent.h"
+#include "client/comm/in_process_communicator.h"
+#include "client/comm/kv_store.h"
+#include "client/checkpoint/full_state.h"
+#include "client/sharded_optimizer.h"
+#include "common/file_system.h"
+
+namespace py = pybind11;
+
+namespace shardopt {
+namespace {
+
+[[noreturn]] void Raise(const absl::Status& s) {
+  const std::string msg(s.message());
+  if (s.code() == absl::StatusCode::kInvalidArgument || s.code() == absl::StatusCode::kOutOfRange) {
+    throw py::value_error(msg);
+  }
+  throw std::runtime_error(msg);
+}
+void Check(const absl::Status& s) {
+  if (!s.ok()) Raise(s);
+}
+template <typename T>
+T Take(absl::StatusOr<T> v) {
+  if (!v.ok()) Raise(v.status());
+  return *std::move(v);
+}
+
+// A torch.distributed Store (set / wait / get) as a KeyValueStore: Gloo's
+// rendezvous under the torchrun contract. Called with the GIL released.
+class PythonStore : public KeyValueStore {
+ public:
+  explicit PythonStore(py::object store) : store_(std::move(store)) {}
+  absl::Status Set(const std::string& key, const std::string& value) override {
+    py::gil_scoped_acquire gil;
+    try {
+      store_.attr("set")(key, py::bytes(value));
+      return absl::OkStatus();
+    } catch (py::error_already_set& e) {
+      return absl::UnavailableError(absl::StrCat("store.set('", key, "'): ", e.what()));
+    }
+  }
+  absl::StatusOr<std::string> Get(const std::string& key, absl::Duration timeout) override {
+    py::gil_scoped_acquire gil;
+    try {
+      py::object timedelta = py::module_::import("datetime").attr("timedelta");
+      py::list keys;
+      keys.append(key);
+      store_.attr("wait")(keys, timedelta(py::arg("seconds") = absl::ToDoubleSeconds(timeout)));
+      return std::string(py::bytes(store_.attr("get")(key)));
+    } catch (py::error_already_set& e) {
+      return absl::DeadlineExceededError(
+          absl::StrCat("store: key '", key, "' did not appear: ", e.what()));
+    }
+  }
+
+ private:
+  py::object store_;
+};
+
+// A communicator and what it needs to live.
+struct PyCommunicator {
+  std::unique_ptr<InProcessWorld> world;  // world size 1 without a launcher
+  std::unique_ptr<CoordinatorClient> client;  // under shardrun: the control plane
+  std::string job_id;
+  std::unique_ptr<Communicator> comm;
+};
+
+// Under shardrun: rendezvous through the coordinator's key-value store, every
+// collective through the flight recorder (as shardopt_train does).
+std::shared_ptr<PyCommunicator> MakeCoordinatorCommunicator(
+    int rank, int world, const std::string& address, const std::string& token,
+    const std::string& job_id, const std::string& prefix, double timeout_s,
+    const std::string& hostname, const std::string& tls_ca, const std::string& tls_cert,
+    const std::string& tls_key) {
+  if (world < 1 || rank < 0 || rank >= world) {
+    throw py::value_error(absl::StrCat("rank ", rank, " is outside a world of ", world));
+  }
+  if (!(timeout_s > 0)) throw py::value_error("timeout must be > 0 seconds");
+  auto creds = MakeChannelCredentials(ClientTls{tls_ca, tls_cert, tls_key});
+  if (!creds.ok()) Raise(creds.status());
+  auto out = std::make_shared<PyCommunicator>();
+  out->client = std::make_unique<CoordinatorClient>(address, token, *creds);
+  out->job_id = job_id;
+  GlooOptions o;
+  o.hostname = hostname;
+  o.timeout = absl::Seconds(timeout_s);
+  o.store_prefix = prefix;
+  absl::StatusOr<std::unique_ptr<GlooCommunicator>> gloo;
+  {
+    py::gil_scoped_release release;
+    GrpcKeyValueStore kv(out->client.get());
+    PrefixKeyValueStore job_kv(&kv, job_id);
+    gloo = GlooCommunicator::Create(&job_kv, rank, world, o);
+  }
+  out->comm = std::make_unique<FlightRecordingCommunicator>(Take(std::move(gloo)),
+                                                            std::make_shared<FlightRecorder>());
+  return out;
+}
+
+std::shared_ptr<PyCommunicator> MakeCommunicator(int rank, int world, py::object store,
+                                                 const std::string& prefix, double timeout_s,
+                                                 const std::string& hostname) {
+  if (world < 1 || rank < 0 || rank >= world) {
+    throw py::value_error(absl::StrCat("rank ", rank, " is outside a world of ", world));
+  }
+  if (!(timeout_s > 0)) throw py::value_error("timeout must be > 0 seconds");
+  auto out = std::make_shared<PyCommunicator>();
+  if (store.is_none()) {
+    if (world != 1) throw py::value_error("several ranks need a store for their rendezvous");
+    out->world = std::make_unique<InProcessWorld>(1, absl::Seconds(timeout_s));
+    out->comm = out->world->Connect(0);
+    return out;
+  }
+  PythonStore py_store(store);
+  GlooOptions o;
+  o.hostname = hostname;
+  o.timeout = absl::Seconds(timeout_s);
+  o.store_prefix = prefix;
+  absl::StatusOr<std::unique_ptr<GlooCommunicator>> gloo;
+  {
+    py::gil_scoped_release release;
+    gloo = GlooCommunicator::Create(&py_store, rank, world, o);
+  }
+  out->comm = Take(std::move(gloo));
+  return out;
+}
+
+OptimizerKind ParseKind(const std::string& kind) {
+  if (kind == "adam") return OptimizerKind::kAdam;
+  if (kind == "adamw") return OptimizerKind::kAdamW;
+  if (kind == "sgd") return OptimizerKind::kSgd;
+  throw py::value_error(absl::StrCat("unknown optimizer '", kind, "' (adam, adamw or sgd)"));
+}
+
+template <typename T>
+T Get(const py::dict& d, const char* key, T def) {
+  return d.contains(key) ? d[key].cast<T>() : def;
+}
+
+// A group dict (lr, betas, eps, weight_decay, momentum, dampening, nesterov)
+// over `base`.
+HyperParameters ToHyper(const py::dict& g, HyperParameters base) {
+  base.adam.lr = base.sgd.lr = Get<double>(g, "lr", base.adam.lr);
+  if (g.contains("betas")) {
+    auto betas = g["betas"].cast<std::pair<double, double>>();
+    base.adam.beta1 = betas.first;
+    base.adam.beta2 = betas.second;
+  }
+  base.adam.eps = Get<double>(g, "eps", base.adam.eps);
+  base.adam.weight_decay = base.sgd.weight_decay =
+      Get<double>(g, "weight_decay", base.adam.weight_decay);
+  base.sgd.momentum = Get<double>(g, "momentum", base.sgd.momentum);
+  base.sgd.dampening = Get<double>(g, "dampening", base.sgd.dampening);
+  base.sgd.nesterov = Get<bool>(g, "nesterov", base.sgd.nesterov);
+  return base;
+}
+
+py::dict FromHyper(OptimizerKind kind, const HyperParameters& hp) {
+  py::dict d;
+  if (kind == OptimizerKind::kSgd) {
+    d["lr"] = hp.sgd.lr;
+    d["momentum"] = hp.sgd.momentum;
+    d["dampening"] = hp.sgd.dampening;
+    d["weight_decay"] = hp.sgd.weight_decay;
+    d["nesterov"] = hp.sgd.nesterov;
+  } else {
+    d["lr"] = hp.adam.lr;
+    d["betas"] = py::make_tuple(hp.adam.beta1, hp.adam.beta2);
+    d["eps"] = hp.adam.eps;
+    d["weight_decay"] = hp.adam.weight_decay;
+  }
+  return d;
+}
+
+class PyOptimizer {
+ public:
+  PyOptimizer(std::shared_ptr<PyCommunicator> comm, const std::vector<std::string>& names,
+              const std::vector<torch::Tensor>& tensors, const std::vector<int>& param_group,
+              const std::string& kind, const std::vector<py::dict>& groups, double max_grad_norm,
+              int64_t bucket_cap_elements, bool grad_bf16, double timeout_s, int kernel_threads)
+      : comm_(std::move(comm)) {
+    if (names.size() != tensors.size()) throw py::value_error("names and tensors differ in length");
+    ShardedOptimizerOptions o;
+    o.kind = ParseKind(kind);
+    if (o.kind == OptimizerKind::kAdamW) o.adam = AdamWConfig();
+    HyperParameters base{o.adam, o.sgd};
+    for (const py::dict& g : groups) o.groups.push_back(ToHyper(g, base));
+    if (o.groups.empty()) throw py::value_error("no parameter group");
+    o.adam = o.groups[0].adam;
+    o.sgd = o.groups[0].sgd;
+    o.param_group = param_group;
+    o.max_grad_norm = max_grad_norm;
+    if (bucket_cap_elements < 1) throw py::value_error("bucket_cap_mb must be > 0");
+    o.plan.bucket_cap_elements = bucket_cap_elements;
+    o.grad_comm_type = grad_bf16 ? ElementType::kBFloat16 : ElementType::kFloat32;
+    if (!(timeout_s > 0)) throw py::value_error("timeout must be > 0 seconds");
+    o.timeout = absl::Seconds(timeout_s);
+    o.kernel_threads = kernel_threads;
+    std::vector<std::pair<std::string, torch::Tensor>> named;
+    for (size_t i = 0; i < names.size(); ++i) named.emplace_back(names[i], tensors[i]);
+    absl::StatusOr<std::unique_ptr<ShardedOptimizer>> opt;
+    {
+      py::gil_scoped_release release;
+      opt = ShardedOptimizer::Create(named, o, comm_->comm.get());
+    }
+    opt_ = Take(std::move(opt));
+  }
+
+  // Joins the control plane (shardrun): heartbeats, shardctl, set-lr,
+  // checkpoint requests. Returns the job's layout hash as the coordinator has it.
+  void StartAgent(const std::string& host, const std::string& token, const std::string& ckpt_dir,
+                  int ckpt_keep, int64_t samples_per_step, double timeout_s) {
+    if (!comm_->client) throw std::runtime_error("no coordinator (not launched by shardrun)");
+    if (agent_) return;
+    RankAgentOptions o;
+    o.job_id = comm_->job_id;
+    o.rank = comm_->comm->rank();
+    o.host = host;
+    o.token = token;
+    o.device = opt_->on_device() ? "cuda" : "cpu";
+    o.collective_timeout = absl::Seconds(timeout_s);
+    o.ckpt_dir = ckpt_dir;
+    o.ckpt_keep = ckpt_keep;
+    o.samples_per_step = samples_per_step;
+    o.log_name = "shardopt";
+    absl::StatusOr<std::unique_ptr<RankAgent>> a;
+    {
+      py::gil_scoped_release release;
+      a = RankAgent::Start(comm_->client.get(), opt_.get(), o);
+    }
+    agent_ = Take(std::move(a));
+  }
+  bool has_agent() const { return agent_ != nullptr; }
+  void BeforeStep() {
+    if (agent_ && !step_open_) {
+      agent_->BeforeStep(opt_->step_count() + 1);
+      step_open_ = true;
+    }
+  }
+  // Ends this rank in failure (tells the coordinator, reports the flight
+  // record) and raises RuntimeError(message).
+  [[noreturn]] void FailWith(const std::string& message) {
+    if (agent_) {
+      py::gil_scoped_release release;
+      agent_->Fail(message);
+      agent_.reset();
+    }
+    throw std::runtime_error(message);
+  }
+  void Finish() {
+    if (!agent_) return;
+    py::gil_scoped_release release;
+    agent_->Finish();
+    agent_.reset();
+  }
+  void Fail(const std::string& message) {
+    if (!agent_) return;
+    py::gil_scoped_release release;
+    agent_->Fail(message);
+    agent_.reset();
+  }
+
+  py::dict Step(py::object loss) {
+    BeforeStep();
+    step_open_ = false;
+    absl::StatusOr<StepResult> r;
+    {
+      py::gil_scoped_release release;
+      r = opt_->Step();
+    }
+    if (!r.ok()) {
+      if (!agent_) Raise(r.status());
+      std::string why;
+      {
+        py::gil_scoped_release release;
+        why = agent_->Diagnose(r.status());
+      }
+      FailWith(absl::StrCat("step ", opt_->step_count() + 1, " failed: ", why));
+    }
+    py::dict d;
+    if (agent_) {
+      const double l = loss.is_none() ? 0.0 : loss.cast<double>();
+      absl::StatusOr<AgreedStep> agreed;
+      {
+        py::gil_scoped_release release;
+        agreed = agent_->AfterStep(r->step, *r, l);
+      }
+      if (!agreed.ok()) {
+        std::string why;
+        {
+          py::gil_scoped_release release;
+          why = agent_->Diagnose(agreed.status());
+        }
+        FailWith(absl::StrCat("step ", r->step, " failed: ", why));
+      }
+      if (agreed->nonfinite_rank >= 0) {
+        FailWith(absl::StrCat("rank ", agreed->nonfinite_rank, " had a non-finite loss at step ",
+                              r->step, "; stopping"));
+      }
+      if (agreed->new_lr) d["new_lr"] = *agreed->new_lr;
+      if (agreed->checkpoint) {
+        absl::Status s;
+        {
+          py::gil_scoped_release release;
+          s = agent_->CheckpointDuringTraining(r->step);
+        }
+        if (!s.ok()) FailWith(std::string(s.message()));
+      }
+    }
+    d["step"] = r->step;
+    d["grad_norm"] = r->grad_norm;
+    d["clipped"] = r->clipped;
+    d["comm_wait_seconds"] = r->comm_wait_seconds;
+    d["update_seconds"] = r->update_seconds;
+    return d;
+  }
+
+  void ZeroGrad() {
+    py::gil_scoped_release release;
+    opt_->ZeroGrad();
+  }
+  void SetGradSync(bool on) { opt_->SetGradientSync(on); }
+  int NumGroups() const { return opt_->num_groups(); }
+  py::dict Group(int g) const {
+    if (g < 0 || g >= opt_->num_groups()) throw py::index_error("no such parameter group");
+    return FromHyper(opt_->options().kind, opt_->group(g));
+  }
+  void SetGroup(int g, const py::dict& d) {
+    if (g < 0 || g >= opt_->num_groups()) throw py::index_error("no such parameter group");
+    Check(opt_->SetGroup(g, ToHyper(d, opt_->group(g))));
+  }
+  int64_t StepCount() const { return opt_->step_count(); }
+
+  std::string SaveCheckpoint(const std::string& root, const std::map<std::string, std::string>& meta,
+                             int keep) {
+    CheckpointOptions co;
+    co.user_metadata = meta;
+    absl::StatusOr<std::string> dir;
+    {
+      py::gil_scoped_release release;
+      dir = shardopt::SaveCheckpoint(*opt_, root, co);
+      if (dir.ok() && keep > 0 && comm_->comm->rank() == 0) {
+        (void)PruneCheckpoints(PosixFileSystem(), root, keep);
+      }
+    }
+    return Take(std::move(dir));
+  }
+
+  py::dict LoadCheckpoint(const std::string& path) {
+    absl::StatusOr<RestoredCheckpoint> r;
+    {
+      py::gil_scoped_release release;
+      r = LoadAnyCheckpoint(*opt_, path);
+    }
+    if (!r.ok()) Raise(r.status());
+    py::dict d;
+    d["path"] = r->path;
+    d["format"] = r->format;
+    d["step"] = r->step;
+    d["world_size"] = r->world_size;
+    d["metadata"] = r->user_metadata;
+    return d;
+  }
+
+  // {name: {"param": fp32, state...}} of every trainable parameter, on every rank.
+  py::dict GetFullState() {
+    absl::StatusOr<shardopt::FullState> s;
+    {
+      py::gil_scoped_release release;
+      s = GatherFullState(*opt_);
+    }
+    if (!s.ok()) Raise(s.status());
+    py::dict out;
+    for (auto& [name, arrays] : s->tensors) {
+      py::dict per;
+      for (auto& [k, t] : arrays) per[py::str(k)] = t;
+      out[py::str(name)] = per;
+    }
+    return out;
+  }
+
+  void LoadState(const std::map<std::string, std::map<std::string, torch::Tensor>>& state,
+                 int64_t step) {
+    shardopt::FullState s;
+    s.step = step;
+    s.tensors = state;
+    py::gil_scoped_release release;
+    Check(LoadFullState(*opt_, s));
+  }
+
+  py::dict Layout() const {
+    const shardopt::Layout& l = opt_->layout();
+    py::dict d;
+    d["world_size"] = l.world_size();
+    d["hash"] = absl::StrFormat("%016x", l.hash());
+    d["flat_size"] = l.flat_size();
+    d["num_buckets"] = static_cast<int64_t>(l.buckets().size());
+    py::list params;
+    for (size_t i = 0; i < l.params().size(); ++i) {
+      const ParamSpec& p = l.params()[i];
+      py::dict pd;
+      pd["name"] = p.name;
+      pd["shape"] = p.shape;
+      pd["trainable"] = p.trainable;
+      pd["bucket"] = l.placement(static_cast<int>(i)).bucket;
+      py::list owners;
+      if (p.trainable) {
+        auto pieces = l.Locate(static_cast<int>(i), 0, l.placement(static_cast<int>(i)).numel);
+        if (pieces.ok()) {
+          for (const Piece& pc : *pieces) {
+            owners.append(py::make_tuple(pc.rank, pc.param_offset, pc.length));
+          }
+        }
+      }
+      pd["owners"] = owners;  // (rank, first element, elements)
+      params.append(pd);
+    }
+    d["params"] = params;
+    py::list owned;
+    for (int64_t e : l.owned_elements()) owned.append(e);
+    d["owned_elements"] = owned;
+    return d;
+  }
+
+  py::dict Memory() const {
+    const MemoryReport m = opt_->memory();
+    py::dict d;
+    d["master_bytes"] = m.master_bytes;
+    d["state_bytes"] = m.state_bytes;
+    d["grad_bytes"] = m.grad_bytes;
+    d["param_bytes"] = m.param_bytes;
+    d["total_bytes"] = m.total();
+    return d;
+  }
+  int rank() const { return comm_->comm->rank(); }
+  std::string abort_reason() const { return agent_ ? agent_->abort_reason() : ""; }
+  int world_size() const { return comm_->comm->world_size(); }
+  ShardedOptimizer* get() { return opt_.get(); }
+
+ private:
+  std::shared_ptr<PyCommunicator> comm_;
+  std::unique_ptr<ShardedOptimizer> opt_;
+  std::unique_ptr<RankAgent> agent_;  // declared last: stopped first
+  bool step_open_ = false;
+};
+
+}  // namespace
+}  // namespace shardopt
+
+PYBIND11_MODULE(_C, m) {
+  using namespace shardopt;
+  m.doc() = "shardopt's C++ core (use the shardopt package, not this module)";
+  py::class_<PyCommunicator, std::shared_ptr<PyCommunicator>>(m, "Communicator")
+      .def_property_readonly("rank", [](const PyCommunicator& c) { return c.comm->rank(); })
+      .def_property_readonly("world_size",
+                             [](const PyCommunicator& c) { return c.comm->world_size(); });
+  m.def("make_coordinator_communicator", &MakeCoordinatorCommunicator, py::arg("rank"),
+        py::arg("world_size"), py::arg("address"), py::arg("token"), py::arg("job_id"),
+        py::arg("prefix"), py::arg("timeout_s"), py::arg("hostname"), py::arg("tls_ca"),
+        py::arg("tls_cert"), py::arg("tls_key"));
+  m.def("make_communicator", &MakeCommunicator, py::arg("rank"), py::arg("world_size"),
+        py::arg("store"), py::arg("prefix"), py::arg("timeout_s"), py::arg("hostname"));
+  py::class_<PyOptimizer>(m, "Optimizer")
+      .def(py::init<std::shared_ptr<PyCommunicator>, const std::vector<std::string>&,
+                    const std::vector<torch::Tensor>&, const std::vector<int>&, const std::string&,
+                    const std::vector<py::dict>&, double, int64_t, bool, double, int>(),
+           py::arg("comm"), py::arg("names"), py::arg("tensors"), py::arg("param_group"),
+           py::arg("kind"), py::arg("groups"), py::arg("max_grad_norm"),
+           py::arg("bucket_cap_elements"), py::arg("grad_bf16"), py::arg("timeout_s"),
+           py::arg("kernel_threads"))
+      .def("step", &PyOptimizer::Step, py::arg("loss") = py::none())
+      .def("start_agent", &PyOptimizer::StartAgent)
+      .def("has_agent", &PyOptimizer::has_agent)
+      .def("before_step", &PyOptimizer::BeforeStep)
+      .def("finish", &PyOptimizer::Finish)
+      .def("fail", &PyOptimizer::Fail)
+      .def_property_readonly("abort_reason", &PyOptimizer::abort_reason)
+      .def("zero_grad", &PyOptimizer::ZeroGrad)
+      .def("set_grad_sync", &PyOptimizer::SetGradSync)
+      .def("num_groups", &PyOptimizer::NumGroups)
+      .def("group", &PyOptimizer::Group)
+      .def("set_group", &PyOptimizer::SetGroup)
+      .def_property_readonly("step_count", &PyOptimizer::StepCount)
+      .def_property_readonly("rank", &PyOptimizer::rank)
+      .def_property_readonly("world_size", &PyOptimizer::world_size)
+      .def("save_checkpoint", &PyOptimizer::SaveCheckpoint)
+      .def("load_checkpoint", &PyOptimizer::LoadCheckpoint)
+      .def("full_state", &PyOptimizer::GetFullState)
+      .def("load_state", &PyOptimizer::LoadState)
+      .def("layout", &PyOptimizer::Layout)
+      .def("memory", &PyOptimizer::Memory);
+}

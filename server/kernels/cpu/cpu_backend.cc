@@ -1,0 +1,74 @@
+// The CPU KernelBackend: the ISA-dispatched kernels of cpu_kernels.h.
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "server/kernels/cpu/cpu_kernels.h"
+#include "server/kernels/kernel_backend.h"
+
+namespace shardopt {
+namespace {
+
+// Sum of squares in 16 independent float lanes (vectorisable without
+// -ffast-math), folded into a double every block so long slices keep their
+// precision.
+template <typename Load>
+double SumOfSquares(int64_t n, Load load) {
+  constexpr int kLanes = 16;
+  constexpr int64_t kBlock = 4096;
+  double total = 0.0;
+  for (int64_t begin = 0; begin < n; begin += kBlock) {
+    const int64_t end = std::min(n, begin + kBlock);
+    float lanes[kLanes] = {};
+    int64_t i = begin;
+    for (; i + kLanes <= end; i += kLanes) {
+      for (int j = 0; j < kLanes; ++j) {
+        const float v = load(i + j);
+        lanes[j] += v * v;
+      }
+    }
+    for (; i < end; ++i) {
+      const float v = load(i);
+      lanes[0] += v * v;
+    }
+    for (float l : lanes) total += l;
+  }
+  return total;
+}
+
+class CpuKernelBackend : public KernelBackend {
+ public:
+  explicit CpuKernelBackend(int num_threads) { options_.num_threads = num_threads; }
+  const char* name() const override { return "cpu"; }
+  bool on_device() const override { return false; }
+
+  absl::Status Update(OptimizerKind kind, const HyperParameters& hp, int64_t step,
+                      absl::Span<const UpdateSlice> slices) override {
+    if (kind == OptimizerKind::kSgd) return SgdStep(hp.sgd, step, slices, options_);
+    return AdamStep(hp.adam, step, slices, options_);
+  }
+
+  absl::StatusOr<double> SquaredNorm(absl::Span<const UpdateSlice> slices) override {
+    double sum = 0.0;
+    for (const UpdateSlice& s : slices) {
+      if (s.grad != nullptr) {
+        sum += SumOfSquares(s.size, [g = s.grad](int64_t i) { return g[i]; });
+      } else if (s.grad_bf16 != nullptr) {
+        sum += SumOfSquares(s.size, [g = s.grad_bf16](int64_t i) { return Bf16ToFloat(g[i]); });
+      } else if (s.size > 0) {
+        return absl::InvalidArgumentError("SquaredNorm: a slice has no gradient");
+      }
+    }
+    return sum;
+  }
+
+ private:
+  KernelOptions options_;
+};
+
+}  // namespace
+
+std::unique_ptr<KernelBackend> MakeCpuKernelBackend(int num_threads) {
+  return std::make_unique<CpuKernelBackend>(num_threads);
+}
+
+}  // namespace shardopt

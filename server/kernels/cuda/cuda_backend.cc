@@ -1,0 +1,72 @@
+#include "server/kernels/cuda/cuda_backend.h"
+
+#include <cuda_runtime.h>
+
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "server/kernels/cuda/cuda_kernels.h"
+
+namespace shardopt {
+namespace {
+
+cuda::DeviceSlice ToDevice(const UpdateSlice& s) {
+  cuda::DeviceSlice d;
+  d.master = s.param;
+  d.grad = s.grad != nullptr ? static_cast<const void*>(s.grad) : s.grad_bf16;
+  d.grad_type = s.grad != nullptr ? cuda::ParamType::kFloat32 : cuda::ParamType::kBFloat16;
+  d.state0 = s.state0;
+  d.state1 = s.state1;
+  d.model = s.param_bf16;
+  d.model_type = cuda::ParamType::kBFloat16;
+  d.size = s.size;
+  return d;
+}
+
+std::vector<cuda::DeviceSlice> ToDevice(absl::Span<const UpdateSlice> slices) {
+  std::vector<cuda::DeviceSlice> d;
+  d.reserve(slices.size());
+  for (const UpdateSlice& s : slices) d.push_back(ToDevice(s));
+  return d;
+}
+
+class CudaKernelBackend : public KernelBackend {
+ public:
+  const char* name() const override { return "cuda"; }
+  bool on_device() const override { return true; }
+
+  absl::StatusOr<double> SquaredNorm(absl::Span<const UpdateSlice> slices) override {
+    double* out = nullptr;
+    if (cudaError_t e = cudaMallocAsync(reinterpret_cast<void**>(&out), sizeof(double), nullptr);
+        e != cudaSuccess) {
+      return absl::InternalError(absl::StrCat("cudaMallocAsync: ", cudaGetErrorString(e)));
+    }
+    absl::Status st = cuda::SquaredNorm(ToDevice(slices), out, nullptr);
+    double host = 0.0;
+    if (st.ok()) {
+      if (cudaError_t e = cudaMemcpy(&host, out, sizeof(double), cudaMemcpyDeviceToHost);
+          e != cudaSuccess) {
+        st = absl::InternalError(absl::StrCat("cudaMemcpy: ", cudaGetErrorString(e)));
+      }
+    }
+    cudaFreeAsync(out, nullptr);
+    if (!st.ok()) return st;
+    return host;
+  }
+
+  absl::Status Update(OptimizerKind kind, const HyperParameters& hp, int64_t step,
+                      absl::Span<const UpdateSlice> slices) override {
+    if (kind == OptimizerKind::kSgd) {
+      return cuda::SgdStep(MakeSgdScalars(hp.sgd, step), ToDevice(slices), nullptr);
+    }
+    return cuda::AdamStep(MakeAdamScalars(hp.adam, step), ToDevice(slices), nullptr);
+  }
+};
+
+}  // namespace
+
+std::shared_ptr<KernelBackend> MakeCudaKernelBackend() {
+  return std::make_shared<CudaKernelBackend>();
+}
+
+}  // namespace shardopt

@@ -1,0 +1,49 @@
+// KernelBackend: where a ShardOwner's fused updates run. Chosen when the
+// owner is built (server/shard_owner.h): the CPU backend below for parameters
+// in host memory, the CUDA one (server/kernels/cuda/cuda_backend.h) for
+// parameters on a GPU. There is no global registry: a binary that never
+// names the CUDA backend carries no CUDA dependency.
+#ifndef SHARDOPT_SERVER_KERNELS_KERNEL_BACKEND_H_
+#define SHARDOPT_SERVER_KERNELS_KERNEL_BACKEND_H_
+
+#include <cstdint>
+#include <memory>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "server/kernels/optimizer_config.h"
+#include "server/kernels/update_slice.h"
+
+namespace shardopt {
+
+// The hyper-parameters of one parameter group (torch.optim's param_groups):
+// `adam` for Adam/AdamW, `sgd` for SGD.
+struct HyperParameters {
+  AdamConfig adam;
+  SgdConfig sgd;
+};
+
+class KernelBackend {
+ public:
+  virtual ~KernelBackend() = default;
+  // "cpu" or "cuda".
+  virtual const char* name() const = 0;
+  // True when slices hold device pointers.
+  virtual bool on_device() const = 0;
+  // One step numbered `step` (>= 1) of optimizer `kind` over `slices`, all
+  // with the hyper-parameters `hp`. On a device: enqueued on the current
+  // stream. Errors: invalid hyper-parameters or slices; nothing is modified.
+  virtual absl::Status Update(OptimizerKind kind, const HyperParameters& hp, int64_t step,
+                              absl::Span<const UpdateSlice> slices) = 0;
+  // Sum of squares of the gradients (`grad` or `grad_bf16`) of every slice.
+  virtual absl::StatusOr<double> SquaredNorm(absl::Span<const UpdateSlice> slices) = 0;
+};
+
+// The SIMD CPU kernels (server/kernels/cpu/cpu_kernels.h) on `num_threads`
+// threads (0 = all hardware threads).
+std::unique_ptr<KernelBackend> MakeCpuKernelBackend(int num_threads);
+
+}  // namespace shardopt
+
+#endif  // SHARDOPT_SERVER_KERNELS_KERNEL_BACKEND_H_

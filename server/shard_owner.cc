@@ -1,0 +1,306 @@
+#include "server/shard_owner.h"
+
+#include <ATen/ATen.h>
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+
+namespace shardopt {
+
+namespace {
+
+absl::Status ValidateGroup(OptimizerKind kind, const HyperParameters& hp) {
+  if (kind == OptimizerKind::kSgd) return ValidateSgdConfig(hp.sgd);
+  return ValidateAdamConfig(hp.adam);
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<ShardOwner>> ShardOwner::Create(
+    const Layout& layout, int rank, ShardOwnerOptions options, torch::Tensor param_flat,
+    torch::Tensor grad_flat, std::shared_ptr<KernelBackend> backend) {
+  if (rank < 0 || rank >= layout.world_size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rank ", rank, " outside the layout's world of ", layout.world_size()));
+  }
+  if (backend == nullptr) return absl::InvalidArgumentError("no kernel backend");
+  if (!param_flat.defined() || !grad_flat.defined()) {
+    return absl::InvalidArgumentError("flat parameter and gradient buffers are required");
+  }
+  if (param_flat.dim() != 1 || param_flat.numel() != layout.flat_size() ||
+      grad_flat.sizes() != param_flat.sizes() ||
+      grad_flat.scalar_type() != param_flat.scalar_type() ||
+      (param_flat.scalar_type() != torch::kFloat && param_flat.scalar_type() != torch::kBFloat16) ||
+      !param_flat.is_contiguous() || !grad_flat.is_contiguous()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "flat buffers must be contiguous float32 or bfloat16 vectors of ", layout.flat_size(),
+        " elements"));
+  }
+  if (backend->on_device() == param_flat.device().is_cpu()) {
+    return absl::InvalidArgumentError(absl::StrCat("the ", backend->name(),
+                                                   " kernel backend cannot update parameters on ",
+                                                   param_flat.device().str()));
+  }
+  std::unique_ptr<ShardOwner> owner(new ShardOwner(layout, rank, options.kind));
+  owner->backend_ = std::move(backend);
+  SHARDOPT_RETURN_IF_ERROR(
+      owner->Init(std::move(options), std::move(param_flat), std::move(grad_flat)));
+  return owner;
+}
+
+ShardOwner::ShardOwner(const Layout& layout, int rank, OptimizerKind kind)
+    : layout_(layout), rank_(rank), kind_(kind) {}
+
+absl::Status ShardOwner::Init(ShardOwnerOptions options, torch::Tensor param_flat,
+                              torch::Tensor grad_flat) {
+  if (options.groups.empty()) return absl::InvalidArgumentError("no parameter group");
+  const int num_params = static_cast<int>(layout_.params().size());
+  if (options.param_group.empty()) options.param_group.assign(num_params, 0);
+  if (static_cast<int>(options.param_group.size()) != num_params) {
+    return absl::InvalidArgumentError(absl::StrCat("param_group has ", options.param_group.size(),
+                                                   " entries for ", num_params, " parameters"));
+  }
+  for (int g : options.param_group) {
+    if (g < 0 || g >= static_cast<int>(options.groups.size())) {
+      return absl::InvalidArgumentError(absl::StrCat("parameter group ", g, " does not exist"));
+    }
+  }
+  for (size_t g = 0; g < options.groups.size(); ++g) {
+    HyperParameters& hp = options.groups[g];
+    hp.adam.decoupled_weight_decay = kind_ == OptimizerKind::kAdamW;
+    absl::Status s = ValidateGroup(kind_, hp);
+    if (!s.ok()) {
+      return absl::Status(s.code(), absl::StrCat("parameter group ", g, ": ", s.message()));
+    }
+    if (kind_ == OptimizerKind::kSgd &&
+        (hp.sgd.momentum != 0.0) != (options.groups[0].sgd.momentum != 0.0)) {
+      return absl::InvalidArgumentError(
+          "SGD parameter groups must all use momentum or all not use it");
+    }
+  }
+  groups_ = std::move(options.groups);
+  param_group_ = std::move(options.param_group);
+  param_flat_ = std::move(param_flat);
+  grad_flat_ = std::move(grad_flat);
+  bf16_ = param_flat_.scalar_type() == torch::kBFloat16;
+
+  const int nb = static_cast<int>(layout_.buckets().size());
+  for (const Bucket& b : layout_.buckets()) {
+    owned_offset_.push_back(owned_elements_);
+    owned_elements_ += b.capacity_per_rank;
+  }
+  // Segments: runs of consecutive pieces of one group; padding goes with the
+  // run before it (the first run starts at 0), so segments tile the range.
+  segments_.assign(nb, {});
+  for (const Piece& p : layout_.PiecesOfRank(rank_)) {
+    std::vector<Segment>& segs = segments_[p.bucket];
+    const int g = param_group_[p.param];
+    if (segs.empty()) {
+      segs.push_back(Segment{0, 0, g});
+    } else if (segs.back().group != g) {
+      segs.back().size = p.rank_offset - segs.back().begin;
+      segs.push_back(Segment{p.rank_offset, 0, g});
+    }
+  }
+  for (int b = 0; b < nb; ++b) {
+    if (segments_[b].empty()) segments_[b].push_back(Segment{0, 0, 0});
+    segments_[b].back().size =
+        layout_.buckets()[b].capacity_per_rank - segments_[b].back().begin;
+  }
+
+  at::NoGradGuard no_grad;
+  const auto f32 = torch::TensorOptions().device(param_flat_.device()).dtype(torch::kFloat);
+  const bool adam = kind_ != OptimizerKind::kSgd;
+  if (adam || groups_[0].sgd.momentum != 0.0) state0_ = torch::zeros({owned_elements_}, f32);
+  if (adam) state1_ = torch::zeros({owned_elements_}, f32);
+  if (bf16_) {
+    master_ = torch::empty({owned_elements_}, f32);
+    for (int b = 0; b < nb; ++b) MasterOf(b).copy_(OwnedRange(param_flat_, b));
+  }
+  return absl::OkStatus();
+}
+
+torch::Tensor ShardOwner::OwnedRange(const torch::Tensor& flat, int bucket) const {
+  const Bucket& bk = layout_.buckets()[bucket];
+  return flat.narrow(0, bk.flat_offset + rank_ * bk.capacity_per_rank, bk.capacity_per_rank);
+}
+
+torch::Tensor ShardOwner::MasterOf(int bucket) const {
+  if (!bf16_) return OwnedRange(param_flat_, bucket);
+  return master_.narrow(0, owned_offset_[bucket], layout_.buckets()[bucket].capacity_per_rank);
+}
+
+UpdateSlice ShardOwner::SliceOf(int bucket, int64_t begin, int64_t size) {
+  const Bucket& bk = layout_.buckets()[bucket];
+  const int64_t flat = bk.flat_offset + rank_ * bk.capacity_per_rank + begin;
+  const int64_t owned = owned_offset_[bucket] + begin;
+  UpdateSlice s;
+  s.size = size;
+  s.state0 = state0_.defined() ? state0_.data_ptr<float>() + owned : nullptr;
+  s.state1 = state1_.defined() ? state1_.data_ptr<float>() + owned : nullptr;
+  if (bf16_) {
+    s.param = master_.data_ptr<float>() + owned;
+    s.grad_bf16 = reinterpret_cast<const uint16_t*>(grad_flat_.data_ptr()) + flat;
+    s.param_bf16 = reinterpret_cast<uint16_t*>(param_flat_.data_ptr()) + flat;
+  } else {
+    s.param = param_flat_.data_ptr<float>() + flat;
+    s.grad = grad_flat_.data_ptr<float>() + flat;
+  }
+  return s;
+}
+
+std::vector<UpdateSlice> ShardOwner::WholeSlices() {
+  std::vector<UpdateSlice> slices;
+  for (const Bucket& b : layout_.buckets()) {
+    slices.push_back(SliceOf(b.index, 0, b.capacity_per_rank));
+  }
+  return slices;
+}
+
+absl::Status ShardOwner::Update(int bucket, int64_t step) {
+  if (bucket < 0 || bucket >= static_cast<int>(segments_.size())) {
+    return absl::OutOfRangeError(absl::StrCat("no bucket ", bucket));
+  }
+  if (staged_) return absl::FailedPreconditionError("cannot update while slices are staged");
+  std::vector<HyperParameters> groups;
+  {
+    absl::MutexLock lock(&mu_);
+    groups = groups_;
+  }
+  const std::vector<Segment>& segs = segments_[bucket];
+  // One multi-slice call per group present in the bucket.
+  std::vector<UpdateSlice> slices;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    slices.clear();
+    for (const Segment& s : segs) {
+      if (s.group == static_cast<int>(g) && s.size > 0) {
+        slices.push_back(SliceOf(bucket, s.begin, s.size));
+      }
+    }
+    if (slices.empty()) continue;
+    SHARDOPT_RETURN_IF_ERROR(backend_->Update(kind_, groups[g], step, slices));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<double> ShardOwner::SquaredGradNorm() {
+  return backend_->SquaredNorm(WholeSlices());
+}
+
+void ShardOwner::ScaleGradients(double coef) {
+  at::NoGradGuard no_grad;
+  for (const Bucket& b : layout_.buckets()) OwnedRange(grad_flat_, b.index).mul_(coef);
+}
+
+int ShardOwner::num_groups() const {
+  absl::MutexLock lock(&mu_);
+  return static_cast<int>(groups_.size());
+}
+
+HyperParameters ShardOwner::group(int g) const {
+  absl::MutexLock lock(&mu_);
+  return groups_.at(g);
+}
+
+absl::Status ShardOwner::SetGroup(int g, const HyperParameters& hp) {
+  absl::MutexLock lock(&mu_);
+  if (g < 0 || g >= static_cast<int>(groups_.size())) {
+    return absl::OutOfRangeError(absl::StrCat("no parameter group ", g, " (there are ",
+                                              groups_.size(), ")"));
+  }
+  HyperParameters c = hp;
+  c.adam.decoupled_weight_decay = kind_ == OptimizerKind::kAdamW;
+  c.adam.maximize = groups_[g].adam.maximize;
+  c.sgd.maximize = groups_[g].sgd.maximize;
+  SHARDOPT_RETURN_IF_ERROR(ValidateGroup(kind_, c));
+  if (kind_ == OptimizerKind::kSgd && (c.sgd.momentum != 0.0) != (groups_[g].sgd.momentum != 0.0)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "SGD momentum ", c.sgd.momentum, " cannot replace ", groups_[g].sgd.momentum,
+        ": one keeps a momentum buffer and the other does not"));
+  }
+  groups_[g] = c;
+  return absl::OkStatus();
+}
+
+void ShardOwner::SetLearningRate(double lr) {
+  absl::MutexLock lock(&mu_);
+  for (HyperParameters& hp : groups_) {
+    hp.adam.lr = lr;
+    hp.sgd.lr = lr;
+  }
+}
+
+double ShardOwner::learning_rate() const {
+  absl::MutexLock lock(&mu_);
+  return kind_ == OptimizerKind::kSgd ? groups_[0].sgd.lr : groups_[0].adam.lr;
+}
+
+std::vector<std::string> ShardOwner::state_names() const {
+  if (kind_ != OptimizerKind::kSgd) return {"exp_avg", "exp_avg_sq"};
+  if (state0_.defined()) return {"momentum_buffer"};
+  return {};
+}
+
+absl::Status ShardOwner::StageToHost() {
+  if (staged_) return absl::FailedPreconditionError("owned slices are already staged");
+  at::NoGradGuard no_grad;
+  host_master_ = torch::empty({owned_elements_}, torch::TensorOptions().dtype(torch::kFloat));
+  for (const Bucket& b : layout_.buckets()) {
+    host_master_.narrow(0, owned_offset_[b.index], b.capacity_per_rank).copy_(MasterOf(b.index));
+  }
+  // Always a copy (on the CPU too: .to(kCPU) would alias the state).
+  const auto host = torch::TensorOptions().device(torch::kCPU).dtype(torch::kFloat);
+  if (state0_.defined()) host_state0_ = state0_.to(host, /*non_blocking=*/false, /*copy=*/true);
+  if (state1_.defined()) host_state1_ = state1_.to(host, /*non_blocking=*/false, /*copy=*/true);
+  staged_ = true;
+  return absl::OkStatus();
+}
+
+absl::Status ShardOwner::EndStaging(bool copy_back) {
+  if (!staged_) return absl::FailedPreconditionError("owned slices are not staged");
+  at::NoGradGuard no_grad;
+  if (copy_back) {
+    for (const Bucket& b : layout_.buckets()) {
+      MasterOf(b.index).copy_(host_master_.narrow(0, owned_offset_[b.index], b.capacity_per_rank));
+    }
+    if (state0_.defined()) state0_.copy_(host_state0_);
+    if (state1_.defined()) state1_.copy_(host_state1_);
+  }
+  host_master_ = host_state0_ = host_state1_ = torch::Tensor();
+  staged_ = false;
+  return absl::OkStatus();
+}
+
+ShardOwner::OwnedSlice ShardOwner::owned_slice(int bucket) {
+  OwnedSlice s;
+  s.size = layout_.buckets()[bucket].capacity_per_rank;
+  const int64_t off = owned_offset_[bucket];
+  if (staged_) {
+    s.master = host_master_.data_ptr<float>() + off;
+    s.state0 = host_state0_.defined() ? host_state0_.data_ptr<float>() + off : nullptr;
+    s.state1 = host_state1_.defined() ? host_state1_.data_ptr<float>() + off : nullptr;
+    return s;
+  }
+  s.master = MasterOf(bucket).data_ptr<float>();
+  s.state0 = state0_.defined() ? state0_.data_ptr<float>() + off : nullptr;
+  s.state1 = state1_.defined() ? state1_.data_ptr<float>() + off : nullptr;
+  return s;
+}
+
+void ShardOwner::WriteModelCopy(int bucket) {
+  if (!bf16_) return;  // fp32 models are updated in place
+  at::NoGradGuard no_grad;
+  OwnedRange(param_flat_, bucket).copy_(MasterOf(bucket));
+}
+
+MemoryReport ShardOwner::memory() const {
+  auto bytes = [](const torch::Tensor& t) { return t.defined() ? t.numel() * t.element_size() : 0; };
+  MemoryReport m;
+  m.master_bytes = bytes(master_);
+  m.state_bytes = bytes(state0_) + bytes(state1_);
+  return m;
+}
+
+}  // namespace shardopt

@@ -1,0 +1,154 @@
+// ShardOwner: the owner of this rank's partition of the optimizer.
+//
+// Rank r owns range r of every bucket of the Layout (common/layout.h). For
+// those owned slices the ShardOwner holds the fp32 master copy (for bf16
+// models; fp32 models are updated in place in the flat parameter buffer),
+// the optimizer state (Adam's exp_avg/exp_avg_sq, SGD's momentum buffer),
+// the hyper-parameters of every parameter group, and applies the fused update
+// of a bucket's slice through the KernelBackend it was built with (CPU SIMD or
+// CUDA). It also stages its slices to host memory for checkpoints and reports
+// the bytes it holds. Its gRPC face is server/shard_owner_service.h.
+//
+// It owns no communication: client/sharded_optimizer.h reduce-scatters
+// gradients into the owned slices, calls Update(bucket), and all-gathers.
+//
+// Not thread-safe; the trainer's thread drives it. `owned_elements()`,
+// `memory()` and the hyper-parameter getters may be read from other threads
+// (the gRPC service) since they only read values fixed at construction or
+// guarded by an internal lock.
+#ifndef SHARDOPT_SERVER_SHARD_OWNER_H_
+#define SHARDOPT_SERVER_SHARD_OWNER_H_
+
+#include <torch/types.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "common/layout.h"
+#include "server/kernels/kernel_backend.h"
+#include "server/kernels/optimizer_config.h"
+
+namespace shardopt {
+
+// Bytes a rank holds, by role.
+struct MemoryReport {
+  int64_t master_bytes = 0;  // fp32 master copy of owned bf16 parameters
+  int64_t state_bytes = 0;   // optimizer state of owned slices
+  int64_t grad_bytes = 0;    // gradient buffers (+ comm scratch)
+  int64_t param_bytes = 0;   // flat parameter buffer
+  int64_t total() const { return master_bytes + state_bytes + grad_bytes + param_bytes; }
+};
+
+struct ShardOwnerOptions {
+  OptimizerKind kind = OptimizerKind::kAdam;
+  // One entry per parameter group (at least one). For Adam/AdamW,
+  // decoupled_weight_decay is set from `kind`.
+  std::vector<HyperParameters> groups{HyperParameters{}};
+  // Group of every parameter of the layout (by index); empty: all in group 0.
+  std::vector<int> param_group;
+};
+
+class ShardOwner {
+ public:
+  // Owns rank `rank`'s slices of `layout`'s buckets. `param_flat` and
+  // `grad_flat` are the flat, bucket-ordered buffers (model dtype, float32 or
+  // bfloat16, layout.flat_size() elements, on the backend's device); they
+  // must outlive the owner. Master copies are taken from `param_flat` now.
+  // Errors: bad hyper-parameters or groups, buffers that do not match the
+  // layout, a backend for another device.
+  static absl::StatusOr<std::unique_ptr<ShardOwner>> Create(
+      const Layout& layout, int rank, ShardOwnerOptions options, torch::Tensor param_flat,
+      torch::Tensor grad_flat, std::shared_ptr<KernelBackend> backend);
+
+  // The fused update of bucket `bucket`'s owned slice, step number `step`
+  // (>= 1): reads the reduced gradient from the owned range of grad_flat,
+  // writes parameters (the model copy too for bf16 models) and state.
+  absl::Status Update(int bucket, int64_t step);
+  // Sum of squares of the owned gradients of every bucket (this rank's part
+  // of the global gradient norm).
+  absl::StatusOr<double> SquaredGradNorm();
+  // Multiplies every owned gradient by `coef` (gradient clipping).
+  void ScaleGradients(double coef);
+  // This rank's range of bucket `bucket` in a flat buffer.
+  torch::Tensor OwnedRange(const torch::Tensor& flat, int bucket) const;
+  torch::Tensor owned_grad(int bucket) const { return OwnedRange(grad_flat_, bucket); }
+
+  // Hyper-parameters, by group. SetGroup validates; the optimizer kind, and
+  // whether SGD keeps a momentum buffer, cannot change.
+  OptimizerKind kind() const { return kind_; }
+  int num_groups() const;
+  HyperParameters group(int g) const;
+  absl::Status SetGroup(int g, const HyperParameters& hp);
+  // Sets the learning rate of every group.
+  void SetLearningRate(double lr);
+  // Group 0's learning rate.
+  double learning_rate() const;
+  const std::vector<int>& param_group() const { return param_group_; }
+
+  // For checkpoints. This rank's slice of bucket `b`: fp32 parameter values
+  // (the master copy for bf16 models) and optimizer state,
+  // capacity_per_rank elements each (state arrays null if unused). Host
+  // pointers while staged.
+  struct OwnedSlice {
+    float* master = nullptr;
+    float* state0 = nullptr;
+    float* state1 = nullptr;
+    int64_t size = 0;
+  };
+  OwnedSlice owned_slice(int bucket);
+  // Names of the state arrays as torch.optim calls them: {"exp_avg",
+  // "exp_avg_sq"} for Adam/AdamW, {"momentum_buffer"} for SGD with momentum.
+  std::vector<std::string> state_names() const;
+  // Device-resident slices: StageToHost() copies master values and state into
+  // host buffers, which owned_slice() returns until EndStaging(copy_back):
+  // true writes them back (a restore), false drops them (a save).
+  absl::Status StageToHost();
+  absl::Status EndStaging(bool copy_back);
+  // After owned slices were overwritten (a restore): rewrites the model's
+  // bf16 copy of bucket `bucket`'s owned range from the master copy.
+  void WriteModelCopy(int bucket);
+
+  // Elements this rank owns (all buckets' ranges, padding included).
+  int64_t owned_elements() const { return owned_elements_; }
+  // Master copy and optimizer state bytes (the rest is the optimizer's).
+  MemoryReport memory() const;
+  const KernelBackend& backend() const { return *backend_; }
+
+ private:
+  // A run of a bucket's owned range updated with one group's hyper-parameters.
+  struct Segment {
+    int64_t begin = 0;  // offset within the owned range
+    int64_t size = 0;
+    int group = 0;
+  };
+  ShardOwner(const Layout& layout, int rank, OptimizerKind kind);
+  absl::Status Init(ShardOwnerOptions options, torch::Tensor param_flat, torch::Tensor grad_flat);
+  UpdateSlice SliceOf(int bucket, int64_t begin, int64_t size);
+  std::vector<UpdateSlice> WholeSlices();
+  torch::Tensor MasterOf(int bucket) const;
+
+  const Layout layout_;  // a copy: immutable and small
+  const int rank_;
+  const OptimizerKind kind_;
+  std::shared_ptr<KernelBackend> backend_;
+  bool bf16_ = false;
+  torch::Tensor param_flat_, grad_flat_;
+  torch::Tensor master_;           // fp32 owned slices (bf16 models)
+  torch::Tensor state0_, state1_;  // fp32 owned slices
+  std::vector<int64_t> owned_offset_;  // per bucket: offset of its slice in master_/state
+  int64_t owned_elements_ = 0;
+  std::vector<std::vector<Segment>> segments_;  // per bucket
+  std::vector<int> param_group_;
+  mutable absl::Mutex mu_;
+  std::vector<HyperParameters> groups_ ABSL_GUARDED_BY(mu_);
+  bool staged_ = false;
+  torch::Tensor host_master_, host_state0_, host_state1_;
+};
+
+}  // namespace shardopt
+
+#endif  // SHARDOPT_SERVER_SHARD_OWNER_H_

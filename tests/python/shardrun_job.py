@@ -1,0 +1,41 @@
+"""A Python job for tests/python_shardrun_test.sh: shardopt under shardrun,
+with the script's own torch.distributed process group next to it."""
+import argparse
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import shardopt
+
+p = argparse.ArgumentParser()
+p.add_argument("--steps", type=int, default=400)
+p.add_argument("--step-sleep", type=float, default=0.05)
+a = p.parse_args()
+torch.set_num_threads(1)
+ctx = shardopt.init(timeout=30)
+# The script's own process group (metrics here) on shardrun's MASTER_PORT.
+dist.init_process_group("gloo")
+t = torch.tensor([float(ctx.rank + 1)])
+dist.all_reduce(t)
+if ctx.rank == 0:
+    print(f"torch.distributed all_reduce: {t.item():g}", flush=True)
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+opt = shardopt.ShardedOptimizer(model.named_parameters(), optimizer="adam", lr=1e-3, timeout=30)
+last_lr = opt.param_groups[0]["lr"]
+for step in range(a.steps):
+    opt.zero_grad()
+    x = torch.randn(8, 16)
+    loss = model(x).square().mean()
+    loss.backward()
+    opt.step(loss=loss)
+    lr = opt.param_groups[0]["lr"]
+    if lr != last_lr:
+        print(f"param_groups lr {lr:g} at step {step + 1}", flush=True)
+        last_lr = lr
+    time.sleep(a.step_sleep)
+opt.finish()
+print("done", flush=True)

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Python jobs under shardrun: the script's own torch.distributed group works
+# beside shardopt (MASTER_PORT is its own); shardctl layout --json lists the
+# Python job's parameters; set-lr reaches param_groups; a rank killed with
+# SIGKILL makes the job fail naming it.
+set -uo pipefail
+root=$PWD
+tmp=$(mktemp -d)
+pid=""
+trap '[[ -n $pid ]] && kill -9 $pid 2>/dev/null; rm -rf "$tmp"' EXIT
+export PYTHONPATH="$root/python"
+fail() { echo "FAIL: $*"; echo "--- job log"; cat "$tmp/job.log"; exit 1; }
+wait_for() {  # pattern, file, seconds
+  for _ in $(seq 1 $(($3 * 10))); do grep -q "$1" "$2" 2>/dev/null && return 0; sleep 0.1; done
+  return 1
+}
+ctl() { "$root/tools/shardctl" --coordinator="$(cat "$tmp/port")" "$@"; }
+
+# 1. layout, set-lr, torch.distributed beside shardopt.
+timeout 240 tools/shardrun --nproc 2 --port-file="$tmp/port" -- /usr/bin/python3 \
+  tests/python/shardrun_job.py --steps=300 >"$tmp/job.log" 2>&1 &
+pid=$!
+wait_for "torch.distributed all_reduce: 3" "$tmp/job.log" 60 || fail "the script's own process group did not work"
+for _ in $(seq 1 100); do ctl layout --json >"$tmp/layout.json" 2>/dev/null && grep -q '0.weight' "$tmp/layout.json" && break; sleep 0.2; done
+grep -q '"0.weight' "$tmp/layout.json" && grep -q '"2.weight"' "$tmp/layout.json" || fail "shardctl layout --json does not list the parameters: $(head -c 400 "$tmp/layout.json")"
+grep -q '"0.bias\|"2.bias' "$tmp/layout.json" || fail "layout misses the biases"
+echo "shardctl layout --json lists the Python job's parameters"
+ctl set-lr 0.0025 || fail "set-lr failed"
+wait_for "param_groups lr 0.0025" "$tmp/job.log" 30 || fail "set-lr did not reach param_groups"
+echo "set-lr reached param_groups: $(grep -m1 'param_groups lr' "$tmp/job.log")"
+wait $pid || fail "the job failed"
+pid=""
+grep -q "shardrun: all 2 ranks finished" "$tmp/job.log" || fail "no clean finish"
+
+# 2. kill -9 of one Python rank: the other exits, the job fails naming it.
+rm -f "$tmp/port"
+timeout 240 tools/shardrun --nproc 2 --port-file="$tmp/port" --heartbeat-timeout=3 -- \
+  /usr/bin/python3 tests/python/shardrun_job.py --steps=100000 >"$tmp/job.log" 2>&1 &
+pid=$!
+wait_for "torch.distributed all_reduce" "$tmp/job.log" 60 || fail "job did not start"
+victim=""
+for _ in $(seq 1 100); do
+  victim=$(pgrep -f "shardrun_job.py" | while read -r p; do
+    tr '\0' '\n' </proc/$p/environ 2>/dev/null | grep -qx "RANK=1" && echo "$p"; done | head -1)
+  [[ -n $victim ]] && break; sleep 0.1
+done
+[[ -n $victim ]] || fail "rank 1's process not found"
+sleep 1
+kill -9 "$victim"
+start=$(date +%s)
+wait $pid; rc=$?
+pid=""
+took=$(( $(date +%s) - start ))
+[[ $rc -ne 0 ]] || fail "shardrun exited 0 after a rank was killed"
+grep -Eq "rank 1" "$tmp/job.log" || fail "the failure does not name rank 1"
+(( took <= 60 )) || fail "the job took ${took}s to stop"
+echo "kill -9 of rank 1: job failed in ${took}s: $(grep -m1 -E 'shardrun: job failed|FAILED|rank 1' "$tmp/job.log")"
+echo "PASS"

@@ -1,0 +1,453 @@
+// shardopt_train: the main job. One rank of data-parallel training with
+// ShardedOptimizer on synthetic data, its shard-owner gRPC service next to it,
+// joined to the job's coordinator. Start it with shardrun.
+#include <ATen/Parallel.h>
+#include <signal.h>
+
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "client/checkpoint/torch_interop.h"
+#include "client/comm/flight_recorder.h"
+#include "client/comm/gloo_communicator.h"
+#include "client/coordinator_client.h"
+#include "client/models.h"
+#include "client/rank_agent.h"
+#include "client/sharded_optimizer.h"
+#include "common/malloc_tuning.h"
+#include "tools/cli/flags.h"
+
+namespace shardopt {
+namespace {
+
+constexpr char kUsage[] = R"(usage: shardopt_train [flags]
+
+One rank of a data-parallel training job with ShardedOptimizer, on synthetic
+data. Normally started by shardrun, which sets RANK, WORLD_SIZE, LOCAL_RANK and
+SHARDOPT_COORDINATOR:
+
+  shardrun --nproc 2 -- shardopt_train --model=mlp --steps=20
+
+flags (a malformed or out-of-range value is refused, naming the flag; exit status 2):
+  --model=NAME         tiny | small | mlp | resnet101 (default tiny)
+  --steps=N            optimizer steps, 1..100000000 (default 20)
+  --lr=X               learning rate: > 0 and representable as a float,
+                       1.17549e-38..3.40282e+38 (default 1e-4)
+  --optimizer=NAME     adam | adamw | sgd (SGD uses momentum 0.9; default adam)
+  --batch=N            samples per rank per step, 1..65536 (default: the model's)
+  --clip=X             clip gradients to global L2 norm X, 0..1e+30 (default 0: off)
+  --bucket-cap=N       bucket cap in elements, 1..2147483647 (default 26214400)
+  --threads=N          compute threads per rank, 1..256 (default 1)
+  --malloc=MODE        tuned | default (default tuned: see README, "allocator")
+  --coordinator=H:P    coordinator address (default $SHARDOPT_COORDINATOR)
+  --job-id=ID          job id (default $SHARDOPT_JOB_ID or "job")
+  --token-file=PATH    bearer token for the control plane (default $SHARDOPT_TOKEN_FILE)
+  --bind=HOST          address for this rank's shard-owner service and Gloo (default 127.0.0.1)
+  --tls-ca=PEM         TLS to the coordinator, verified against this CA (default $SHARDOPT_TLS_CA)
+  --tls-cert=PEM       client certificate for mutual TLS (default $SHARDOPT_TLS_CERT)
+  --tls-key=PEM        its key (default $SHARDOPT_TLS_KEY)
+  --log-every=N        progress line every N steps, 1..100000000 (default: about 10 lines per run)
+  --ckpt-dir=DIR       write sharded checkpoints under DIR (step-N/, LATEST)
+  --ckpt-every=K       ... every K steps, 0..100000000 (default 0: only at the end;
+                       needs --ckpt-dir)
+  --ckpt-keep=N        keep only the newest N checkpoints, 0..1000000 (default 0: keep all;
+                       needs --ckpt-dir)
+  --resume=PATH        resume from a checkpoint directory, a root with LATEST, a consolidated
+                       .safetensors file or a torch.save file (.pt, see shardctl import); the
+                       saved step and hyper-parameters are restored (an explicit --lr wins),
+                       at any world size; training continues at the saved step
+  --collective-timeout=S  bound on every collective wait (steps, the per-step agreement,
+                       checkpoints), seconds in [0.1, 86400] (default 120)
+  --debug-stall-rank=R, --debug-stall-step=N
+                       testing: rank R (-1..WORLD_SIZE-1) stops taking part in collectives
+                       before step N (-1..100000000) while its heartbeats go on (a stalled
+                       rank); -1: off (default)
+  --debug-nan-rank=R, --debug-nan-step=N
+                       testing: rank R takes its loss at step N for nan (same ranges)
+  --debug-slow-rank=R, --debug-slow-ms=N
+                       testing: rank R (-1..WORLD_SIZE-1) sleeps N ms (0..60000) in every
+                       step, before its forward pass (a slow rank); -1: off (default)
+  --help               this text
+
+Environment: RANK in [0, WORLD_SIZE), WORLD_SIZE in [1, 1048576] (defaults 0 and 1).
+
+A step whose global gradient norm, or whose loss on any rank, is not finite
+(nan or inf) stops every rank at that step with a message naming it, before
+anything is checkpointed; the job then exits non-zero. Lower --lr if it happens.
+
+Exit status: 0 trained, 1 the job failed, 2 a bad flag or environment variable.
+)";
+
+// Limits of the flags (see kUsage): nothing may allocate or loop absurdly.
+constexpr int64_t kMaxSteps = 100000000;
+constexpr int64_t kMaxBatch = 65536;
+constexpr int64_t kMaxThreads = 256;
+constexpr int64_t kMaxBucketCap = 2147483647;
+constexpr int64_t kMaxCkptKeep = 1000000;
+constexpr int64_t kMaxWorldSize = 1 << 20;
+constexpr double kMaxClip = 1e30;
+constexpr double kMaxTimeoutSeconds = 86400;
+
+// Set by SIGTERM/SIGINT; the rank agent's heartbeat thread turns it into an
+// abort.
+std::atomic<int> g_signal{0};
+void OnSignal(int sig) { g_signal = sig; }
+
+// A failure before the rank agent runs (which reports later ones).
+int Fail(int rank, const std::string& msg) {
+  std::fprintf(stderr, "shardopt_train[rank %d]: %s\n", rank, msg.c_str());
+  return 1;
+}
+
+// A bad flag or environment variable: one line, exit status 2.
+int UsageError(absl::string_view msg) {
+  std::fprintf(stderr, "shardopt_train: %s\n", std::string(msg).c_str());
+  return 2;
+}
+
+// A number for messages: "nan" rather than "-nan".
+std::string Num(double v) { return std::isnan(v) ? "nan" : absl::StrFormat("%g", v); }
+
+// The value of a checked flag; the first error lands in *first_error.
+template <typename T>
+T Take(absl::StatusOr<T> v, absl::Status* first_error) {
+  if (!v.ok()) {
+    if (first_error->ok()) *first_error = v.status();
+    return T();
+  }
+  return *std::move(v);
+}
+
+std::string EnvStr(const char* name, const std::string& def) {
+  const char* v = std::getenv(name);
+  return v == nullptr ? def : std::string(v);
+}
+
+
+// Every flag and environment variable, checked.
+struct Config {
+  int world = 1, rank = 0;
+  std::string model_name, kind, coordinator, job_id, bind, ckpt_dir, resume, token;
+  ClientTls tls;
+  int64_t steps = 0, batch_flag = 0, bucket_cap = 0, threads = 1, log_every = 1;
+  int64_t ckpt_every = 0, ckpt_keep = 0;
+  double lr = 0, clip = 0;
+  bool has_lr = false, has_batch = false;
+  absl::Duration collective_timeout;
+  int64_t stall_rank = -1, stall_step = -1, nan_rank = -1, nan_step = -1, slow_rank = -1, slow_ms = 0;
+  MallocMode malloc_mode;
+};
+
+// Reads every flag and variable into *c; the first bad one is returned.
+absl::Status ReadConfig(const Flags& flags, Config* c) {
+  absl::Status bad;
+  c->world = static_cast<int>(Take(EnvInt("WORLD_SIZE", 1, 1, kMaxWorldSize), &bad));
+  c->rank = static_cast<int>(Take(EnvInt("RANK", 0, 0, std::max(0, c->world - 1)), &bad));
+  c->model_name = Take(flags.Choice("model", "tiny", {"tiny", "small", "mlp", "resnet101"}), &bad);
+  c->steps = Take(flags.Int("steps", 20, 1, kMaxSteps), &bad);
+  c->lr = Take(flags.PositiveFloat("lr", 1e-4), &bad);
+  c->has_lr = flags.Has("lr");
+  c->kind = Take(flags.Choice("optimizer", "adam", {"adam", "adamw", "sgd"}), &bad);
+  c->batch_flag = Take(flags.Int("batch", 0, 1, kMaxBatch), &bad);
+  c->has_batch = flags.Has("batch");
+  c->clip = Take(flags.Double("clip", 0, 0, kMaxClip), &bad);
+  c->bucket_cap = Take(flags.Int("bucket-cap", 25 * 1024 * 1024, 1, kMaxBucketCap), &bad);
+  c->threads = Take(flags.Int("threads", 1, 1, kMaxThreads), &bad);
+  const std::string malloc_flag = Take(flags.Choice("malloc", "tuned", {"tuned", "default"}), &bad);
+  c->coordinator = Take(flags.NonEmpty("coordinator", EnvStr("SHARDOPT_COORDINATOR", "")), &bad);
+  c->job_id = Take(flags.NonEmpty("job-id", EnvStr("SHARDOPT_JOB_ID", "job")), &bad);
+  const std::string token_file = Take(flags.NonEmpty("token-file", EnvStr("SHARDOPT_TOKEN_FILE", "")), &bad);
+  c->bind = Take(flags.NonEmpty("bind", "127.0.0.1"), &bad);
+  c->tls.ca_file = Take(flags.NonEmpty("tls-ca", EnvStr("SHARDOPT_TLS_CA", "")), &bad);
+  c->tls.cert_file = Take(flags.NonEmpty("tls-cert", EnvStr("SHARDOPT_TLS_CERT", "")), &bad);
+  c->tls.key_file = Take(flags.NonEmpty("tls-key", EnvStr("SHARDOPT_TLS_KEY", "")), &bad);
+  c->log_every = Take(flags.Int("log-every", std::max<int64_t>(1, c->steps / 10), 1, kMaxSteps), &bad);
+  c->ckpt_dir = Take(flags.NonEmpty("ckpt-dir", ""), &bad);
+  c->ckpt_every = Take(flags.Int("ckpt-every", 0, 0, kMaxSteps), &bad);
+  c->ckpt_keep = Take(flags.Int("ckpt-keep", 0, 0, kMaxCkptKeep), &bad);
+  c->resume = Take(flags.NonEmpty("resume", ""), &bad);
+  c->collective_timeout = Take(flags.Seconds("collective-timeout", 120, 0.1, kMaxTimeoutSeconds), &bad);
+  c->stall_rank = Take(flags.Int("debug-stall-rank", -1, -1, c->world - 1), &bad);
+  c->stall_step = Take(flags.Int("debug-stall-step", -1, -1, kMaxSteps), &bad);
+  c->nan_rank = Take(flags.Int("debug-nan-rank", -1, -1, c->world - 1), &bad);
+  c->nan_step = Take(flags.Int("debug-nan-step", -1, -1, kMaxSteps), &bad);
+  c->slow_rank = Take(flags.Int("debug-slow-rank", -1, -1, c->world - 1), &bad);
+  c->slow_ms = Take(flags.Int("debug-slow-ms", 0, 0, 60000), &bad);
+  if (!bad.ok()) return bad;
+  if (c->ckpt_dir.empty() && (c->ckpt_every > 0 || c->ckpt_keep > 0)) {
+    return absl::InvalidArgumentError("--ckpt-every and --ckpt-keep need --ckpt-dir");
+  }
+  if (c->coordinator.empty()) {
+    return absl::InvalidArgumentError("no coordinator: run under shardrun, or pass --coordinator=HOST:PORT");
+  }
+  if (!token_file.empty()) {
+    auto t = ReadTokenFile(token_file);
+    if (!t.ok()) return t.status();
+    c->token = *t;
+  }
+  return ParseMallocMode(malloc_flag, &c->malloc_mode);
+}
+
+// Parses argv into *c. Returns -1 to go on, else the exit status (0:
+// --help; 2: a bad flag or environment variable, refused by name, never
+// replaced by its default).
+int ParseConfig(int argc, char** argv, Config* c) {
+  auto flags = Flags::Parse(argc, argv,
+                            {"model", "steps", "lr", "optimizer", "batch", "clip", "bucket-cap",
+                             "threads", "malloc", "coordinator", "job-id", "token-file", "bind",
+                             "log-every", "tls-ca", "tls-cert", "tls-key", "ckpt-dir", "ckpt-every",
+                             "resume", "ckpt-keep", "collective-timeout", "debug-stall-rank", "debug-stall-step",
+                             "debug-nan-rank", "debug-nan-step", "debug-slow-rank", "debug-slow-ms",
+                             "help"});
+  if (!flags.ok()) return UsageError(flags.status().message());
+  if (flags->Has("help")) {
+    std::printf("%s", kUsage);
+    return 0;
+  }
+  if (!flags->positional().empty() || !flags->rest().empty()) {
+    const std::string& extra =
+        flags->positional().empty() ? flags->rest().front() : flags->positional().front();
+    return UsageError(absl::StrCat("unexpected argument '", extra, "' (flags are --name=value; see --help)"));
+  }
+  if (absl::Status s = ReadConfig(*flags, c); !s.ok()) return UsageError(s.message());
+  return -1;
+}
+
+ShardedOptimizerOptions OptimizerOptions(const Config& c) {
+  ShardedOptimizerOptions opt;
+  if (c.kind == "adam") {
+    opt.kind = OptimizerKind::kAdam;
+  } else if (c.kind == "adamw") {
+    opt.kind = OptimizerKind::kAdamW;
+    opt.adam = AdamWConfig();
+  } else {
+    opt.kind = OptimizerKind::kSgd;
+    opt.sgd.momentum = 0.9;
+  }
+  opt.adam.lr = c.lr;
+  opt.sgd.lr = c.lr;
+  opt.max_grad_norm = c.clip;
+  opt.plan.bucket_cap_elements = c.bucket_cap;
+  opt.timeout = c.collective_timeout;
+  return opt;
+}
+
+RankAgentOptions AgentOptions(const Config& c, int64_t batch) {
+  RankAgentOptions a;
+  a.job_id = c.job_id;
+  a.rank = c.rank;
+  a.host = c.bind;
+  a.device = "cpu";
+  a.token = c.token;
+  a.collective_timeout = c.collective_timeout;
+  a.ckpt_dir = c.ckpt_dir;
+  a.ckpt_keep = static_cast<int>(c.ckpt_keep);
+  a.samples_per_step = batch * c.world;
+  a.stop_signal = [] { return g_signal.load(); };
+  a.log_name = "shardopt_train";
+  return a;
+}
+
+// The communicator: Gloo, rendezvous through the coordinator's key-value
+// store, every collective through the flight recorder (README, "Flight
+// recorder").
+absl::StatusOr<std::unique_ptr<Communicator>> Connect(const Config& c, CoordinatorClient* client) {
+  GrpcKeyValueStore kv(client);
+  PrefixKeyValueStore job_kv(&kv, c.job_id);
+  GlooOptions gopt;
+  gopt.hostname = c.bind;
+  gopt.timeout = c.collective_timeout;
+  auto gloo = GlooCommunicator::Create(&job_kv, c.rank, c.world, gopt);
+  if (!gloo.ok()) return gloo.status();
+  return std::unique_ptr<Communicator>(
+      std::make_unique<FlightRecordingCommunicator>(*std::move(gloo), std::make_shared<FlightRecorder>()));
+}
+
+// --resume: a checkpoint directory or root, a consolidated .safetensors file,
+// or a torch.save file (shardctl consolidate --format=torch, or PyTorch's
+// own). The saved hyper-parameters are in force then; an explicit --lr wins.
+// Returns the first step to run.
+absl::StatusOr<int64_t> Resume(const Config& c, ShardedOptimizer* o) {
+  auto m = LoadAnyCheckpoint(*o, c.resume);
+  if (!m.ok()) return m.status();
+  std::string lr_note = absl::StrFormat("lr %g as saved", m->optimizer.lr);
+  if (c.has_lr && c.lr != m->optimizer.lr) {
+    o->SetLearningRate(c.lr);
+    lr_note = absl::StrFormat("lr %g from --lr (the checkpoint saved %g)", c.lr, m->optimizer.lr);
+  }
+  if (c.rank == 0) {
+    const std::string by = m->world_size > 0 ? absl::StrCat("saved by ", m->world_size, " ranks")
+                                             : std::string("consolidated");
+    std::printf("resumed from %s (%s, %s) at step %lld, %s\n", m->path.c_str(), m->format.c_str(), by.c_str(),
+                static_cast<long long>(m->step), lr_note.c_str());
+  }
+  return m->step;
+}
+
+// Rank 0's progress line after step `step` of `steps`.
+void PrintProgress(int64_t step, int64_t steps, double loss, double grad_norm, double samples_per_s) {
+  const int width = 20;
+  const int filled = static_cast<int>(width * step / steps);
+  std::printf("[%s%s] step %lld/%lld  loss %.5f  grad-norm %.4f  %.1f samples/s/rank\n",
+              std::string(filled, '#').c_str(), std::string(width - filled, '.').c_str(),
+              static_cast<long long>(step), static_cast<long long>(steps), loss, grad_norm, samples_per_s);
+  std::fflush(stdout);
+}
+
+// The training loop: steps [first_step, c.steps). Returns -1 when every step
+// ran, else the exit status (the agent has reported the failure).
+int TrainLoop(const Config& c, TrainModel& model, int64_t batch, ShardedOptimizer* o, RankAgent* agent,
+              int64_t first_step) {
+  auto t_window = std::chrono::steady_clock::now();
+  int64_t window_steps = 0;
+  for (int64_t step = first_step; step < c.steps; ++step) {
+    if (c.rank == c.stall_rank && step == c.stall_step) {
+      // Alive but silent in collectives: heartbeats continue until aborted.
+      while (g_signal.load() == 0 && agent->abort_reason().empty()) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      }
+      return agent->Fail("stalled on purpose (--debug-stall-rank)", "");
+    }
+    agent->BeforeStep(step + 1);
+    if (c.rank == c.slow_rank && c.slow_ms > 0) {  // --debug-slow-rank: slower on purpose
+      std::this_thread::sleep_for(std::chrono::milliseconds(c.slow_ms));
+    }
+    o->ZeroGrad();
+    torch::Tensor loss;
+    try {
+      loss = model.Loss(step, c.rank * batch, (c.rank + 1) * batch);
+      loss.backward();
+    } catch (const std::exception& e) {  // c10::Error: e.g. out of memory
+      std::string what = e.what();
+      what = what.substr(0, what.find('\n'));
+      return agent->Fail(absl::StrCat("step ", step + 1, " failed in forward/backward: ", what));
+    }
+    auto r = o->Step();
+    if (!r.ok()) {
+      const std::string msg = agent->Diagnose(r.status());
+      return agent->Fail(absl::StrCat("step ", step + 1, " failed: ", msg), msg);
+    }
+    double l = loss.item<double>();
+    if (c.rank == c.nan_rank && step + 1 == c.nan_step) l = std::nan("");  // --debug-nan-rank
+    if (!std::isfinite(r->grad_norm)) {
+      // The norm is global: every rank stops here, at the same step, before
+      // anything is checkpointed.
+      return agent->Fail(absl::StrCat("non-finite gradient norm (", Num(r->grad_norm), ") at step ", step + 1,
+                                      " (loss ", Num(l), "); stopping (lower --lr)"));
+    }
+    auto agreed = agent->AfterStep(step + 1, *r, l);
+    if (!agreed.ok()) {
+      const std::string msg = agent->Diagnose(agreed.status());
+      return agent->Fail(absl::StrCat("step ", step + 1, " failed: ", msg), msg);
+    }
+    if (agreed->nonfinite_rank >= 0) {
+      return agent->Fail(!std::isfinite(l)
+                             ? absl::StrCat("non-finite loss (", Num(l), ") at step ", step + 1, "; stopping (lower --lr)")
+                             : absl::StrCat("rank ", agreed->nonfinite_rank, " had a non-finite loss at step ",
+                                            step + 1, "; stopping"));
+    }
+    ++window_steps;
+    const auto now = std::chrono::steady_clock::now();
+    const double secs = std::chrono::duration<double>(now - t_window).count();
+    double sps = 0;
+    if (secs > 0) agent->SetSamplesPerSecond(sps = window_steps * batch / secs);
+    const bool periodic = !c.ckpt_dir.empty() && c.ckpt_every > 0 && (step + 1) % c.ckpt_every == 0 && step + 1 < c.steps;
+    if (agreed->checkpoint || periodic) {
+      if (absl::Status s = agent->CheckpointDuringTraining(step + 1); !s.ok()) {
+        return agent->Fail(std::string(s.message()));
+      }
+    }
+    if ((step + 1) % c.log_every == 0 || step + 1 == c.steps) {
+      if (c.rank == 0) PrintProgress(step + 1, c.steps, l, r->grad_norm, sps);
+      t_window = now;
+      window_steps = 0;
+    }
+  }
+  return -1;
+}
+
+// After the last step: the final checkpoint, Finish, and rank 0's summary.
+int Conclude(const Config& c, ShardedOptimizer* o, RankAgent* agent, int64_t first_step, double seconds) {
+  if (!c.ckpt_dir.empty() && first_step < c.steps) {
+    CheckpointOutcome sv = agent->Checkpoint(c.steps);
+    if (!sv.status.ok()) {
+      return agent->Fail(sv.committed ? std::string(sv.status.message())
+                                      : absl::StrCat(sv.status.message(), "; the final state is not saved"));
+    }
+  }
+  agent->Finish();
+  if (c.rank == 0) {
+    MemoryReport m = o->memory();
+    std::printf("done: %lld steps in %.1f s; rank 0 holds optimizer state %.1f MiB (of %.1f MiB "
+                "for the whole model), layout %016llx\n",
+                static_cast<long long>(c.steps - first_step), seconds, m.state_bytes / 1048576.0,
+                m.param_bytes / 1048576.0 * (o->options().kind == OptimizerKind::kSgd ? 1 : 2),
+                static_cast<unsigned long long>(o->layout().hash()));
+  }
+  return 0;
+}
+
+void SetUpProcess() {
+  setvbuf(stdout, nullptr, _IOLBF, 0);  // lines reach shardrun's pipe at once
+  signal(SIGPIPE, SIG_IGN);             // a vanished launcher must not kill us mid-message
+  struct sigaction sa {};
+  sa.sa_handler = OnSignal;
+  sigaction(SIGTERM, &sa, nullptr);
+  sigaction(SIGINT, &sa, nullptr);
+}
+
+int Main(int argc, char** argv) {
+  SetUpProcess();
+  Config c;
+  if (int rc = ParseConfig(argc, argv, &c); rc >= 0) return rc;
+  if (absl::Status s = ApplyMallocMode(c.malloc_mode); !s.ok()) return Fail(c.rank, s.ToString());
+  at::set_num_threads(static_cast<int>(c.threads));
+  auto model = MakeModel(c.model_name, 42);
+  if (!model.ok()) return Fail(c.rank, std::string(model.status().message()));
+  const int64_t batch = c.has_batch ? c.batch_flag : (*model)->batch_per_rank();
+  const ShardedOptimizerOptions opt = OptimizerOptions(c);
+  if (c.rank == 0) {
+    std::printf("shardopt_train: %d ranks, model %s, %s lr %g, batch %lld/rank, %lld steps; %s\n", c.world,
+                (*model)->name().c_str(), c.kind.c_str(), c.lr, static_cast<long long>(batch),
+                static_cast<long long>(c.steps), DescribeMallocMode(c.malloc_mode).c_str());
+    std::fflush(stdout);
+  }
+  auto creds = MakeChannelCredentials(c.tls);
+  if (!creds.ok()) return Fail(c.rank, std::string(creds.status().message()));
+  CoordinatorClient client(c.coordinator, c.token, *creds);
+  auto comm = Connect(c, &client);
+  if (!comm.ok()) return Fail(c.rank, comm.status().ToString());
+  auto optimizer = ShardedOptimizer::Create((*model)->NamedParameters(), opt, comm->get());
+  if (!optimizer.ok()) {
+    (void)client.Abort(optimizer.status().ToString(), c.rank);
+    return Fail(c.rank, optimizer.status().ToString());
+  }
+  ShardedOptimizer* o = optimizer->get();
+  auto agent = RankAgent::Start(&client, o, AgentOptions(c, batch));
+  if (!agent.ok()) return Fail(c.rank, agent.status().ToString());
+  int64_t first_step = 0;
+  if (!c.resume.empty()) {
+    auto resumed = Resume(c, o);
+    if (!resumed.ok()) {
+      return (*agent)->Fail(absl::StrCat("cannot resume: ", resumed.status().ToString()), resumed.status().ToString());
+    }
+    first_step = *resumed;
+    (*agent)->Resumed(first_step);
+  }
+  const auto t_start = std::chrono::steady_clock::now();
+  if (int rc = TrainLoop(c, **model, batch, o, agent->get(), first_step); rc >= 0) return rc;
+  const double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
+  return Conclude(c, o, agent->get(), first_step, total);
+}
+
+}  // namespace
+}  // namespace shardopt
+
+int main(int argc, char** argv) { return shardopt::Main(argc, argv); }
