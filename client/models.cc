@@ -54,7 +54,12 @@ class MlpModel : public TrainModel {
     const auto dtype = holder_->parameters().front().scalar_type();
     torch::Tensor x = SyntheticRows(2 * step + 1, dims_.front(), begin, end).to(dtype);
     torch::Tensor y = SyntheticRows(2 * step + 2, dims_.back(), begin, end);
-    return torch::nn::functional::mse_loss(seq_->forward(x).to(torch::kFloat), y);
+    torch::Tensor h = x;
+    for (auto& layer : *seq_) {
+      Gate(*layer.ptr());
+      h = layer.forward(h);
+    }
+    return torch::nn::functional::mse_loss(h.to(torch::kFloat), y);
   }
 
  private:
@@ -81,6 +86,7 @@ class SmallModel : public TrainModel, public torch::nn::Module {
   torch::Tensor Loss(int64_t step, int64_t begin, int64_t end) override {
     torch::Tensor x = SyntheticRows(7 * step + 1, 16, begin, end).to(fc1_->weight.scalar_type());
     torch::Tensor y = SyntheticRows(7 * step + 2, 8, begin, end);
+    Gate(*this);  // small: every parameter at once
     torch::Tensor h = torch::relu(fc1_->forward(x)) * frozen_scale_;
     torch::Tensor out = fc2_->forward(h);
     if (step % 2 == 0) out = out + even_bias_;  // no gradient on odd steps
@@ -152,9 +158,17 @@ class ResNet101 : public TrainModel, public torch::nn::Module {
     torch::Tensor x = SyntheticRows(3 * step + 1, 3 * 32 * 32, begin, end).view({end - begin, 3, 32, 32});
     torch::Tensor labels = (SyntheticRows(3 * step + 2, 1, begin, end).view({end - begin}).abs() * 331)
                                .to(torch::kLong).remainder(1000);
+    Gate(*conv1);
+    Gate(*bn1);
     torch::Tensor h = torch::max_pool2d(torch::relu(bn1->forward(conv1->forward(x))), 3, 2, 1);
-    for (auto& layer : layers) h = layer->forward(h);
+    for (auto& layer : layers) {
+      for (auto& block : *layer) {  // one bottleneck at a time
+        Gate(*block.ptr());
+        h = block.forward(h);
+      }
+    }
     h = torch::adaptive_avg_pool2d(h, {1, 1}).flatten(1);
+    Gate(*fc);
     return torch::nn::functional::cross_entropy(fc->forward(h), labels);
   }
 

@@ -6,6 +6,7 @@
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/linear.h>
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -27,6 +28,21 @@ class TrainModel {
   // Samples in one global batch per rank of the benchmarks.
   virtual int64_t batch_per_rank() const = 0;
   std::vector<std::pair<std::string, torch::Tensor>> NamedParameters();
+  // Called with each layer just before its forward (first layers first):
+  // where a trainer waits for that layer's parameters when the optimizer's
+  // all-gathers overlap the forward, e.g.
+  //   model->set_layer_gate([&](torch::nn::Module& m) { Check(opt->WaitForParameters(m)); });
+  // A gate may throw to fail the forward.
+  using LayerGate = std::function<void(torch::nn::Module&)>;
+  void set_layer_gate(LayerGate gate) { gate_ = std::move(gate); }
+
+ protected:
+  void Gate(torch::nn::Module& layer) {
+    if (gate_) gate_(layer);
+  }
+
+ private:
+  LayerGate gate_;
 };
 
 // Creates "mlp" (Linear 1024-4096-4096-4096-1024, ReLU, MSE; 42M parameters),

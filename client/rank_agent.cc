@@ -42,26 +42,14 @@ std::string EnvStr(const char* name, const std::string& def) {
 
 v1::JoinRequest MakeJoinRequest(const Layout& layout, const RankAgentOptions& options,
                                 int shard_owner_port, double learning_rate) {
-  v1::JoinRequest join;
-  join.set_job_id(options.job_id);
-  join.set_rank(options.rank);
-  join.set_world_size(layout.world_size());
-  join.set_host(options.host);
-  join.set_shard_owner_port(shard_owner_port);
-  join.set_device(options.device);
-  join.set_layout_hash(layout.hash());
-  join.set_learning_rate(learning_rate);
-  join.mutable_plan()->set_bucket_cap_elements(layout.options().bucket_cap_elements);
-  join.mutable_plan()->set_alignment_elements(layout.options().alignment_elements);
-  join.mutable_plan()->set_allow_cut(layout.options().allow_cut);
-  for (const ParamSpec& p : layout.params()) {
-    v1::ParamInfo* pi = join.add_params();
-    pi->set_name(p.name);
-    for (int64_t d : p.shape) pi->add_shape(d);
-    pi->set_dtype(DTypeName(p.dtype));
-    pi->set_trainable(p.trainable);
-  }
-  return join;
+  JoinRequestInfo info;
+  info.job_id = options.job_id;
+  info.rank = options.rank;
+  info.host = options.host;
+  info.shard_owner_port = shard_owner_port;
+  info.device = options.device;
+  info.learning_rate = learning_rate;
+  return MakeJoinRequest(layout, info);
 }
 
 // ---------------------------------------------------------------- start, stop
@@ -184,11 +172,17 @@ std::string RankAgent::WaitForAbort(absl::Duration timeout) {
 void RankAgent::SetAbort(const std::string& reason) {
   {
     std::lock_guard<std::mutex> l(mu_);
-    if (!abort_reason_.empty()) return;
+    if (!abort_reason_.empty() || aborting_) return;
+    aborting_ = true;
+  }
+  // The communicator first: whoever sees the reason may rely on collectives
+  // failing from then on.
+  comm_->Abort(absl::AbortedError(reason));
+  {
+    std::lock_guard<std::mutex> l(mu_);
     abort_reason_ = reason;
   }
   cv_.notify_all();
-  comm_->Abort(absl::AbortedError(reason));
 }
 
 // One handler for the coordinator's notices, pushed on the session or
@@ -307,6 +301,22 @@ absl::StatusOr<AgreedStep> RankAgent::AfterStep(int64_t step, const StepResult& 
   step_now_ = step;
   loss_now_ = loss;
   return agreed;
+}
+
+absl::StatusOr<AgreedStep> RankAgent::AgreeBeforeUpdate(int64_t step, double loss) {
+  ++progress_;
+  const absl::Time agree_start = absl::Now();
+  auto agreed = Agree(step, !std::isfinite(loss));
+  if (!agreed.ok()) return agreed.status();
+  agreed->agree_seconds = absl::ToDoubleSeconds(absl::Now() - agree_start);
+  last_agree_seconds_ = agreed->agree_seconds;
+  return agreed;
+}
+
+void RankAgent::FinishStep(int64_t step, const StepResult& result, double loss) {
+  RecordStep(result, last_agree_seconds_);
+  step_now_ = step;
+  loss_now_ = loss;
 }
 
 void RankAgent::RecordStep(const StepResult& result, double agree_seconds) {

@@ -49,6 +49,7 @@
 #include "absl/time/time.h"
 #include "client/comm/flight_recorder.h"
 #include "client/coordinator_client.h"
+#include "client/join_request.h"
 #include "client/sharded_optimizer.h"
 #include "common/layout.h"
 #include "proto/shardopt.pb.h"
@@ -114,7 +115,9 @@ struct RankAgentOptions {
 };
 
 // The JoinRequest of rank options.rank for `layout` (job, world size,
-// address of its shard owner, parameters, plan options, layout hash).
+// address of its shard owner, parameters, plan options, layout hash):
+// MakeJoinRequest(layout, JoinRequestInfo) (client/join_request.h) with the
+// options' job, rank, host and device.
 v1::JoinRequest MakeJoinRequest(const Layout& layout, const RankAgentOptions& options,
                                 int shard_owner_port, double learning_rate);
 
@@ -166,6 +169,13 @@ class RankAgent {
   // step's metrics. Errors: the agreement failed (the communicator is
   // aborted; Diagnose it).
   absl::StatusOr<AgreedStep> AfterStep(int64_t step, const StepResult& result, double loss);
+  // The same agreement split around opt->Step(), for optimizers whose
+  // all-gathers overlap the next forward (overlap_param_gather): issued
+  // after backward and before Step(), the agreement's all-reduce does not
+  // queue behind the step's all-gathers. A learning-rate change then applies
+  // to this step's update. FinishStep records the step (no collective).
+  absl::StatusOr<AgreedStep> AgreeBeforeUpdate(int64_t step, double loss);
+  void FinishStep(int64_t step, const StepResult& result, double loss);
   // Throughput the heartbeats report (samples/s of this rank).
   void SetSamplesPerSecond(double samples_per_s) { sps_now_ = samples_per_s; }
 
@@ -286,6 +296,8 @@ class RankAgent {
   Wanted wanted_;
   Metrics metrics_;
   std::string abort_reason_;
+  bool aborting_ = false;
+  double last_agree_seconds_ = 0;  // caller's thread  // SetAbort in progress (the communicator is being aborted)
   bool stop_ = false;
 
   // Training thread only.

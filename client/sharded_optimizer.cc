@@ -75,13 +75,8 @@ std::string DescribeModel(const Layout& layout, const ShardedOptimizerOptions& o
   return out;
 }
 
-}  // namespace
-
-absl::StatusOr<std::unique_ptr<ShardedOptimizer>> ShardedOptimizer::Create(
-    const std::vector<std::pair<std::string, torch::Tensor>>& named_parameters,
-    const ShardedOptimizerOptions& options, Communicator* comm) {
-  if (comm == nullptr) return absl::InvalidArgumentError("no communicator");
-  ShardedOptimizerOptions opt = options;
+// Checks the options and fills in what follows from them.
+absl::Status ValidateOptions(ShardedOptimizerOptions& opt, size_t num_params) {
   if (opt.kind == OptimizerKind::kSgd) {
     SHARDOPT_RETURN_IF_ERROR(ValidateSgdConfig(opt.sgd));
   } else {
@@ -97,13 +92,23 @@ absl::StatusOr<std::unique_ptr<ShardedOptimizer>> ShardedOptimizer::Create(
   if (opt.grad_comm_type == ElementType::kByte) {
     return absl::InvalidArgumentError("gradients travel as float32 or bfloat16");
   }
-  if (named_parameters.empty()) return absl::InvalidArgumentError("the model has no parameters");
-  if (!opt.param_group.empty() && opt.param_group.size() != named_parameters.size()) {
+  if (num_params == 0) return absl::InvalidArgumentError("the model has no parameters");
+  if (!opt.param_group.empty() && opt.param_group.size() != num_params) {
     return absl::InvalidArgumentError(absl::StrCat("param_group has ", opt.param_group.size(),
-                                                   " entries for ", named_parameters.size(),
+                                                   " entries for ", num_params,
                                                    " parameters"));
   }
+  return absl::OkStatus();
+}
 
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<ShardedOptimizer>> ShardedOptimizer::Create(
+    const std::vector<std::pair<std::string, torch::Tensor>>& named_parameters,
+    const ShardedOptimizerOptions& options, Communicator* comm) {
+  if (comm == nullptr) return absl::InvalidArgumentError("no communicator");
+  ShardedOptimizerOptions opt = options;
+  SHARDOPT_RETURN_IF_ERROR(ValidateOptions(opt, named_parameters.size()));
   std::vector<ParamSpec> specs;
   torch::ScalarType dtype = torch::kFloat;
   bool have_dtype = false;
@@ -272,6 +277,14 @@ absl::Status ShardedOptimizer::Init(
     view.copy_(p);
     p.set_data(view);
     p.mutable_grad() = grad_flat_.narrow(0, off, pl.numel).view(p.sizes());
+  }
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const int b = layout_.placement(static_cast<int>(i)).bucket;
+    if (b >= 0) bucket_of_[params_[i].unsafeGetTensorImpl()] = b;
+  }
+  grad_views_.assign(params_.size(), torch::Tensor());
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (layout_.placement(static_cast<int>(i)).bucket >= 0) grad_views_[i] = params_[i].grad();
   }
   SHARDOPT_RETURN_IF_ERROR(BroadcastInitialValues());
   SHARDOPT_RETURN_IF_ERROR(CreateShardOwner());
@@ -454,6 +467,13 @@ void ShardedOptimizer::ZeroGrad() {
   {
     at::NoGradGuard no_grad;
     grad_flat_.zero_();
+    // Gradients set to None (module.zero_grad(set_to_none=True)) or
+    // replaced become views of the flat buffer again.
+    for (size_t i = 0; i < params_.size(); ++i) {
+      if (grad_views_[i].defined() && !params_[i].grad().is_same(grad_views_[i])) {
+        params_[i].mutable_grad() = grad_views_[i];
+      }
+    }
   }
   std::fill(ready_.begin(), ready_.end(), false);
   std::fill(bucket_ready_count_.begin(), bucket_ready_count_.end(), 0);
@@ -485,6 +505,14 @@ absl::Status ShardedOptimizer::BeginStep() {
   if (grads_seen_ == 0) {
     return absl::FailedPreconditionError(
         "Step() called without a backward pass since the last step (no gradient arrived)");
+  }
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (grad_views_[i].defined() && !params_[i].grad().is_same(grad_views_[i])) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "the gradient of parameter '", layout_.params()[i].name,
+          "' is no longer the optimizer's (set to None or replaced after its ZeroGrad(), e.g. by "
+          "module.zero_grad(set_to_none=True)): zero gradients with the optimizer"));
+    }
   }
   const int nb = static_cast<int>(layout_.buckets().size());
   while (next_launch_ < nb) LaunchReduceScatterLocked(next_launch_++);
@@ -533,37 +561,130 @@ absl::Status ShardedOptimizer::UpdateAndGather(int b, int64_t step, int64_t* upd
   return absl::OkStatus();
 }
 
-absl::StatusOr<double> ShardedOptimizer::GlobalNorm(double local_sq) {
+absl::Status ShardedOptimizer::LaunchGlobalNorm(double local_sq) {
   if (!device_.is_cpu()) {
     SHARDOPT_ASSIGN_OR_RETURN(local_sq, owner_->SquaredGradNorm());
   }
-  float sq = static_cast<float>(local_sq);
-  SHARDOPT_RETURN_IF_ERROR(WaitOrAbort(
-      comm_->AllReduce(&sq, 1, ElementType::kFloat32, ReduceOp::kSum), "gradient norm", -1));
-  return static_cast<double>(std::sqrt(sq));  // float, as torch's total norm
+  // A member: a collective that timed out may still write into it.
+  norm_sq_ = static_cast<float>(local_sq);
+  norm_handle_ = comm_->AllReduce(&norm_sq_, 1, ElementType::kFloat32, ReduceOp::kSum);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<double> ShardedOptimizer::FinishGlobalNorm() {
+  SHARDOPT_RETURN_IF_ERROR(WaitOrAbort(norm_handle_, "gradient norm", -1));
+  norm_handle_ = nullptr;
+  return static_cast<double>(std::sqrt(norm_sq_));  // float, as torch's total norm
+}
+
+absl::StatusOr<double> ShardedOptimizer::GlobalNorm(double local_sq) {
+  SHARDOPT_RETURN_IF_ERROR(LaunchGlobalNorm(local_sq));
+  return FinishGlobalNorm();
+}
+
+bool ShardedOptimizer::ClipGradients(double grad_norm) {
+  // torch.nn.utils.clip_grad_norm_'s arithmetic, in float32 as it does it:
+  // max_norm * reciprocal(total_norm + 1e-6), clamped to 1.
+  const float denom = static_cast<float>(grad_norm) + 1e-6f;
+  const float coef = (1.0f / denom) * static_cast<float>(options_.max_grad_norm);
+  if (coef >= 1.0f) return false;
+  owner_->ScaleGradients(coef);
+  return true;
+}
+
+// overlap_param_gather: every reduction is finished and the norm's
+// all-reduce queued before any all-gather (collectives run in order, so it
+// never waits behind them); buckets are updated and gathered first layers
+// first (buckets hold layers in reverse order); Step() returns with the
+// gathers in flight.
+absl::Status ShardedOptimizer::StepOverlapped(StepResult* result, int64_t* update_ns) {
+  const int nb = static_cast<int>(layout_.buckets().size());
+  double local_sq = 0.0;
+  for (int b = 0; b < nb; ++b) SHARDOPT_RETURN_IF_ERROR(FinishReduce(b, &local_sq));
+  SHARDOPT_RETURN_IF_ERROR(LaunchGlobalNorm(local_sq));
+  const bool clip = options_.max_grad_norm > 0.0;
+  if (clip) {
+    SHARDOPT_ASSIGN_OR_RETURN(result->grad_norm, FinishGlobalNorm());
+    result->clipped = ClipGradients(result->grad_norm);
+  }
+  for (int b = nb - 1; b >= 0; --b) {
+    SHARDOPT_RETURN_IF_ERROR(UpdateAndGather(b, result->step, update_ns));
+  }
+  if (!clip) {
+    SHARDOPT_ASSIGN_OR_RETURN(result->grad_norm, FinishGlobalNorm());
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ShardedOptimizer::WaitForBucket(int b) {
+  if (b < 0 || b >= static_cast<int>(ag_handles_.size())) {
+    return absl::OutOfRangeError(absl::StrCat("no bucket ", b));
+  }
+  if (ag_handles_[b] == nullptr) return absl::OkStatus();
+  const int64_t before = wait_ns_;
+  absl::Status s = WaitOrAbort(ag_handles_[b], "all-gather", b);
+  gather_wait_ns_ += wait_ns_ - before;
+  ag_handles_[b] = nullptr;
+  SHARDOPT_RETURN_IF_ERROR(s);
+  absl::MutexLock lock(&hook_state_->mu);
+  Trace(TraceEvent::kAllGatherDone, b, -1);
+  return absl::OkStatus();
+}
+
+absl::Status ShardedOptimizer::WaitForParameters() {
+  for (int b = static_cast<int>(ag_handles_.size()) - 1; b >= 0; --b) {
+    SHARDOPT_RETURN_IF_ERROR(WaitForBucket(b));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ShardedOptimizer::WaitForParameters(const std::vector<torch::Tensor>& params) {
+  for (const torch::Tensor& p : params) {
+    auto it = bucket_of_.find(p.unsafeGetTensorImpl());
+    if (it != bucket_of_.end()) SHARDOPT_RETURN_IF_ERROR(WaitForBucket(it->second));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ShardedOptimizer::WaitForParameters(const torch::nn::Module& module) {
+  return WaitForParameters(module.parameters(/*recurse=*/true));
+}
+
+std::vector<int> ShardedOptimizer::BucketsOf(const std::vector<torch::Tensor>& params) const {
+  std::vector<int> out;
+  for (const torch::Tensor& p : params) {
+    auto it = bucket_of_.find(p.unsafeGetTensorImpl());
+    if (it != bucket_of_.end() &&
+        std::find(out.begin(), out.end(), it->second) == out.end()) {
+      out.push_back(it->second);
+    }
+  }
+  return out;
 }
 
 absl::StatusOr<StepResult> ShardedOptimizer::Step() {
   at::NoGradGuard no_grad;
+  wait_ns_ = 0;
+  // The previous step's gathers (overlap_param_gather) end before this
+  // step's updates write the same buffer.
+  SHARDOPT_RETURN_IF_ERROR(WaitForParameters());
   SHARDOPT_RETURN_IF_ERROR(BeginStep());
   const int nb = static_cast<int>(layout_.buckets().size());
   StepResult result;
   result.step = step_ + 1;
-  wait_ns_ = 0;
+  // Gathers waited for since the last step (forward pre-hooks) are exposed
+  // communication of this step.
+  wait_ns_ = gather_wait_ns_;
+  gather_wait_ns_ = 0;
   int64_t update_ns = 0;
   double local_sq = 0.0;
-  if (options_.max_grad_norm > 0.0) {
+  if (options_.overlap_param_gather) {
+    SHARDOPT_RETURN_IF_ERROR(StepOverlapped(&result, &update_ns));
+  } else if (options_.max_grad_norm > 0.0) {
     // Clipping needs the global norm before any update.
     for (int b = 0; b < nb; ++b) SHARDOPT_RETURN_IF_ERROR(FinishReduce(b, &local_sq));
     SHARDOPT_ASSIGN_OR_RETURN(result.grad_norm, GlobalNorm(local_sq));
-    // torch.nn.utils.clip_grad_norm_'s arithmetic, in float32 as it does
-    // it: max_norm * reciprocal(total_norm + 1e-6), clamped to 1.
-    const float denom = static_cast<float>(result.grad_norm) + 1e-6f;
-    const float coef = (1.0f / denom) * static_cast<float>(options_.max_grad_norm);
-    if (coef < 1.0f) {
-      result.clipped = true;
-      owner_->ScaleGradients(coef);
-    }
+    result.clipped = ClipGradients(result.grad_norm);
     for (int b = 0; b < nb; ++b) {
       SHARDOPT_RETURN_IF_ERROR(UpdateAndGather(b, result.step, &update_ns));
     }
@@ -574,11 +695,9 @@ absl::StatusOr<StepResult> ShardedOptimizer::Step() {
     }
     SHARDOPT_ASSIGN_OR_RETURN(result.grad_norm, GlobalNorm(local_sq));
   }
-  for (int b = 0; b < nb; ++b) {
-    SHARDOPT_RETURN_IF_ERROR(WaitOrAbort(ag_handles_[b], "all-gather", b));
-    ag_handles_[b] = nullptr;
-    absl::MutexLock lock(&hook_state_->mu);
-    Trace(TraceEvent::kAllGatherDone, b, -1);
+  if (!options_.overlap_param_gather) {
+    for (int b = 0; b < nb; ++b) SHARDOPT_RETURN_IF_ERROR(WaitForBucket(b));
+    gather_wait_ns_ = 0;  // counted in wait_ns_ already
   }
   result.comm_wait_seconds = wait_ns_ * 1e-9;
   result.update_seconds = update_ns * 1e-9;
@@ -600,6 +719,7 @@ void ShardedOptimizer::EndStep(int64_t step) {
 
 absl::Status ShardedOptimizer::FinishRestore(int64_t step) {
   at::NoGradGuard no_grad;
+  SHARDOPT_RETURN_IF_ERROR(WaitForParameters());
   const ElementType ptype = ElementTypeOf(dtype_);
   const int elem = ElementSize(ptype);
   char* pbase = static_cast<char*>(param_flat_.data_ptr());

@@ -17,7 +17,10 @@
 #ifndef SHARDOPT_CLIENT_SHARDED_OPTIMIZER_H_
 #define SHARDOPT_CLIENT_SHARDED_OPTIMIZER_H_
 
+#include <torch/nn/module.h>
 #include <torch/types.h>
+
+#include <unordered_map>
 
 #include <functional>
 #include <memory>
@@ -70,6 +73,13 @@ struct ShardedOptimizerOptions {
   int kernel_threads = 1;
   // Record TraceEvents (cheap; for tests and diagnosis).
   bool trace = false;
+  // true: Step() launches the updates and all-gathers (first layers first)
+  // and returns without waiting for the gathers, so they overlap the next
+  // forward. The caller must then wait for a layer's parameters before it
+  // reads them: WaitForParameters(module) (or of some tensors) before each
+  // layer's forward, as Python's forward pre-hooks do. Checkpoints, restores,
+  // the next Step() and the full-state gather wait by themselves.
+  bool overlap_param_gather = false;
 };
 
 struct StepResult {
@@ -140,6 +150,17 @@ class ShardedOptimizer {
 
   int64_t step_count() const { return step_; }
 
+  // With overlap_param_gather: waits until the parameters of bucket
+  // `bucket` / of these tensors / of this module (recursively) / of every
+  // bucket have been all-gathered. Cheap when they have. Errors: the
+  // all-gather failed (the communicator is aborted then).
+  absl::Status WaitForBucket(int bucket);
+  absl::Status WaitForParameters(const std::vector<torch::Tensor>& params);
+  absl::Status WaitForParameters(const torch::nn::Module& module);
+  absl::Status WaitForParameters();
+  // Buckets holding these parameters (frozen ones have none).
+  std::vector<int> BucketsOf(const std::vector<torch::Tensor>& params) const;
+
   // This rank's partition: owned slices, optimizer state, hyper-parameters.
   ShardOwner& shard_owner() { return *owner_; }
   const ShardOwner& shard_owner() const { return *owner_; }
@@ -180,6 +201,10 @@ class ShardedOptimizer {
   absl::Status FinishReduce(int bucket, double* local_sq);
   absl::Status UpdateAndGather(int bucket, int64_t step, int64_t* update_ns);
   absl::StatusOr<double> GlobalNorm(double local_sq);
+  absl::Status LaunchGlobalNorm(double local_sq);
+  absl::StatusOr<double> FinishGlobalNorm();
+  bool ClipGradients(double grad_norm);
+  absl::Status StepOverlapped(StepResult* result, int64_t* update_ns);
   void EndStep(int64_t step);
 
   ShardedOptimizerOptions options_;
@@ -196,6 +221,7 @@ class ShardedOptimizer {
   std::unique_ptr<ShardOwner> owner_;
 
   std::vector<torch::Tensor> params_;  // the model's parameters (views)
+  std::vector<torch::Tensor> grad_views_;  // their gradients: views of grad_flat_
   std::vector<std::shared_ptr<torch::autograd::Node>> grad_accumulators_;
   std::shared_ptr<HookState> hook_state_;
 
@@ -205,6 +231,10 @@ class ShardedOptimizer {
   std::vector<int> bucket_size_;
   std::vector<CommHandlePtr> rs_handles_;
   std::vector<CommHandlePtr> ag_handles_;  // training thread only
+  std::unordered_map<const void*, int> bucket_of_;  // parameter (TensorImpl) -> bucket
+  CommHandlePtr norm_handle_;
+  float norm_sq_ = 0.0f;
+  int64_t gather_wait_ns_ = 0;  // gathers waited for outside Step()
   int next_launch_ = 0;
   int64_t grads_seen_ = 0;
   bool sync_ = true;

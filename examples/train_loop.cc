@@ -4,10 +4,14 @@
 //
 //   shardrun --nproc 2 -- bazel-bin/examples/train_loop --steps=30 --ckpt-dir=/tmp/ckpt
 //
-// Run it again with more steps and it resumes from the latest checkpoint (at
-// any world size). --device=cuda puts the model on GPU LOCAL_RANK and uses NCCL
-// (needs a CUDA build of LibTorch; nothing else changes). tools/cli/shardopt_train.cc
-// is the full trainer: heartbeats, layout queries, coordinated checkpoints.
+// Each rank joins the job through a RankAgent (client/rank_agent.h), as
+// tools/cli/shardopt_train.cc does: it serves the rank's shard owner to
+// shardctl, heartbeats, applies `shardctl set-lr` and `shardctl checkpoint`
+// at the same step on every rank, and names the rank at fault when a
+// collective fails. Run it again with more steps and it resumes from the
+// latest checkpoint (at any world size). --device=cuda puts the model on GPU
+// LOCAL_RANK and uses NCCL (needs a CUDA build of LibTorch; nothing else
+// changes).
 #include <torch/torch.h>
 
 #include <cstdio>
@@ -15,10 +19,12 @@
 #include <memory>
 #include <string>
 
+#include "absl/strings/str_cat.h"
 #include "client/checkpoint/checkpoint.h"
-#include "client/coordinator_client.h"
 #include "client/comm/gloo_communicator.h"
 #include "client/comm/nccl_communicator.h"
+#include "client/coordinator_client.h"
+#include "client/rank_agent.h"
 #include "client/sharded_optimizer.h"
 #include "server/kernels/cuda/cuda_backend.h"
 
@@ -37,6 +43,7 @@ std::string Flag(int argc, char** argv, const std::string& name, const std::stri
   return def;
 }
 
+// A failure before the rank agent runs (which reports later ones).
 int Fail(int rank, const std::string& what, const absl::Status& s) {
   std::fprintf(stderr, "rank %d: %s: %s\n", rank, what.c_str(), s.ToString().c_str());
   return 1;
@@ -64,6 +71,7 @@ int main(int argc, char** argv) {
   }
   const int rank = std::atoi(Env("RANK", "0").c_str());
   const int world = std::atoi(Env("WORLD_SIZE", "1").c_str());
+  const std::string job_id = Env("SHARDOPT_JOB_ID", "job");
   const int steps = std::atoi(Flag(argc, argv, "steps", "30").c_str());
   const int every = std::atoi(Flag(argc, argv, "ckpt-every", "10").c_str());
   const std::string ckpt_dir = Flag(argc, argv, "ckpt-dir", "");
@@ -82,7 +90,7 @@ int main(int argc, char** argv) {
   // 1. Rendezvous through the coordinator that shardrun started.
   CoordinatorClient client(Env("SHARDOPT_COORDINATOR", "127.0.0.1:0"), /*token=*/"");
   GrpcKeyValueStore kv(&client);
-  PrefixKeyValueStore job_kv(&kv, Env("SHARDOPT_JOB_ID", "job"));
+  PrefixKeyValueStore job_kv(&kv, job_id);
 
   // 2. The model: any torch::nn module; every rank builds the same one.
   torch::manual_seed(0);
@@ -113,39 +121,60 @@ int main(int argc, char** argv) {
   options.max_grad_norm = 1.0;
   // GPU parameters are updated by the CUDA kernels (CPU ones by the SIMD kernels).
   if (device.is_cuda()) options.kernel_backend = MakeCudaKernelBackend();
-  auto opt = ShardedOptimizer::Create(params, options, comm.get());
-  if (!opt.ok()) return Fail(rank, "optimizer", opt.status());
+  auto optimizer = ShardedOptimizer::Create(params, options, comm.get());
+  if (!optimizer.ok()) return Fail(rank, "optimizer", optimizer.status());
+  ShardedOptimizer* opt = optimizer->get();
 
-  // 5. Resume from the latest checkpoint, if there is one.
+  // 5. Join the job: the agent serves this rank's shard owner, joins (every
+  // rank must agree on the layout) and heartbeats until Finish or Fail.
+  RankAgentOptions agent_options;
+  agent_options.job_id = job_id;
+  agent_options.rank = rank;
+  agent_options.device = device.is_cuda() ? absl::StrCat("cuda:", device.index()) : "cpu";
+  agent_options.ckpt_dir = ckpt_dir;  // where `shardctl checkpoint` saves
+  agent_options.log_name = "train_loop";
+  auto started = RankAgent::Start(&client, opt, agent_options);
+  if (!started.ok()) return Fail(rank, "join", started.status());
+  RankAgent* agent = started->get();
+
+  // 6. Resume from the latest checkpoint, if there is one.
   if (!ckpt_dir.empty() && ResolveCheckpoint(PosixFileSystem(), ckpt_dir).ok()) {
-    auto m = LoadCheckpoint(**opt, ckpt_dir);
-    if (!m.ok()) return Fail(rank, "resume", m.status());
-    if (rank == 0) std::printf("resumed from step %lld\n", static_cast<long long>((*opt)->step_count()));
+    auto m = LoadCheckpoint(*opt, ckpt_dir);
+    if (!m.ok()) return agent->Fail("resume: " + m.status().ToString());
+    agent->Resumed(opt->step_count());
+    if (rank == 0) std::printf("resumed from step %lld\n", static_cast<long long>(opt->step_count()));
   }
 
-  // 6. Train: backward starts the bucket reduce-scatters; Step() updates this
-  // rank's shard and all-gathers the parameters.
-  for (int64_t step = (*opt)->step_count() + 1; step <= steps; ++step) {
+  // 7. Train: backward starts the bucket reduce-scatters; Step() updates this
+  // rank's shard and all-gathers the parameters; AfterStep agrees with every
+  // rank on what to do at this step (a new learning rate, a checkpoint, stop).
+  for (int64_t step = opt->step_count() + 1; step <= steps; ++step) {
+    agent->BeforeStep(step);
     torch::manual_seed(1000 * step + rank);  // this rank's share of the batch
     torch::Tensor x = torch::randn({64, 128}, device);
     torch::Tensor y = x.narrow(1, 0, 10) * 0.5;
-    (*opt)->ZeroGrad();
+    opt->ZeroGrad();
     torch::Tensor loss = torch::mse_loss(net->forward(x), y);
     loss.backward();
-    auto r = (*opt)->Step();
-    if (!r.ok()) return Fail(rank, "step", r.status());
+    auto r = opt->Step();
+    if (!r.ok()) return agent->Fail(agent->Diagnose(r.status()));  // names the rank at fault
+    auto agreed = agent->AfterStep(step, *r, loss.item<double>());
+    if (!agreed.ok()) return agent->Fail(agent->Diagnose(agreed.status()));
+    if (agreed->nonfinite_rank >= 0) {
+      return agent->Fail(absl::StrCat("rank ", agreed->nonfinite_rank, " had a non-finite loss at step ", step));
+    }
     if (rank == 0 && (step % 10 == 0 || step == steps)) {
       std::printf("step %lld loss %.5f grad-norm %.4f\n", static_cast<long long>(step),
                   loss.item<double>(), r->grad_norm);
       std::fflush(stdout);
     }
-    if (!ckpt_dir.empty() && every > 0 && step % every == 0) {
-      auto dir = SaveCheckpoint(**opt, ckpt_dir);  // collective; rank 0 commits
-      if (!dir.ok()) return Fail(rank, "checkpoint", dir.status());
-      if (rank == 0) std::printf("checkpoint %s\n", dir->c_str());
+    if (agreed->checkpoint || (!ckpt_dir.empty() && every > 0 && step % every == 0)) {
+      // Collective; sharded; rank 0 commits. A failed save that leaves the
+      // ranks able to go on is printed and training continues.
+      if (absl::Status s = agent->CheckpointDuringTraining(step); !s.ok()) return agent->Fail(std::string(s.message()));
     }
   }
-  const MemoryReport mem = (*opt)->memory();
+  const MemoryReport mem = opt->memory();
   std::printf("rank %d: done; optimizer state on this rank %.2f MiB\n", rank, mem.state_bytes / 1048576.0);
-  return 0;
+  return agent->Finish();
 }

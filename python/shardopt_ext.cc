@@ -8,7 +8,9 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cmath>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -26,6 +28,9 @@
 #include "client/checkpoint/full_state.h"
 #include "client/sharded_optimizer.h"
 #include "common/file_system.h"
+#ifdef SHARDOPT_WITH_CUDA
+#include "server/kernels/cuda/cuda_backend.h"
+#endif
 
 namespace py = pybind11;
 
@@ -200,7 +205,8 @@ class PyOptimizer {
   PyOptimizer(std::shared_ptr<PyCommunicator> comm, const std::vector<std::string>& names,
               const std::vector<torch::Tensor>& tensors, const std::vector<int>& param_group,
               const std::string& kind, const std::vector<py::dict>& groups, double max_grad_norm,
-              int64_t bucket_cap_elements, bool grad_bf16, double timeout_s, int kernel_threads)
+              int64_t bucket_cap_elements, bool grad_bf16, double timeout_s, int kernel_threads,
+              bool overlap_param_gather)
       : comm_(std::move(comm)) {
     if (names.size() != tensors.size()) throw py::value_error("names and tensors differ in length");
     ShardedOptimizerOptions o;
@@ -219,6 +225,10 @@ class PyOptimizer {
     if (!(timeout_s > 0)) throw py::value_error("timeout must be > 0 seconds");
     o.timeout = absl::Seconds(timeout_s);
     o.kernel_threads = kernel_threads;
+    o.overlap_param_gather = overlap_param_gather;
+#ifdef SHARDOPT_WITH_CUDA
+    if (!tensors.empty() && tensors.front().is_cuda()) o.kernel_backend = MakeCudaKernelBackend();
+#endif
     std::vector<std::pair<std::string, torch::Tensor>> named;
     for (size_t i = 0; i < names.size(); ++i) named.emplace_back(names[i], tensors[i]);
     absl::StatusOr<std::unique_ptr<ShardedOptimizer>> opt;
@@ -254,6 +264,10 @@ class PyOptimizer {
     agent_ = Take(std::move(a));
   }
   bool has_agent() const { return agent_ != nullptr; }
+  std::string DiagnoseReleased(const absl::Status& s) {
+    py::gil_scoped_release release;
+    return agent_->Diagnose(s);
+  }
   void BeforeStep() {
     if (agent_ && !step_open_) {
       agent_->BeforeStep(opt_->step_count() + 1);
@@ -286,6 +300,28 @@ class PyOptimizer {
   py::dict Step(py::object loss) {
     BeforeStep();
     step_open_ = false;
+    const double l = loss.is_none() ? 0.0 : loss.cast<double>();
+    const int64_t step = opt_->step_count() + 1;
+    py::dict d;
+    std::optional<AgreedStep> agreed;
+    if (agent_) {
+      // Agreed before the update: the all-reduce does not wait behind this
+      // step's all-gathers, and a learning-rate change applies to this step.
+      absl::StatusOr<AgreedStep> a;
+      {
+        py::gil_scoped_release release;
+        a = agent_->AgreeBeforeUpdate(step, l);
+      }
+      if (!a.ok()) FailWith(absl::StrCat("step ", step, " failed: ", DiagnoseReleased(a.status())));
+      agreed = *a;
+      if (agreed->nonfinite_rank >= 0) {
+        FailWith(std::isfinite(l) ? absl::StrCat("rank ", agreed->nonfinite_rank,
+                                                 " had a non-finite loss at step ", step, "; stopping")
+                                  : absl::StrCat("non-finite loss (", l, ") at step ", step,
+                                                 "; stopping"));
+      }
+      if (agreed->new_lr) d["new_lr"] = *agreed->new_lr;
+    }
     absl::StatusOr<StepResult> r;
     {
       py::gil_scoped_release release;
@@ -293,34 +329,10 @@ class PyOptimizer {
     }
     if (!r.ok()) {
       if (!agent_) Raise(r.status());
-      std::string why;
-      {
-        py::gil_scoped_release release;
-        why = agent_->Diagnose(r.status());
-      }
-      FailWith(absl::StrCat("step ", opt_->step_count() + 1, " failed: ", why));
+      FailWith(absl::StrCat("step ", step, " failed: ", DiagnoseReleased(r.status())));
     }
-    py::dict d;
     if (agent_) {
-      const double l = loss.is_none() ? 0.0 : loss.cast<double>();
-      absl::StatusOr<AgreedStep> agreed;
-      {
-        py::gil_scoped_release release;
-        agreed = agent_->AfterStep(r->step, *r, l);
-      }
-      if (!agreed.ok()) {
-        std::string why;
-        {
-          py::gil_scoped_release release;
-          why = agent_->Diagnose(agreed.status());
-        }
-        FailWith(absl::StrCat("step ", r->step, " failed: ", why));
-      }
-      if (agreed->nonfinite_rank >= 0) {
-        FailWith(absl::StrCat("rank ", agreed->nonfinite_rank, " had a non-finite loss at step ",
-                              r->step, "; stopping"));
-      }
-      if (agreed->new_lr) d["new_lr"] = *agreed->new_lr;
+      agent_->FinishStep(r->step, *r, l);
       if (agreed->checkpoint) {
         absl::Status s;
         {
@@ -336,6 +348,29 @@ class PyOptimizer {
     d["comm_wait_seconds"] = r->comm_wait_seconds;
     d["update_seconds"] = r->update_seconds;
     return d;
+  }
+
+  void WaitBuckets(const std::vector<int>& buckets) {
+    absl::Status s;
+    {
+      py::gil_scoped_release release;
+      for (int b : buckets) {
+        s = opt_->WaitForBucket(b);
+        if (!s.ok()) break;
+      }
+    }
+    Check(s);
+  }
+  void WaitAll() {
+    absl::Status s;
+    {
+      py::gil_scoped_release release;
+      s = opt_->WaitForParameters();
+    }
+    Check(s);
+  }
+  std::vector<int> BucketsOf(const std::vector<torch::Tensor>& params) const {
+    return opt_->BucketsOf(params);
   }
 
   void ZeroGrad() {
@@ -473,6 +508,11 @@ class PyOptimizer {
 PYBIND11_MODULE(_C, m) {
   using namespace shardopt;
   m.doc() = "shardopt's C++ core (use the shardopt package, not this module)";
+#ifdef SHARDOPT_WITH_CUDA
+  m.attr("has_cuda") = true;
+#else
+  m.attr("has_cuda") = false;  // the Bazel build: Debian's torch has no CUDA
+#endif
   py::class_<PyCommunicator, std::shared_ptr<PyCommunicator>>(m, "Communicator")
       .def_property_readonly("rank", [](const PyCommunicator& c) { return c.comm->rank(); })
       .def_property_readonly("world_size",
@@ -486,11 +526,14 @@ PYBIND11_MODULE(_C, m) {
   py::class_<PyOptimizer>(m, "Optimizer")
       .def(py::init<std::shared_ptr<PyCommunicator>, const std::vector<std::string>&,
                     const std::vector<torch::Tensor>&, const std::vector<int>&, const std::string&,
-                    const std::vector<py::dict>&, double, int64_t, bool, double, int>(),
+                    const std::vector<py::dict>&, double, int64_t, bool, double, int, bool>(),
            py::arg("comm"), py::arg("names"), py::arg("tensors"), py::arg("param_group"),
            py::arg("kind"), py::arg("groups"), py::arg("max_grad_norm"),
            py::arg("bucket_cap_elements"), py::arg("grad_bf16"), py::arg("timeout_s"),
-           py::arg("kernel_threads"))
+           py::arg("kernel_threads"), py::arg("overlap_param_gather"))
+      .def("wait_buckets", &PyOptimizer::WaitBuckets)
+      .def("wait_all", &PyOptimizer::WaitAll)
+      .def("buckets_of", &PyOptimizer::BucketsOf)
       .def("step", &PyOptimizer::Step, py::arg("loss") = py::none())
       .def("start_agent", &PyOptimizer::StartAgent)
       .def("has_agent", &PyOptimizer::has_agent)

@@ -195,8 +195,8 @@ class CoordinatorService::SessionReactor
   grpc::Status final_status_ ABSL_GUARDED_BY(mu_);
 };
 
-grpc::ServerBidiReactor<v1::HeartbeatRequest, v1::HeartbeatResponse>* CoordinatorService::Session(
-    grpc::CallbackServerContext* ctx) {
+grpc::ServerBidiReactor<v1::HeartbeatRequest, v1::HeartbeatResponse>*
+CoordinatorService::Session(grpc::CallbackServerContext* ctx) {
   return new SessionReactor(this, CheckToken(ctx, token_));  // refused after shutdown
 }
 

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 #include <set>
 #include <utility>
 
@@ -129,200 +130,244 @@ struct Ring {
   }
 };
 
-}  // namespace
+// The records FirstDivergence reads, by rank.
+struct Rings {
+  std::map<int, Ring> by_rank;        // the ranks that sent a ring
+  std::map<int, std::string> errors;  // the ranks that sent an error instead
+  std::vector<int> missing;           // the ranks without a ring
+  double ref = 0;                     // the latest time any record mentions
+};
 
-std::string FirstDivergence(const std::vector<v1::FlightRecord>& records, int world_size,
-                            const std::map<int, std::string>& notes) {
-  std::map<int, Ring> rings;
-  std::map<int, std::string> errors;
-  double ref = 0;
+Rings LoadRings(const std::vector<v1::FlightRecord>& records, int world_size) {
+  Rings rings;
   for (const v1::FlightRecord& r : records) {
     if (r.rank() < 0 || r.rank() >= world_size) continue;
     if (!r.error().empty()) {
-      errors[r.rank()] = r.error();
+      rings.errors[r.rank()] = r.error();
       continue;
     }
-    Ring& ring = rings[r.rank()];
+    Ring& ring = rings.by_rank[r.rank()];
     ring.rank = r.rank();
     ring.recs.clear();
     for (const v1::CollectiveRecord& c : r.records()) {
       ring.recs.push_back(&c);
-      ref = std::max({ref, c.start_unix(), c.end_unix()});
+      rings.ref = std::max({rings.ref, c.start_unix(), c.end_unix()});
     }
     std::sort(ring.recs.begin(), ring.recs.end(),
-              [](const v1::CollectiveRecord* a, const v1::CollectiveRecord* b) { return a->seq() < b->seq(); });
-    ref = std::max(ref, r.captured_unix());
+              [](const v1::CollectiveRecord* a, const v1::CollectiveRecord* b) {
+                return a->seq() < b->seq();
+              });
+    rings.ref = std::max(rings.ref, r.captured_unix());
   }
-  std::vector<int> missing;
   for (int r = 0; r < world_size; ++r) {
-    if (!rings.count(r)) missing.push_back(r);
+    if (!rings.by_rank.count(r)) rings.missing.push_back(r);
   }
-  // "rank 1 sent no record (dead?)", one phrase per rank with a note or an
-  // error, the others together.
-  auto missing_part = [&]() {
-    std::vector<std::string> parts;
-    std::vector<int> plain;
-    for (int r : missing) {
-      auto n = notes.find(r);
-      auto e = errors.find(r);
-      std::string detail;
-      if (n != notes.end() && !n->second.empty()) detail = n->second;
-      if (e != errors.end() && e->second != detail) {
-        std::string err = e->second.substr(0, 160);
-        detail = detail.empty() ? err : absl::StrCat(detail, "; ", err);
-      }
-      if (detail.empty() || missing.size() > 8) {
-        plain.push_back(r);
-      } else {
-        parts.push_back(absl::StrCat(Ranks({r}), " sent no record (dead? ", detail, ")"));
-      }
+  return rings;
+}
+
+// "rank 1 sent no record (dead?)", one phrase per rank with a note or an
+// error, the others together.
+std::string MissingPart(const Rings& rings, const std::map<int, std::string>& notes) {
+  const std::vector<int>& missing = rings.missing;
+  std::vector<std::string> parts;
+  std::vector<int> plain;
+  for (int r : missing) {
+    auto n = notes.find(r);
+    auto e = rings.errors.find(r);
+    std::string detail;
+    if (n != notes.end() && !n->second.empty()) detail = n->second;
+    if (e != rings.errors.end() && e->second != detail) {
+      std::string err = e->second.substr(0, 160);
+      detail = detail.empty() ? err : absl::StrCat(detail, "; ", err);
     }
-    if (!plain.empty()) {
-      parts.insert(parts.begin(),
-                   absl::StrCat(Ranks(plain), " sent no record", plain.size() == 1 ? " (dead?)" : "s (dead?)"));
+    if (detail.empty() || missing.size() > 8) {
+      plain.push_back(r);
+    } else {
+      parts.push_back(absl::StrCat(Ranks({r}), " sent no record (dead? ", detail, ")"));
     }
-    return absl::StrJoin(parts, "; ");
-  };
-  if (rings.empty()) {
-    return missing.empty() ? "no flight records" : missing_part();
   }
+  if (!plain.empty()) {
+    parts.insert(parts.begin(), absl::StrCat(Ranks(plain), " sent no record",
+                                             plain.size() == 1 ? " (dead?)" : "s (dead?)"));
+  }
+  return absl::StrJoin(parts, "; ");
+}
 
-  int64_t seq = INT64_MAX;
-  for (const auto& [r, ring] : rings) seq = std::min(seq, ring.FirstOpen());
-
-  // What each rank did with `seq`.
+// What each rank did with `seq`, the first collective some rank has not
+// finished.
+struct Census {
   using Key = std::pair<std::string, int>;  // op, bucket
+  int64_t seq = INT64_MAX;
   std::map<Key, std::vector<int>> waiting, failed, done;
   std::map<Key, double> wait_for, failed_after;
   std::map<int64_t, std::vector<int>> never;  // by the last seq the rank has
   std::vector<int> out_of_ring;
   const v1::CollectiveRecord* example = nullptr;
   std::set<Key> ops;
-  for (const auto& [r, ring] : rings) {
-    const v1::CollectiveRecord* c = ring.Find(seq);
+};
+
+Census TakeCensus(const Rings& rings) {
+  Census s;
+  for (const auto& [r, ring] : rings.by_rank) s.seq = std::min(s.seq, ring.FirstOpen());
+  for (const auto& [r, ring] : rings.by_rank) {
+    const v1::CollectiveRecord* c = ring.Find(s.seq);
     if (c == nullptr) {
-      if (seq > ring.hi()) {
-        never[ring.hi()].push_back(r);
+      if (s.seq > ring.hi()) {
+        s.never[ring.hi()].push_back(r);
       } else {
-        out_of_ring.push_back(r);
+        s.out_of_ring.push_back(r);
       }
       continue;
     }
-    if (example == nullptr) example = c;
-    const Key key{c->op(), c->bucket()};
-    ops.insert(key);
+    if (s.example == nullptr) s.example = c;
+    const Census::Key key{c->op(), c->bucket()};
+    s.ops.insert(key);
     if (c->state() == "running") {
-      waiting[key].push_back(r);
-      wait_for[key] = std::max(wait_for[key], ref - c->start_unix());
+      s.waiting[key].push_back(r);
+      s.wait_for[key] = std::max(s.wait_for[key], rings.ref - c->start_unix());
     } else if (c->state() == "failed") {
-      failed[key].push_back(r);
-      failed_after[key] = std::max(failed_after[key], c->end_unix() - c->start_unix());
+      s.failed[key].push_back(r);
+      s.failed_after[key] = std::max(s.failed_after[key], c->end_unix() - c->start_unix());
     } else {
-      done[key].push_back(r);
+      s.done[key].push_back(r);
     }
   }
-  // The last collective a rank finished, from its own ring.
-  auto last_of = [&](int64_t last, int rank) -> std::string {
-    if (last == 0) return "no collective recorded";
-    const v1::CollectiveRecord* c = rings[rank].Find(last);
-    if (c == nullptr) return absl::StrCat("seq ", last);
-    std::string s = absl::StrCat(OpName(*c), ", seq ", last);
-    if (c->state() == "done") {
-      absl::StrAppend(&s, ", finished ", Secs(ref - c->end_unix()), " ago");
-    } else {
-      absl::StrAppend(&s, ", ", c->state());
-    }
-    return s;
-  };
-  auto step_prefix = [](const v1::CollectiveRecord* c) -> std::string {
-    if (c == nullptr) return "";
-    return c->step() > 0 ? absl::StrCat("step ", c->step(), ": ") : "at start-up: ";
-  };
+  return s;
+}
 
-  // Every rank at the same place: no divergence.
-  if (example == nullptr && never.size() == 1 && out_of_ring.empty()) {
-    const auto& [last, ranks] = *never.begin();
-    const v1::CollectiveRecord* c = rings[ranks.front()].Find(last);
-    if (missing.empty()) {
-      return absl::StrCat("no divergence: ", All(ranks.size()), " finished seq ", last,
-                          c != nullptr ? absl::StrCat(" (", OpName(*c), ", step ", c->step(), ")") : "",
-                          " and are in no collective");
-    }
-    return absl::StrCat(step_prefix(c), missing_part(), "; ", Ranks(ranks), " ",
-                        Verb(ranks, "is", "are"), " in no collective (last: ", last_of(last, ranks.front()),
-                        ")");
+// The last collective a rank finished, from its own ring.
+std::string LastOf(const Rings& rings, int64_t last, int rank) {
+  if (last == 0) return "no collective recorded";
+  const v1::CollectiveRecord* c = rings.by_rank.at(rank).Find(last);
+  if (c == nullptr) return absl::StrCat("seq ", last);
+  std::string s = absl::StrCat(OpName(*c), ", seq ", last);
+  if (c->state() == "done") {
+    absl::StrAppend(&s, ", finished ", Secs(rings.ref - c->end_unix()), " ago");
+  } else {
+    absl::StrAppend(&s, ", ", c->state());
   }
-  if (missing.empty() && failed.empty() && done.empty() && never.empty() && out_of_ring.empty() &&
-      waiting.size() == 1) {
-    const auto& [key, ranks] = *waiting.begin();
-    return absl::StrCat("no divergence: ", All(ranks.size()), " are in ", OpName(*example),
-                        " (seq ", seq, ", step ", example->step(), ", for ", Secs(wait_for[key]), ")");
-  }
-  if (missing.empty() && waiting.empty() && done.empty() && never.empty() && out_of_ring.empty() &&
-      failed.size() == 1) {
-    const auto& [key, ranks] = *failed.begin();
-    return absl::StrCat("no divergence: ", All(ranks.size()), " were in ", OpName(*example),
-                        " (seq ", seq, ", step ", example->step(), ") when it failed (after ",
-                        Secs(failed_after[key]), ")");
-  }
-  // A live job's rings are taken a few milliseconds apart: ranks that are at
-  // most a collective or two apart, none waiting for a second yet, are simply
-  // making progress.
-  if (missing.empty() && failed.empty() && out_of_ring.empty() && ops.size() == 1) {
-    double longest = 0;
-    for (const auto& [key, t] : wait_for) longest = std::max(longest, t);
-    for (const auto& [last, ranks] : never) {
-      for (int r : ranks) {
-        const v1::CollectiveRecord* c = rings[r].Find(last);
-        longest = std::max(longest, c != nullptr ? ref - c->end_unix() : 1e9);
-      }
-    }
-    if (longest < absl::ToDoubleSeconds(kFlightSettleTime)) {
-      int64_t ahead = seq;
-      for (const auto& [r, ring] : rings) ahead = std::max(ahead, ring.hi());
-      return absl::StrCat("no divergence: the ranks are making progress (seq ", seq,
-                          ahead > seq ? absl::StrCat("-", ahead) : "", ", step ",
-                          example->step(), "; no rank has waited ", Secs(absl::ToDoubleSeconds(kFlightSettleTime)),
-                          ")");
-    }
-  }
+  return s;
+}
 
-  auto key_name = [](const Key& k) {
-    v1::CollectiveRecord c;
-    c.set_op(k.first);
-    c.set_bucket(k.second);
-    return OpName(c);
-  };
+std::string StepPrefix(const v1::CollectiveRecord* c) {
+  if (c == nullptr) return "";
+  return c->step() > 0 ? absl::StrCat("step ", c->step(), ": ") : "at start-up: ";
+}
+
+// Every rank at the same place: in no collective, all waiting in the same
+// one, or all in the same one when it failed. Nothing when they are not.
+std::optional<std::string> SamePlace(const Rings& rings, const Census& s,
+                                     const std::map<int, std::string>& notes) {
+  const bool missing = !rings.missing.empty();
+  if (s.example == nullptr && s.never.size() == 1 && s.out_of_ring.empty()) {
+    const auto& [last, ranks] = *s.never.begin();
+    const v1::CollectiveRecord* c = rings.by_rank.at(ranks.front()).Find(last);
+    if (!missing) {
+      return absl::StrCat(
+          "no divergence: ", All(ranks.size()), " finished seq ", last,
+          c != nullptr ? absl::StrCat(" (", OpName(*c), ", step ", c->step(), ")") : "",
+          " and are in no collective");
+    }
+    return absl::StrCat(StepPrefix(c), MissingPart(rings, notes), "; ", Ranks(ranks), " ",
+                        Verb(ranks, "is", "are"), " in no collective (last: ",
+                        LastOf(rings, last, ranks.front()), ")");
+  }
+  if (!missing && s.failed.empty() && s.done.empty() && s.never.empty() && s.out_of_ring.empty() &&
+      s.waiting.size() == 1) {
+    const auto& [key, ranks] = *s.waiting.begin();
+    return absl::StrCat("no divergence: ", All(ranks.size()), " are in ", OpName(*s.example),
+                        " (seq ", s.seq, ", step ", s.example->step(), ", for ",
+                        Secs(s.wait_for.at(key)), ")");
+  }
+  if (!missing && s.waiting.empty() && s.done.empty() && s.never.empty() && s.out_of_ring.empty() &&
+      s.failed.size() == 1) {
+    const auto& [key, ranks] = *s.failed.begin();
+    return absl::StrCat("no divergence: ", All(ranks.size()), " were in ", OpName(*s.example),
+                        " (seq ", s.seq, ", step ", s.example->step(), ") when it failed (after ",
+                        Secs(s.failed_after.at(key)), ")");
+  }
+  return std::nullopt;
+}
+
+// A live job's rings are taken a few milliseconds apart: ranks that are at
+// most a collective or two apart, none waiting for a second yet, are simply
+// making progress. Nothing when they are not.
+std::optional<std::string> MakingProgress(const Rings& rings, const Census& s) {
+  if (!rings.missing.empty() || !s.failed.empty() || !s.out_of_ring.empty() || s.ops.size() != 1) {
+    return std::nullopt;
+  }
+  double longest = 0;
+  for (const auto& [key, t] : s.wait_for) longest = std::max(longest, t);
+  for (const auto& [last, ranks] : s.never) {
+    for (int r : ranks) {
+      const v1::CollectiveRecord* c = rings.by_rank.at(r).Find(last);
+      longest = std::max(longest, c != nullptr ? rings.ref - c->end_unix() : 1e9);
+    }
+  }
+  if (!(longest < absl::ToDoubleSeconds(kFlightSettleTime))) return std::nullopt;
+  int64_t ahead = s.seq;
+  for (const auto& [r, ring] : rings.by_rank) ahead = std::max(ahead, ring.hi());
+  return absl::StrCat("no divergence: the ranks are making progress (seq ", s.seq,
+                      ahead > s.seq ? absl::StrCat("-", ahead) : "", ", step ", s.example->step(),
+                      "; no rank has waited ", Secs(absl::ToDoubleSeconds(kFlightSettleTime)), ")");
+}
+
+std::string KeyName(const Census::Key& k) {
+  v1::CollectiveRecord c;
+  c.set_op(k.first);
+  c.set_bucket(k.second);
+  return OpName(c);
+}
+
+// One phrase per group of ranks that did the same with `seq`.
+std::string Divergence(const Rings& rings, const Census& s,
+                       const std::map<int, std::string>& notes) {
   std::vector<std::string> parts;
-  for (const auto& [key, ranks] : waiting) {
-    parts.push_back(absl::StrCat(Ranks(ranks), " ", Verb(ranks, "waits", "wait"), " in ", key_name(key),
-                                 " (seq ", seq, ", for ", Secs(wait_for[key]), ")"));
+  for (const auto& [key, ranks] : s.waiting) {
+    parts.push_back(absl::StrCat(Ranks(ranks), " ", Verb(ranks, "waits", "wait"), " in ",
+                                 KeyName(key), " (seq ", s.seq, ", for ", Secs(s.wait_for.at(key)),
+                                 ")"));
   }
-  for (const auto& [key, ranks] : failed) {
-    parts.push_back(absl::StrCat(Ranks(ranks), " waited in ", key_name(key), " (seq ", seq,
-                                 ") and failed after ", Secs(failed_after[key])));
+  for (const auto& [key, ranks] : s.failed) {
+    parts.push_back(absl::StrCat(Ranks(ranks), " waited in ", KeyName(key), " (seq ", s.seq,
+                                 ") and failed after ", Secs(s.failed_after.at(key))));
   }
-  for (const auto& [key, ranks] : done) {
+  for (const auto& [key, ranks] : s.done) {
     // The first phrase names the collective; later ones say "it".
     parts.push_back(absl::StrCat(Ranks(ranks), " finished ",
-                                 parts.empty() ? absl::StrCat(key_name(key), " (seq ", seq, ")")
-                                 : ops.size() > 1 ? absl::StrCat("it (", key_name(key), ")")
-                                                  : std::string("it")));
+                                 parts.empty() ? absl::StrCat(KeyName(key), " (seq ", s.seq, ")")
+                                 : s.ops.size() > 1 ? absl::StrCat("it (", KeyName(key), ")")
+                                                    : std::string("it")));
   }
-  for (const auto& [last, ranks] : never) {
-    parts.push_back(absl::StrCat(Ranks(ranks), " never started it (last: ", last_of(last, ranks.front()), ")"));
+  for (const auto& [last, ranks] : s.never) {
+    parts.push_back(absl::StrCat(Ranks(ranks), " never started it (last: ",
+                                 LastOf(rings, last, ranks.front()), ")"));
   }
-  if (!out_of_ring.empty()) {
-    parts.push_back(absl::StrCat(Ranks(out_of_ring), ": seq ", seq, " is older than ",
-                                 Verb(out_of_ring, "its ring", "their rings")));
+  if (!s.out_of_ring.empty()) {
+    parts.push_back(absl::StrCat(Ranks(s.out_of_ring), ": seq ", s.seq, " is older than ",
+                                 Verb(s.out_of_ring, "its ring", "their rings")));
   }
-  if (!missing.empty()) parts.push_back(missing_part());
-  std::string out = absl::StrCat(step_prefix(example), absl::StrJoin(parts, "; "));
-  if (ops.size() > 1) {
-    absl::StrAppend(&out, "; the ranks issued different collectives as seq ", seq,
+  if (!rings.missing.empty()) parts.push_back(MissingPart(rings, notes));
+  std::string out = absl::StrCat(StepPrefix(s.example), absl::StrJoin(parts, "; "));
+  if (s.ops.size() > 1) {
+    absl::StrAppend(&out, "; the ranks issued different collectives as seq ", s.seq,
                     " (their collective order differs)");
   }
   return out;
+}
+
+}  // namespace
+
+std::string FirstDivergence(const std::vector<v1::FlightRecord>& records, int world_size,
+                            const std::map<int, std::string>& notes) {
+  const Rings rings = LoadRings(records, world_size);
+  if (rings.by_rank.empty()) {
+    return rings.missing.empty() ? "no flight records" : MissingPart(rings, notes);
+  }
+  const Census census = TakeCensus(rings);
+  if (std::optional<std::string> same = SamePlace(rings, census, notes)) return *same;
+  if (std::optional<std::string> moving = MakingProgress(rings, census)) return *moving;
+  return Divergence(rings, census, notes);
 }
 
 absl::Status FlightRecords::Report(const v1::FlightRecord& record, int world_size) {

@@ -69,9 +69,8 @@ Labels RankLabel(int rank, const char* name, const char* value) {
 
 double UnixSeconds(absl::Time t) { return absl::ToDoubleSeconds(t - absl::UnixEpoch()); }
 
-std::vector<MetricFamily> Collect(const JobStatus& j) {
-  Families f;
-  // The job.
+// The job.
+void AddJob(const JobStatus& j, Families& f) {
   f.Start("shardopt_job_info", "The job this coordinator runs (value 1).", MetricType::Gauge);
   f.Add(1, {{"job_id", j.job_id}});
   f.Start("shardopt_job_state",
@@ -100,7 +99,10 @@ std::vector<MetricFamily> Collect(const JobStatus& j) {
   }
   f.Start("shardopt_job_slow_ranks", "Ranks the coordinator names slow now.", MetricType::Gauge);
   f.Add(static_cast<double>(j.slow_ranks.size()));
-  // Checkpoints, as rank 0 reports them.
+}
+
+// Checkpoints, as rank 0 reports them.
+void AddCheckpoints(const JobStatus& j, Families& f) {
   const bool rank0_metrics = !j.ranks.empty() && j.ranks[0].has_metrics;
   f.Start("shardopt_checkpoints_total", "Checkpoints committed (rank 0's count since it started).",
           MetricType::Counter);
@@ -120,30 +122,45 @@ std::vector<MetricFamily> Collect(const JobStatus& j) {
   if (rank0_metrics && j.last_checkpoint_time != absl::InfinitePast()) {
     f.Add(UnixSeconds(j.last_checkpoint_time));
   }
+}
 
-  // Per rank (joined ranks only). One family at a time, every rank in it.
+// The joined ranks, and those of them that reported step metrics.
+struct RankSets {
   std::vector<const RankState*> joined, measured;
+};
+
+RankSets JoinedRanks(const JobStatus& j) {
+  RankSets s;
   for (const RankState& r : j.ranks) {
     if (!r.joined) continue;
-    joined.push_back(&r);
-    if (r.has_metrics) measured.push_back(&r);
+    s.joined.push_back(&r);
+    if (r.has_metrics) s.measured.push_back(&r);
   }
+  return s;
+}
+
+ClientMetric::Histogram StepSecondsHistogram(const RankState& r) {
+  ClientMetric::Histogram h;
+  h.sample_count = r.step_count;
+  h.sample_sum = r.step_seconds_sum;
+  uint64_t cumulative = 0;
+  for (size_t b = 0; b < r.step_bucket_counts.size(); ++b) {
+    cumulative += r.step_bucket_counts[b];
+    h.bucket.push_back({cumulative, b < kStepSecondsBounds.size()
+                                        ? kStepSecondsBounds[b]
+                                        : std::numeric_limits<double>::infinity()});
+  }
+  return h;
+}
+
+// Per rank: training progress and the time a step takes.
+void AddRankTraining(const RankSets& ranks, Families& f) {
+  const std::vector<const RankState*>& joined = ranks.joined;
+  const std::vector<const RankState*>& measured = ranks.measured;
   f.Start("shardopt_rank_step", "The rank's step (optimizer steps done).", MetricType::Gauge);
   for (const RankState* r : joined) f.Add(static_cast<double>(r->step), RankLabel(r->rank));
   f.Start("shardopt_rank_step_seconds", "Wall time of the rank's steps.", MetricType::Histogram);
-  for (const RankState* r : measured) {
-    ClientMetric::Histogram h;
-    h.sample_count = r->step_count;
-    h.sample_sum = r->step_seconds_sum;
-    uint64_t cumulative = 0;
-    for (size_t b = 0; b < r->step_bucket_counts.size(); ++b) {
-      cumulative += r->step_bucket_counts[b];
-      h.bucket.push_back({cumulative, b < kStepSecondsBounds.size()
-                                          ? kStepSecondsBounds[b]
-                                          : std::numeric_limits<double>::infinity()});
-    }
-    f.AddHistogram(std::move(h), RankLabel(r->rank));
-  }
+  for (const RankState* r : measured) f.AddHistogram(StepSecondsHistogram(*r), RankLabel(r->rank));
   f.Start("shardopt_rank_samples_per_second", "The rank's training throughput.", MetricType::Gauge);
   for (const RankState* r : joined) f.Add(r->samples_per_s, RankLabel(r->rank));
   f.Start("shardopt_rank_loss", "The rank's last loss.", MetricType::Gauge);
@@ -160,6 +177,12 @@ std::vector<MetricFamily> Collect(const JobStatus& j) {
   f.Start("shardopt_rank_update_seconds", "Last step: time in the fused optimizer update.",
           MetricType::Gauge);
   for (const RankState* r : measured) f.Add(r->metrics.update_seconds, RankLabel(r->rank));
+}
+
+// Per rank: communication, memory, liveness and slowness.
+void AddRankResources(const JobStatus& j, const RankSets& ranks, Families& f) {
+  const std::vector<const RankState*>& joined = ranks.joined;
+  const std::vector<const RankState*>& measured = ranks.measured;
   f.Start("shardopt_rank_sent_bytes_total", "Bytes the rank's communicator sent.",
           MetricType::Counter);
   for (const RankState* r : measured) {
@@ -201,6 +224,16 @@ std::vector<MetricFamily> Collect(const JobStatus& j) {
           "median of the others' for --slow-windows windows in a row).",
           MetricType::Gauge);
   for (const RankState* r : joined) f.Add(r->slow ? 1 : 0, RankLabel(r->rank));
+}
+
+std::vector<MetricFamily> Collect(const JobStatus& j) {
+  Families f;
+  AddJob(j, f);
+  AddCheckpoints(j, f);
+  // Per rank (joined ranks only). One family at a time, every rank in it.
+  const RankSets ranks = JoinedRanks(j);
+  AddRankTraining(ranks, f);
+  AddRankResources(j, ranks, f);
   return f.Take();
 }
 

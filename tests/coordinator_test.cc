@@ -15,6 +15,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/coordinator_client.h"
+#include "client/join_request.h"
 #include "common/planner.h"
 #include "gtest/gtest.h"
 #include "server/coordinator_service.h"
@@ -243,24 +244,11 @@ TEST(CoordinatorServiceTest, RendezvousHealthLayoutAndMemory) {
       "");
   auto owner_server = RpcServer::Start(RpcServerOptions(), {&owner});
   ASSERT_TRUE(owner_server.ok());
-  v1::JoinRequest join;
-  join.set_job_id("job");
-  join.set_rank(0);
-  join.set_world_size(1);
-  join.set_host("127.0.0.1");
-  join.set_shard_owner_port((*owner_server)->port());
-  std::vector<ParamSpec> model = {P("w", {100, 3}), P("b", {3})};
-  for (const auto& p : model) {
-    auto* pi = join.add_params();
-    pi->set_name(p.name);
-    for (int64_t d : p.shape) pi->add_shape(d);
-    pi->set_dtype("float32");
-    pi->set_trainable(true);
-  }
-  join.mutable_plan()->set_bucket_cap_elements(PlanOptions().bucket_cap_elements);
-  join.mutable_plan()->set_alignment_elements(64);
-  join.mutable_plan()->set_allow_cut(true);
-  join.set_layout_hash(Plan(model, 1)->hash());
+  auto planned = Plan({P("w", {100, 3}), P("b", {3})}, 1);
+  ASSERT_TRUE(planned.ok()) << planned.status();
+  JoinRequestInfo info;
+  info.shard_owner_port = (*owner_server)->port();
+  v1::JoinRequest join = MakeJoinRequest(*planned, info);
   auto joined = client.Join(join, absl::Seconds(10));
   ASSERT_TRUE(joined.ok()) << joined.status();
   auto layout = client.GetLayout();
@@ -483,23 +471,12 @@ TEST(LearningRateTest, StatusReportsTheLearningRateTheRanksTrainWith) {
 TEST(LearningRateTest, GetJobCarriesTheRanksLearningRateOverGrpc) {
   Served s("", 1);
   CoordinatorClient client(s.server->address(), "");
-  v1::JoinRequest join;
-  join.set_job_id("job");
-  join.set_rank(0);
-  join.set_world_size(1);
-  join.set_host("127.0.0.1");
-  join.set_shard_owner_port(1000);
-  join.set_learning_rate(1e-4);
-  auto* pi = join.add_params();
-  pi->set_name("w");
-  pi->add_shape(8);
-  pi->set_dtype("float32");
-  pi->set_trainable(true);
-  join.mutable_plan()->set_bucket_cap_elements(PlanOptions().bucket_cap_elements);
-  join.mutable_plan()->set_alignment_elements(PlanOptions().alignment_elements);
-  join.mutable_plan()->set_allow_cut(PlanOptions().allow_cut);
-  join.set_layout_hash(Plan({P("w", {8})}, 1)->hash());
-  ASSERT_TRUE(client.Join(join, absl::Seconds(10)).ok());
+  auto planned = Plan({P("w", {8})}, 1);
+  ASSERT_TRUE(planned.ok()) << planned.status();
+  JoinRequestInfo info;
+  info.shard_owner_port = 1000;
+  info.learning_rate = 1e-4;
+  ASSERT_TRUE(client.Join(MakeJoinRequest(*planned, info), absl::Seconds(10)).ok());
   auto job = client.GetJob();
   ASSERT_TRUE(job.ok()) << job.status();
   EXPECT_EQ(job->learning_rate(), 1e-4);

@@ -13,6 +13,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/coordinator_client.h"
+#include "client/join_request.h"
 #include "common/planner.h"
 #include "gtest/gtest.h"
 #include "server/coordinator.h"
@@ -267,21 +268,12 @@ TEST(CoordinatorWaitsTest, AClientThatGoesAwayFreesItsWait) {
 
   // A Join whose client gives up no longer holds its rank.
   CoordinatorClient client(s.server->address(), "");
-  v1::JoinRequest join;
-  join.set_job_id("job");
-  join.set_rank(1);
-  join.set_world_size(2);
-  join.set_host("127.0.0.1");
-  join.set_shard_owner_port(1001);
-  auto* p = join.add_params();
-  p->set_name("w");
-  p->add_shape(8);
-  p->set_dtype("float32");
-  p->set_trainable(true);
-  join.mutable_plan()->set_bucket_cap_elements(PlanOptions().bucket_cap_elements);
-  join.mutable_plan()->set_alignment_elements(PlanOptions().alignment_elements);
-  join.mutable_plan()->set_allow_cut(PlanOptions().allow_cut);
-  join.set_layout_hash(Plan({P("w", {8})}, 2)->hash());
+  auto planned = Plan({P("w", {8})}, 2);
+  ASSERT_TRUE(planned.ok()) << planned.status();
+  JoinRequestInfo info;
+  info.rank = 1;
+  info.shard_owner_port = 1001;
+  const v1::JoinRequest join = MakeJoinRequest(*planned, info);
   EXPECT_EQ(client.Join(join, absl::Milliseconds(500)).status().code(),
             absl::StatusCode::kDeadlineExceeded);
   EXPECT_TRUE(WaitUntil([&] { return s.coordinator.pending_waits() == 0; }, absl::Seconds(5)));

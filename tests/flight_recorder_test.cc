@@ -15,6 +15,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/coordinator_client.h"
+#include "client/join_request.h"
 #include "client/comm/in_process_communicator.h"
 #include "common/planner.h"
 #include "gtest/gtest.h"
@@ -491,25 +492,13 @@ TEST(FlightRecordsTest, InProcessStallIsFound) {
 // --- the RPCs --------------------------------------------------------------
 
 v1::JoinRequest JoinRequestFor(int rank, int world, int owner_port) {
-  v1::JoinRequest join;
-  join.set_job_id("job");
-  join.set_rank(rank);
-  join.set_world_size(world);
-  join.set_host("127.0.0.1");
-  join.set_shard_owner_port(owner_port);
-  auto* p = join.add_params();
-  p->set_name("w");
-  p->add_shape(64);
-  p->set_dtype("float32");
-  p->set_trainable(true);
-  join.mutable_plan()->set_bucket_cap_elements(PlanOptions().bucket_cap_elements);
-  join.mutable_plan()->set_alignment_elements(64);
-  join.mutable_plan()->set_allow_cut(true);
   ParamSpec spec;
   spec.name = "w";
   spec.shape = {64};
-  join.set_layout_hash(Plan({spec}, world)->hash());
-  return join;
+  JoinRequestInfo info;
+  info.rank = rank;
+  info.shard_owner_port = owner_port;
+  return MakeJoinRequest(*Plan({spec}, world), info);
 }
 
 TEST(FlightRecordsRpcTest, ReportAndLiveQuery) {

@@ -30,7 +30,10 @@ wait_addr() {  # wait_addr FILE: until shardrun has written its address
 }
 
 # (a) Rank 1 of 3 stops taking part before step 6 (index 5) while its
-# heartbeats go on; the others time out after 2 s.
+# heartbeats go on; the others time out after 2 s. (A step's collectives, with
+# the gathers overlapping the next forward: reduce-scatters, the per-step
+# agreement, the norm, then the all-gathers first layers first, so a step
+# ends with the all-gather of bucket 0.)
 timeout 120 $B/shardrun --nproc 3 --job-id=stall_$id -- $B/shardopt_train --model=tiny --steps=1000 \
   --collective-timeout=2 --debug-stall-rank=1 --debug-stall-step=5 >"$tmp/stall.log" 2>&1
 rc=$?
@@ -38,7 +41,7 @@ check "stall: job fails" test $rc -eq 1
 grep '^shardrun: flight recorder: ' "$tmp/stall.log" >"$tmp/stall.line"
 check "stall: one divergence line" test "$(wc -l <"$tmp/stall.line")" -eq 1
 check "stall: names the waiting ranks, the collective and the stalled rank" grep -Eq \
-  '^shardrun: flight recorder: step 6: ranks 0, 2 waited in reduce-scatter of bucket 0 \(seq [0-9]+\) and failed after [0-9.]+ s; rank 1 never started it \(last: all-reduce, seq [0-9]+, finished [0-9.]+ s ago\)$' \
+  '^shardrun: flight recorder: step 6: ranks 0, 2 waited in reduce-scatter of bucket 0 \(seq [0-9]+\) and failed after [0-9.]+ s; rank 1 never started it \(last: all-gather of bucket 0, seq [0-9]+, finished [0-9.]+ s ago\)$' \
   "$tmp/stall.line"
 # The seq rank 1 never started is the one after its last.
 seqs=$(sed -E 's/.*\(seq ([0-9]+)\).*seq ([0-9]+), finished.*/\1 \2/' "$tmp/stall.line")

@@ -251,6 +251,41 @@ TEST(OverlapTest, ReduceScattersStartBeforeBackwardEnds) {
   EXPECT_GE(buckets_started_early, 2);
 }
 
+// overlap_param_gather: Step() returns with the all-gathers in flight and
+// every layer waits for its own parameters in the next forward. Same
+// parameters, bit for bit, as without overlap; the last step's trace shows
+// Step() ending before any of its gathers was waited for.
+TEST(OverlapTest, ParameterGatherOverlapsTheNextForwardWithIdenticalResults) {
+  for (int n : {2, 3}) {
+    TrainConfig c;
+    c.model = "tiny";
+    c.kind = OptimizerKind::kAdamW;
+    c.max_grad_norm = 0.5;
+    c.lr = 1e-2;
+    c.steps = 6;
+    c.bucket_cap = 4096;  // several buckets
+    std::vector<float> plain = TrainInProcess(c, n);
+    c.overlap = true;
+    std::vector<TraceEvent> trace;
+    std::vector<float> overlapped = TrainInProcess(c, n, &trace);
+    ASSERT_FALSE(plain.empty());
+    EXPECT_EQ(overlapped, plain) << n << " ranks: overlap changed the result";
+    // The previous step's gathers are waited for in this step's forward
+    // (before kStepBegin); none inside Step() (between begin and end).
+    int64_t gathers = 0, waited_in_forward = 0, waited_in_step = 0;
+    bool in_step = false;
+    for (const TraceEvent& e : trace) {
+      if (e.kind == TraceEvent::kStepBegin) in_step = true;
+      if (e.kind == TraceEvent::kStepEnd) in_step = false;
+      if (e.kind == TraceEvent::kAllGatherDone) ++(in_step ? waited_in_step : waited_in_forward);
+      gathers += e.kind == TraceEvent::kAllGatherStart;
+    }
+    EXPECT_GT(gathers, 1);
+    EXPECT_EQ(waited_in_step, 0) << "with overlap, Step() must not wait for its own all-gathers";
+    EXPECT_EQ(waited_in_forward, gathers) << "each layer waits for its gather in the forward";
+  }
+}
+
 TEST(BytesTest, InProcessTwoRanksSendOneAllReduceWorth) {
   TrainConfig c;
   c.model = "tiny";

@@ -1,5 +1,7 @@
 #include "tests/training_harness.h"
 
+#include <stdexcept>
+
 #include <torch/nn/utils/clip_grad.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
@@ -41,8 +43,16 @@ absl::StatusOr<std::vector<float>> TrainSharded(const TrainConfig& c, Communicat
   SHARDOPT_ASSIGN_OR_RETURN(std::unique_ptr<TrainModel> model, MakeModel(c.model, c.seed));
   ShardedOptimizerOptions o = OptionsFor(c);
   o.trace = trace != nullptr;
+  o.overlap_param_gather = c.overlap;
   SHARDOPT_ASSIGN_OR_RETURN(auto opt,
                             ShardedOptimizer::Create(model->NamedParameters(), o, comm));
+  if (c.overlap) {
+    ShardedOptimizer* raw = opt.get();
+    model->set_layer_gate([raw](torch::nn::Module& layer) {
+      absl::Status s = raw->WaitForParameters(layer);
+      if (!s.ok()) throw std::runtime_error(std::string(s.message()));
+    });
+  }
   const int n = comm->world_size();
   if (c.global_batch % n != 0) {
     return absl::InvalidArgumentError(
@@ -62,6 +72,9 @@ absl::StatusOr<std::vector<float>> TrainSharded(const TrainConfig& c, Communicat
     if (clipped_steps != nullptr && r.clipped) ++*clipped_steps;
   }
   if (trace) *trace = opt->TakeTrace();
+  // The last step's gathers may still be in flight (overlap): wait before
+  // reading the parameters outside a forward.
+  SHARDOPT_RETURN_IF_ERROR(opt->WaitForParameters());
   if (bytes_per_step) {
     ByteCounters after = comm->counters();
     for (int k = 0; k < kNumCollectiveKinds; ++k) {

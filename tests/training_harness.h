@@ -22,6 +22,9 @@ struct TrainConfig {
   int64_t global_batch = 12;
   int64_t bucket_cap = 25 * 1024 * 1024;
   uint64_t seed = 42;
+  // overlap_param_gather, with the model's layers waiting for their own
+  // parameters before their forward (TrainModel::set_layer_gate).
+  bool overlap = false;
 };
 
 class TrainModel;

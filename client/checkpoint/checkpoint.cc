@@ -297,6 +297,8 @@ absl::StatusOr<Manifest> BuildManifest(const ShardedOptimizer& opt, int64_t step
 
 absl::StatusOr<std::string> SaveCheckpoint(ShardedOptimizer& opt, const std::string& root,
                                            const CheckpointOptions& options) {
+  // Parameters still being all-gathered (overlap_param_gather) are complete first.
+  SHARDOPT_RETURN_IF_ERROR(opt.WaitForParameters());
   Staging staging(opt);
   SHARDOPT_RETURN_IF_ERROR(staging.Begin());
   FileSystem* fs = options.fs;
@@ -638,6 +640,7 @@ absl::Status ApplyHyperParameters(ShardedOptimizer& opt, const SavedOptimizer& s
 
 absl::Status RestoreOwnedSlices(ShardedOptimizer& opt, const std::function<absl::Status()>& fill,
                                 const RestoredCheckpoint& info) {
+  SHARDOPT_RETURN_IF_ERROR(opt.WaitForParameters());  // gathers in flight end first
   Staging staging(opt);
   SHARDOPT_RETURN_IF_ERROR(staging.Begin());
   const absl::Status mine = fill();

@@ -40,6 +40,7 @@ absl::StatusOr<FullState> GatherFullState(ShardedOptimizer& opt) {
   const int world = layout.world_size();
   const int rank = opt.communicator()->rank();
   const std::vector<std::string> names = ArrayNames(opt);
+  SHARDOPT_RETURN_IF_ERROR(opt.WaitForParameters());  // overlap_param_gather
   const bool staged = opt.on_device();
   if (staged) SHARDOPT_RETURN_IF_ERROR(opt.StageToHost());
   FullState out;

@@ -552,7 +552,83 @@ class Unpickler {
 
   // ---- opcodes
 
+  // Hands op_ to the handler of its family.
   absl::Status Step() {
+    switch (op_) {
+      case 0x80:  // PROTO
+      case 0x95:  // FRAME
+      case '(':   // MARK
+      case '0':   // POP
+      case '1':   // POP_MARK
+      case '2':   // DUP
+      case 'q':   // BINPUT
+      case 'r':   // LONG_BINPUT
+      case 0x94:  // MEMOIZE
+      case 'h':   // BINGET
+      case 'j':   // LONG_BINGET
+        return StackOp();
+      case 'N':   // NONE
+      case 0x88:  // NEWTRUE
+      case 0x89:  // NEWFALSE
+      case 'J':   // BININT
+      case 'K':   // BININT1
+      case 'M':   // BININT2
+      case 0x8a:  // LONG1
+      case 0x8b:  // LONG4
+      case 'I':   // INT
+      case 'L':   // LONG
+      case 'G':   // BINFLOAT
+        return ScalarOp();
+      case 'X':   // BINUNICODE
+      case 0x8c:  // SHORT_BINUNICODE
+      case 0x8d:  // BINUNICODE8
+      case 'T':   // BINSTRING
+      case 'U':   // SHORT_BINSTRING
+      case 'B':   // BINBYTES
+      case 'C':   // SHORT_BINBYTES
+      case 0x8e:  // BINBYTES8
+      case 0x96:  // BYTEARRAY8
+        return StringOp();
+      case ']':   // EMPTY_LIST
+      case '}':   // EMPTY_DICT
+      case ')':   // EMPTY_TUPLE
+      case 'l':   // LIST
+      case 't':   // TUPLE
+      case 0x85:  // TUPLE1
+      case 0x86:  // TUPLE2
+      case 0x87:  // TUPLE3
+      case 'd':   // DICT
+        return NewContainerOp();
+      case 'a':   // APPEND
+      case 'e':   // APPENDS
+      case 's':   // SETITEM
+      case 'u':   // SETITEMS
+        return FillContainerOp();
+      case 'c':   // GLOBAL
+      case 0x93:  // STACK_GLOBAL
+      case 'R':   // REDUCE
+      case 0x81:  // NEWOBJ
+      case 'b':   // BUILD
+      case 'Q':   // BINPERSID
+        return ObjectOp();
+      case 0x8f:
+      case 0x90:
+      case 0x91:
+        return Unsupported("sets are not supported");
+      default:
+        return UnhandledOp();
+    }
+  }
+
+  // An opcode no family handles: one of Python's that this reader refuses, or
+  // none at all.
+  absl::Status UnhandledOp() const {
+    if (OpName(op_) != nullptr) return Unsupported("unsupported pickle opcode");
+    return Corrupt("unknown pickle opcode");
+  }
+
+  // The protocol, framing, the stack and the memo.
+  absl::Status StackOp() {
     switch (op_) {
       case 0x80: {  // PROTO
         TP_ASSIGN_OR_RETURN(const uint64_t proto, TakeLE(1));
@@ -584,6 +660,32 @@ class Unpickler {
         stack_.push_back(stack_.back());
         return absl::OkStatus();
       }
+      case 'q': {  // BINPUT
+        TP_ASSIGN_OR_RETURN(const uint64_t k, TakeLE(1));
+        return Memoize(k);
+      }
+      case 'r': {  // LONG_BINPUT
+        TP_ASSIGN_OR_RETURN(const uint64_t k, TakeLE(4));
+        return Memoize(k);
+      }
+      case 0x94:  // MEMOIZE
+        return Memoize(memo_.size());
+      case 'h': {  // BINGET
+        TP_ASSIGN_OR_RETURN(const uint64_t k, TakeLE(1));
+        return MemoGet(k);
+      }
+      case 'j': {  // LONG_BINGET
+        TP_ASSIGN_OR_RETURN(const uint64_t k, TakeLE(4));
+        return MemoGet(k);
+      }
+      default:
+        return UnhandledOp();
+    }
+  }
+
+  // None, booleans, integers and floats.
+  absl::Status ScalarOp() {
+    switch (op_) {
       case 'N':
         return PushNew(Kind::kNone);
       case 0x88:
@@ -637,6 +739,14 @@ class Unpickler {
         stack_.push_back(std::move(v));
         return absl::OkStatus();
       }
+      default:
+        return UnhandledOp();
+    }
+  }
+
+  // Strings and bytes.
+  absl::Status StringOp() {
+    switch (op_) {
       case 'X':  // BINUNICODE
         return PushSized(4, Kind::kString);
       case 0x8c:  // SHORT_BINUNICODE
@@ -658,6 +768,14 @@ class Unpickler {
       case 0x8e:  // BINBYTES8
       case 0x96:  // BYTEARRAY8
         return PushSized(8, Kind::kBytes);
+      default:
+        return UnhandledOp();
+    }
+  }
+
+  // New lists, tuples and dicts.
+  absl::Status NewContainerOp() {
+    switch (op_) {
       case ']':
         return PushNew(Kind::kList);
       case '}':
@@ -695,6 +813,14 @@ class Unpickler {
         stack_.push_back(std::move(v));
         return absl::OkStatus();
       }
+      default:
+        return UnhandledOp();
+    }
+  }
+
+  // Items added to the list or dict on top of the stack.
+  absl::Status FillContainerOp() {
+    switch (op_) {
       case 'a': {  // APPEND
         TP_ASSIGN_OR_RETURN(PyValuePtr item, Pop());
         TP_ASSIGN_OR_RETURN(PyValue * list, TopOfKind(Kind::kList, "APPEND"));
@@ -725,24 +851,14 @@ class Unpickler {
         }
         return absl::OkStatus();
       }
-      case 'q': {  // BINPUT
-        TP_ASSIGN_OR_RETURN(const uint64_t k, TakeLE(1));
-        return Memoize(k);
-      }
-      case 'r': {  // LONG_BINPUT
-        TP_ASSIGN_OR_RETURN(const uint64_t k, TakeLE(4));
-        return Memoize(k);
-      }
-      case 0x94:  // MEMOIZE
-        return Memoize(memo_.size());
-      case 'h': {  // BINGET
-        TP_ASSIGN_OR_RETURN(const uint64_t k, TakeLE(1));
-        return MemoGet(k);
-      }
-      case 'j': {  // LONG_BINGET
-        TP_ASSIGN_OR_RETURN(const uint64_t k, TakeLE(4));
-        return MemoGet(k);
-      }
+      default:
+        return UnhandledOp();
+    }
+  }
+
+  // Globals, calls of them, BUILD, and persistent ids (the storages).
+  absl::Status ObjectOp() {
+    switch (op_) {
       case 'c': {  // GLOBAL
         TP_ASSIGN_OR_RETURN(absl::string_view module, TakeLine(kMaxGlobalName));
         TP_ASSIGN_OR_RETURN(absl::string_view name, TakeLine(kMaxGlobalName));
@@ -793,13 +909,8 @@ class Unpickler {
         stack_.push_back(std::move(storage));
         return absl::OkStatus();
       }
-      case 0x8f:
-      case 0x90:
-      case 0x91:
-        return Unsupported("sets are not supported");
       default:
-        if (OpName(op_) != nullptr) return Unsupported("unsupported pickle opcode");
-        return Corrupt("unknown pickle opcode");
+        return UnhandledOp();
     }
   }
 
@@ -1272,133 +1383,167 @@ class BoundedReadAdapter final : public caffe2::serialize::ReadAdapterInterface 
   uint64_t size_;
 };
 
-// Checks the zip's central directory before miniz acts on it: every record
-// stored (torch.save never compresses) and inside the file, names unique.
-// miniz allocates a record's declared size before reading it; this keeps
-// that within the file.
-absl::Status CheckZipDirectory(const BoundedReadAdapter& in, const std::string& name) {
+// Zip record sizes: end of central directory, zip64 locator, zip64 end of
+// central directory, central directory entry.
+constexpr uint64_t kZipEocd = 22, kZipLocator = 20, kZipEocd64 = 56, kZipCentral = 46;
+
+absl::Status ZipCorrupt(const std::string& name, absl::string_view what) {
+  return absl::DataLossError(absl::StrCat(name, ": ", what));
+}
+
+// Where the central directory is and how many entries it has, from the end
+// of central directory record (zip64's when there is one).
+struct ZipDirectory {
+  uint64_t entries;
+  uint64_t size;
+  uint64_t offset;
+};
+
+absl::StatusOr<ZipDirectory> FindZipDirectory(const BoundedReadAdapter& in,
+                                              const std::string& name) {
   const uint64_t size = in.size();
-  auto corrupt = [&](absl::string_view what) { return absl::DataLossError(absl::StrCat(name, ": ", what)); };
-  constexpr uint64_t kEocd = 22, kLocator = 20, kEocd64 = 56, kCentral = 46;
-  if (size < kEocd) return corrupt("too short for a zip archive (truncated?)");
-  const uint64_t tail_len = std::min<uint64_t>(size, kEocd + 65535);
+  if (size < kZipEocd) return ZipCorrupt(name, "too short for a zip archive (truncated?)");
+  const uint64_t tail_len = std::min<uint64_t>(size, kZipEocd + 65535);
   std::string tail(tail_len, '\0');
   in.read(size - tail_len, tail.data(), tail_len);
   int64_t at = -1;
-  for (int64_t k = static_cast<int64_t>(tail_len - kEocd); k >= 0; --k) {
+  for (int64_t k = static_cast<int64_t>(tail_len - kZipEocd); k >= 0; --k) {
     if (LoadLE(tail.data() + k, 4) == 0x06054b50) {
       at = k;
       break;
     }
   }
-  if (at < 0) return corrupt("no zip end-of-central-directory record (truncated, or not a zip archive)");
+  if (at < 0) {
+    return ZipCorrupt(name,
+                      "no zip end-of-central-directory record (truncated, or not a zip archive)");
+  }
   const uint64_t eocd = size - tail_len + static_cast<uint64_t>(at);
   const char* e = tail.data() + at;
-  uint64_t entries = LoadLE(e + 10, 2), cd_size = LoadLE(e + 12, 4), cd_ofs = LoadLE(e + 16, 4);
-  if (eocd >= kLocator + kEocd64) {  // zip64, as miniz finds it
-    char locator[kLocator];
-    in.read(eocd - kLocator, locator, kLocator);
+  ZipDirectory dir{LoadLE(e + 10, 2), LoadLE(e + 12, 4), LoadLE(e + 16, 4)};
+  if (eocd >= kZipLocator + kZipEocd64) {  // zip64, as miniz finds it
+    char locator[kZipLocator];
+    in.read(eocd - kZipLocator, locator, kZipLocator);
     if (LoadLE(locator, 4) == 0x07064b50) {
       const uint64_t z_ofs = LoadLE(locator + 8, 8);
-      if (z_ofs > size - kEocd64) return corrupt("bad zip64 end-of-central-directory locator");
-      char z[kEocd64];
-      in.read(z_ofs, z, kEocd64);
+      if (z_ofs > size - kZipEocd64) {
+        return ZipCorrupt(name, "bad zip64 end-of-central-directory locator");
+      }
+      char z[kZipEocd64];
+      in.read(z_ofs, z, kZipEocd64);
       if (LoadLE(z, 4) == 0x06064b50) {
-        entries = LoadLE(z + 32, 8);
-        cd_size = LoadLE(z + 40, 8);
-        cd_ofs = LoadLE(z + 48, 8);
+        dir.entries = LoadLE(z + 32, 8);
+        dir.size = LoadLE(z + 40, 8);
+        dir.offset = LoadLE(z + 48, 8);
       }
     }
   }
-  if (cd_ofs > size || cd_size > size - cd_ofs) return corrupt("the zip central directory lies outside the file");
-  if (entries > cd_size / kCentral) return corrupt("the zip central directory is too small for its entries");
-  std::string cd(cd_size, '\0');
-  if (in.read(cd_ofs, cd.data(), cd_size) != cd_size) return corrupt("cannot read the zip central directory");
-  struct Record {
-    std::string name;
-    uint64_t local;  // offset of the local header
-    uint64_t size;
-  };
-  std::vector<Record> records;
-  std::unordered_map<std::string, size_t> by_name;  // lowercased, as miniz looks names up
-  size_t p = 0;
-  for (uint64_t k = 0; k < entries; ++k) {
-    if (cd.size() - p < kCentral || LoadLE(&cd[p], 4) != 0x02014b50) {
-      return corrupt("bad zip central directory entry");
-    }
-    const char* h = &cd[p];
-    const uint64_t flags = LoadLE(h + 8, 2), method = LoadLE(h + 10, 2), external = LoadLE(h + 38, 4);
-    uint64_t comp = LoadLE(h + 20, 4), uncomp = LoadLE(h + 24, 4), local = LoadLE(h + 42, 4);
-    const size_t name_len = LoadLE(h + 28, 2), extra_len = LoadLE(h + 30, 2), comment_len = LoadLE(h + 32, 2);
-    if (cd.size() - p - kCentral < name_len + extra_len + comment_len) {
-      return corrupt("bad zip central directory entry");
-    }
-    const std::string record(h + kCentral, name_len);
-    absl::string_view extra(h + kCentral + name_len, extra_len);
-    if (uncomp == 0xFFFFFFFF || comp == 0xFFFFFFFF || local == 0xFFFFFFFF) {
-      bool found = false;
-      while (extra.size() >= 4) {
-        const uint64_t id = LoadLE(extra.data(), 2), len = LoadLE(extra.data() + 2, 2);
-        if (len > extra.size() - 4) break;
-        absl::string_view field = extra.substr(4, len);
-        extra.remove_prefix(4 + len);
-        if (id != 1) continue;
-        found = true;
-        for (uint64_t* v : {&uncomp, &comp, &local}) {
-          if (*v != 0xFFFFFFFF) continue;
-          if (field.size() < 8) return corrupt(absl::StrCat("bad zip64 sizes for record ", Quote(record)));
-          *v = LoadLE(field.data(), 8);
-          field.remove_prefix(8);
-        }
-        break;
-      }
-      if (!found) return corrupt(absl::StrCat("no zip64 sizes for record ", Quote(record)));
-    }
-    if (method != 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(name, ": record ", Quote(record), " is compressed (zip method ", method,
-                       "); torch.save stores records uncompressed (was the file re-zipped?)"));
-    }
-    if (flags & 0x61) {  // encrypted, strongly encrypted, compressed patch data
-      return corrupt(absl::StrCat("record ", Quote(record), " is encrypted or patch data"));
-    }
-    if (comp != uncomp) return corrupt(absl::StrCat("record ", Quote(record), " has inconsistent sizes"));
-    // miniz "extracts" a directory as nothing, leaving the buffer it
-    // allocated for the declared size uninitialized.
-    if (uncomp != 0 && ((external & 0x10) || absl::EndsWith(record, "/"))) {
-      return corrupt(absl::StrCat("record ", Quote(record), " is marked as a directory"));
-    }
-    if (local > size || uncomp > size - local) {
-      return corrupt(absl::StrCat("record ", Quote(record), " (", uncomp, " bytes) runs past the end of the file"));
-    }
-    if (!by_name.emplace(absl::AsciiStrToLower(record), records.size()).second) {
-      return corrupt(absl::StrCat("record ", Quote(record), " appears twice"));
-    }
-    records.push_back({record, local, uncomp});
-    p += kCentral + name_len + extra_len + comment_len;
+  if (dir.offset > size || dir.size > size - dir.offset) {
+    return ZipCorrupt(name, "the zip central directory lies outside the file");
   }
-  // What PyTorchStreamReader's constructor checks once miniz has opened the
-  // archive, checked here first: when the constructor throws there, it leaks
-  // miniz's state.
-  if (records.empty()) return corrupt("the zip archive holds no records");
+  if (dir.entries > dir.size / kZipCentral) {
+    return ZipCorrupt(name, "the zip central directory is too small for its entries");
+  }
+  return dir;
+}
+
+// Replaces each of *uncomp, *comp and *local that is 0xFFFFFFFF by its value
+// in the zip64 extra field of record `record`.
+absl::Status ReadZip64Sizes(absl::string_view extra, const std::string& name,
+                            const std::string& record, uint64_t* uncomp, uint64_t* comp,
+                            uint64_t* local) {
+  while (extra.size() >= 4) {
+    const uint64_t id = LoadLE(extra.data(), 2), len = LoadLE(extra.data() + 2, 2);
+    if (len > extra.size() - 4) break;
+    absl::string_view field = extra.substr(4, len);
+    extra.remove_prefix(4 + len);
+    if (id != 1) continue;
+    for (uint64_t* v : {uncomp, comp, local}) {
+      if (*v != 0xFFFFFFFF) continue;
+      if (field.size() < 8) {
+        return ZipCorrupt(name, absl::StrCat("bad zip64 sizes for record ", Quote(record)));
+      }
+      *v = LoadLE(field.data(), 8);
+      field.remove_prefix(8);
+    }
+    return absl::OkStatus();
+  }
+  return ZipCorrupt(name, absl::StrCat("no zip64 sizes for record ", Quote(record)));
+}
+
+struct ZipRecord {
+  std::string name;
+  uint64_t local;  // offset of the local header
+  uint64_t size;
+};
+
+// Reads and checks the central directory entry at cd[*p] (the archive is
+// `size` bytes long) and moves *p past it.
+absl::StatusOr<ZipRecord> ReadZipEntry(absl::string_view cd, size_t* p, uint64_t size,
+                                       const std::string& name) {
+  if (cd.size() - *p < kZipCentral || LoadLE(cd.data() + *p, 4) != 0x02014b50) {
+    return ZipCorrupt(name, "bad zip central directory entry");
+  }
+  const char* h = cd.data() + *p;
+  const uint64_t flags = LoadLE(h + 8, 2), method = LoadLE(h + 10, 2), external = LoadLE(h + 38, 4);
+  uint64_t comp = LoadLE(h + 20, 4), uncomp = LoadLE(h + 24, 4), local = LoadLE(h + 42, 4);
+  const size_t name_len = LoadLE(h + 28, 2), extra_len = LoadLE(h + 30, 2),
+               comment_len = LoadLE(h + 32, 2);
+  if (cd.size() - *p - kZipCentral < name_len + extra_len + comment_len) {
+    return ZipCorrupt(name, "bad zip central directory entry");
+  }
+  const std::string record(h + kZipCentral, name_len);
+  if (uncomp == 0xFFFFFFFF || comp == 0xFFFFFFFF || local == 0xFFFFFFFF) {
+    const absl::string_view extra(h + kZipCentral + name_len, extra_len);
+    TP_RETURN_IF_ERROR(ReadZip64Sizes(extra, name, record, &uncomp, &comp, &local));
+  }
+  if (method != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, ": record ", Quote(record), " is compressed (zip method ", method,
+                     "); torch.save stores records uncompressed (was the file re-zipped?)"));
+  }
+  if (flags & 0x61) {  // encrypted, strongly encrypted, compressed patch data
+    return ZipCorrupt(name, absl::StrCat("record ", Quote(record), " is encrypted or patch data"));
+  }
+  if (comp != uncomp) {
+    return ZipCorrupt(name, absl::StrCat("record ", Quote(record), " has inconsistent sizes"));
+  }
+  // miniz "extracts" a directory as nothing, leaving the buffer it
+  // allocated for the declared size uninitialized.
+  if (uncomp != 0 && ((external & 0x10) || absl::EndsWith(record, "/"))) {
+    return ZipCorrupt(name, absl::StrCat("record ", Quote(record), " is marked as a directory"));
+  }
+  if (local > size || uncomp > size - local) {
+    return ZipCorrupt(name, absl::StrCat("record ", Quote(record), " (", uncomp,
+                                         " bytes) runs past the end of the file"));
+  }
+  *p += kZipCentral + name_len + extra_len + comment_len;
+  return ZipRecord{record, local, uncomp};
+}
+
+// Checks the version record as PyTorchStreamReader's constructor would once
+// miniz has opened the archive: present, and a format this LibTorch reads.
+absl::Status CheckZipVersion(const BoundedReadAdapter& in, const std::string& name,
+                             const std::vector<ZipRecord>& records,
+                             const std::unordered_map<std::string, size_t>& by_name) {
+  const uint64_t size = in.size();
   const size_t slash = records[0].name.find('/');
   if (slash == std::string::npos) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(name, ": a zip archive whose records are not in a folder, not a torch.save file"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        name, ": a zip archive whose records are not in a folder, not a torch.save file"));
   }
   const std::string prefix = absl::AsciiStrToLower(records[0].name.substr(0, slash + 1));
   auto version = by_name.find(prefix + ".data/version");
   if (version == by_name.end()) version = by_name.find(prefix + "version");
-  if (version == by_name.end()) return corrupt("the zip archive has no version record");
-  const Record& v = records[version->second];
+  if (version == by_name.end()) return ZipCorrupt(name, "the zip archive has no version record");
+  const ZipRecord& v = records[version->second];
   char local[30];
   if (v.size > 32 || in.read(v.local, local, 30) != 30 || LoadLE(local, 4) != 0x04034b50) {
-    return corrupt("bad version record");
+    return ZipCorrupt(name, "bad version record");
   }
   const uint64_t data = v.local + 30 + LoadLE(local + 26, 2) + LoadLE(local + 28, 2);
   std::string text(v.size, '\0');
   if (data > size || v.size > size - data || in.read(data, text.data(), v.size) != v.size) {
-    return corrupt("bad version record");
+    return ZipCorrupt(name, "bad version record");
   }
   // As std::stoull reads it: blanks, then digits.
   size_t k = 0;
@@ -1409,14 +1554,44 @@ absl::Status CheckZipDirectory(const BoundedReadAdapter& in, const std::string& 
   for (; k < text.size() && absl::ascii_isdigit(text[k]) && digits < 19; ++k, ++digits) {
     format = format * 10 + (text[k] - '0');
   }
-  if (digits == 0 || digits == 19) return corrupt(absl::StrCat("bad version record ", Quote(text)));
+  if (digits == 0 || digits == 19) {
+    return ZipCorrupt(name, absl::StrCat("bad version record ", Quote(text)));
+  }
   if (format < caffe2::serialize::kMinSupportedFileFormatVersion ||
       format > caffe2::serialize::kMaxSupportedFileFormatVersion) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        name, ": archive format version ", format, "; this LibTorch reads versions ",
-        caffe2::serialize::kMinSupportedFileFormatVersion, " to ", caffe2::serialize::kMaxSupportedFileFormatVersion));
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, ": archive format version ", format, "; this LibTorch reads versions ",
+                     caffe2::serialize::kMinSupportedFileFormatVersion, " to ",
+                     caffe2::serialize::kMaxSupportedFileFormatVersion));
   }
   return absl::OkStatus();
+}
+
+// Checks the zip's central directory before miniz acts on it: every record
+// stored (torch.save never compresses) and inside the file, names unique.
+// miniz allocates a record's declared size before reading it; this keeps
+// that within the file.
+absl::Status CheckZipDirectory(const BoundedReadAdapter& in, const std::string& name) {
+  TP_ASSIGN_OR_RETURN(const ZipDirectory dir, FindZipDirectory(in, name));
+  std::string cd(dir.size, '\0');
+  if (in.read(dir.offset, cd.data(), dir.size) != dir.size) {
+    return ZipCorrupt(name, "cannot read the zip central directory");
+  }
+  std::vector<ZipRecord> records;
+  std::unordered_map<std::string, size_t> by_name;  // lowercased, as miniz looks names up
+  size_t p = 0;
+  for (uint64_t k = 0; k < dir.entries; ++k) {
+    TP_ASSIGN_OR_RETURN(ZipRecord record, ReadZipEntry(cd, &p, in.size(), name));
+    if (!by_name.emplace(absl::AsciiStrToLower(record.name), records.size()).second) {
+      return ZipCorrupt(name, absl::StrCat("record ", Quote(record.name), " appears twice"));
+    }
+    records.push_back(std::move(record));
+  }
+  // What PyTorchStreamReader's constructor checks once miniz has opened the
+  // archive, checked here first: when the constructor throws there, it leaks
+  // miniz's state.
+  if (records.empty()) return ZipCorrupt(name, "the zip archive holds no records");
+  return CheckZipVersion(in, name, records, by_name);
 }
 
 absl::StatusOr<PyValuePtr> ReadArchive(const std::shared_ptr<BoundedReadAdapter>& in, const std::string& name,

@@ -75,8 +75,9 @@ class GlooCommunicator::Registered {
   std::unique_ptr<gloo::transport::UnboundBuffer> buffer_;
 };
 
-absl::StatusOr<std::unique_ptr<GlooCommunicator>> GlooCommunicator::Create(
-    KeyValueStore* store, int rank, int world_size, const GlooOptions& options) {
+absl::StatusOr<std::unique_ptr<GlooCommunicator>>
+GlooCommunicator::Create(KeyValueStore* store, int rank, int world_size,
+                         const GlooOptions& options) {
   if (world_size < 1 || rank < 0 || rank >= world_size) {
     return absl::InvalidArgumentError(
         absl::StrCat("rank ", rank, " / world size ", world_size, " out of range"));

@@ -74,14 +74,35 @@ class ParityTest(unittest.TestCase):
                    "--lr=1e-3")
         print(f"resnet18 adamw+groups+onecycle, 2 ranks: max rel diff {r['max_rel_diff']:.2e}")
         self.assertLess(r["max_rel_diff"], TOL)
-        # 3 ranks: a sum of three gradients depends on its order, which differs
-        # between any two reductions (DDP with other buckets too); the model
-        # amplifies that. shardopt must stay within PyTorch's own spread.
+        # 3 ranks: a sum of three gradients depends on its order, and any two
+        # reductions order it differently; this model's training (BatchNorm
+        # over 4 samples, Adam normalising near-zero gradients) amplifies one
+        # ulp to 1e-3..1e-1 within a few steps, for PyTorch against itself
+        # too. So at 3 ranks shardopt is held to PyTorch's own spread: DDP
+        # against DDP on the same global batches with the slices assigned to
+        # the ranks in another order.
         r = launch(3, "--scenario=parity", "--model=resnet18", "--onecycle", "--steps=6",
                    "--lr=1e-3", "--floor")
-        print(f"resnet18, 3 ranks: max rel diff {r['max_rel_diff']:.2e}; DDP against DDP with "
-              f"other buckets: {r['torch_floor']:.2e}")
-        self.assertLess(r["max_rel_diff"], max(TOL, 4 * r["torch_floor"]))
+        print(f"resnet18 adamw+groups+onecycle, 3 ranks: max rel diff {r['max_rel_diff']:.2e}; "
+              f"DDP against DDP with the slices permuted: {r['torch_floor']:.2e}")
+        self.assertLess(r["max_rel_diff"], max(TOL, 10 * r["torch_floor"]))
+
+    def test_overlapped_parameter_gather(self):
+        # module=: step() returns with the all-gathers in flight; forward
+        # pre-hooks wait per layer, state_dict() and checkpoints wait for all.
+        for args in (["--model=mlp", "--clip=1.0", "--onecycle"],
+                     ["--model=resnet18", "--onecycle", "--steps=6", "--lr=1e-3"]):
+            r = launch(2, "--scenario=parity", "--overlap", *args)
+            print(f"overlap {args[0]}: max rel diff {r['max_rel_diff']:.2e}")
+            self.assertLess(r["max_rel_diff"], TOL)
+        tmp = tempfile.mkdtemp()
+        ck, base, got = (os.path.join(tmp, n) for n in ("ck", "a.pt", "b.pt"))
+        launch(2, "--scenario=checkpoint", f"--ckpt={ck}", f"--params-out={base}", "--overlap")
+        launch(2, "--scenario=checkpoint", f"--ckpt={ck}", "--resume", f"--params-out={got}",
+               "--overlap")
+        want, have = torch.load(base), torch.load(got)
+        for n in want:
+            self.assertTrue(torch.equal(want[n], have[n]), f"{n}: resume with overlap differs")
 
     def test_sgd_momentum(self):
         for world in (2, 3):

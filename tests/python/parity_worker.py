@@ -52,9 +52,9 @@ def torch_optimizer(kind, params, lr, foreach=None):
     return torch.optim.AdamW(params, lr=lr, weight_decay=0.05, foreach=foreach)
 
 
-def train(model, opt, sched, a, steps, first=0, ddp=None, accumulate=1, clip=0.0):
+def train(model, opt, sched, a, steps, first=0, ddp=None, accumulate=1, clip=0.0, shift=0):
     ctx = shardopt.init()
-    rank, world = ctx.rank, ctx.world_size
+    rank, world = (ctx.rank + shift) % ctx.world_size, ctx.world_size
     loss_fn = nn.CrossEntropyLoss()
     for step in range(first, steps):
         opt.zero_grad()
@@ -84,9 +84,13 @@ def schedule(opt, a):
 
 
 def max_rel_diff(m1, m2):
+    """Over the parameters, read through state_dict(): with overlapped
+    all-gathers that is what must wait for them."""
     worst = 0.0
-    for (n, p), q in zip(m1.named_parameters(), m2.parameters()):
-        d = ((p.detach() - q.detach()).abs().max() / q.detach().abs().max().clamp_min(1e-3)).item()
+    s1, s2 = m1.state_dict(), m2.state_dict()
+    for n, _ in m2.named_parameters():
+        p, q = s1[n], s2[n]
+        d = ((p - q).abs().max() / q.abs().max().clamp_min(1e-3)).item()
         worst = max(worst, d)
     return worst
 
@@ -96,7 +100,8 @@ def shardopt_model(a, grad_dtype=None):
     opt = shardopt.ShardedOptimizer(groups(model, True), optimizer=a.kind, lr=a.lr,
                                     momentum=0.9 if a.kind == "sgd" else 0.0,
                                     max_grad_norm=a.clip, bucket_cap_mb=a.bucket_mb,
-                                    grad_dtype=grad_dtype)
+                                    grad_dtype=grad_dtype,
+                                    module=model if a.overlap else None)
     return model, opt
 
 
@@ -110,16 +115,17 @@ def scenario_parity(a, res):
     train(model, opt, schedule(opt, a), a, a.steps, accumulate=a.accumulate)
     res["max_rel_diff"] = max_rel_diff(model, ref)
     if a.floor:
-        # PyTorch against itself: DDP with other buckets sums each gradient
-        # element over 3+ ranks in another order (floating-point addition is
-        # not associative); on models whose training amplifies 1-ulp
-        # differences (Adam normalises near-zero gradients, BatchNorm on
-        # small batches) this is the noise floor of any parity.
+        # PyTorch against itself: the same global batches with the slices
+        # assigned to the ranks in another order, so DDP sums every gradient
+        # element in another order (floating-point addition is not
+        # associative). On models whose training amplifies 1-ulp differences
+        # (Adam normalises near-zero gradients, BatchNorm on small batches)
+        # this is the noise floor of any parity at 3+ ranks.
         twin = make_model(a.model)
-        tddp = torch.nn.parallel.DistributedDataParallel(twin, bucket_cap_mb=0.05)
+        tddp = torch.nn.parallel.DistributedDataParallel(twin)
         topt = torch_optimizer(a.kind, groups(twin, False), a.lr)
         train(twin, topt, schedule(topt, a), a, a.steps, ddp=tddp, accumulate=a.accumulate,
-              clip=a.clip)
+              clip=a.clip, shift=1)
         res["torch_floor"] = max_rel_diff(twin, ref)
     res["lr_now"] = [opt.param_groups[0]["lr"], ropt.param_groups[0]["lr"]]
 
@@ -167,7 +173,8 @@ def scenario_checkpoint(a, res):
         first = a.save_at
     train(model, opt, sched, a, a.steps, first=first)
     if shardopt.init().rank == 0:
-        torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, a.params_out)
+        sd = model.state_dict()  # waits for overlapped gathers
+        torch.save({n: sd[n].clone() for n, _ in model.named_parameters()}, a.params_out)
 
 
 def scenario_errors(a, res):
@@ -217,6 +224,7 @@ def main():
     p.add_argument("--accumulate", type=int, default=1)
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--floor", action="store_true")
+    p.add_argument("--overlap", action="store_true", help="module=: gathers overlap the forward")
     p.add_argument("--bucket-mb", type=float, default=0.05)  # several buckets
     p.add_argument("--ckpt")
     p.add_argument("--save-at", type=int, default=5)

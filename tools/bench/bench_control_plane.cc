@@ -32,6 +32,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "client/join_request.h"
 #include "common/model_shapes.h"
 #include "common/planner.h"
 #include "nlohmann/json.hpp"
@@ -337,22 +338,10 @@ int Main(int argc, char** argv) {
   std::vector<std::unique_ptr<JoinCall>> joins;
   for (int r = 0; r < n; ++r) {
     auto call = std::make_unique<JoinCall>();
-    call->req.set_job_id("job");
-    call->req.set_rank(r);
-    call->req.set_world_size(n);
-    call->req.set_host("127.0.0.1");
-    call->req.set_shard_owner_port(10000 + r);
-    call->req.set_layout_hash(layout->hash());
-    call->req.mutable_plan()->set_bucket_cap_elements(PlanOptions().bucket_cap_elements);
-    call->req.mutable_plan()->set_alignment_elements(PlanOptions().alignment_elements);
-    call->req.mutable_plan()->set_allow_cut(true);
-    for (const ParamSpec& p : model->params) {
-      auto* pi = call->req.add_params();
-      pi->set_name(p.name);
-      for (int64_t d : p.shape) pi->add_shape(d);
-      pi->set_dtype("float32");
-      pi->set_trainable(true);
-    }
+    JoinRequestInfo info;
+    info.rank = r;
+    info.shard_owner_port = 10000 + r;
+    call->req = MakeJoinRequest(*layout, info);
     joins.push_back(std::move(call));
   }
   t = Now();

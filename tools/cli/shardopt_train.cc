@@ -46,6 +46,8 @@ flags (a malformed or out-of-range value is refused, naming the flag; exit statu
   --bucket-cap=N       bucket cap in elements, 1..2147483647 (default 26214400)
   --threads=N          compute threads per rank, 1..256 (default 1)
   --malloc=MODE        tuned | default (default tuned: see README, "allocator")
+  --overlap=on|off     on: Step() returns with the parameter all-gathers in flight and each
+                       layer waits for its own before its forward (default on)
   --coordinator=H:P    coordinator address (default $SHARDOPT_COORDINATOR)
   --job-id=ID          job id (default $SHARDOPT_JOB_ID or "job")
   --token-file=PATH    bearer token for the control plane (default $SHARDOPT_TOKEN_FILE)
@@ -139,7 +141,7 @@ struct Config {
   int64_t steps = 0, batch_flag = 0, bucket_cap = 0, threads = 1, log_every = 1;
   int64_t ckpt_every = 0, ckpt_keep = 0;
   double lr = 0, clip = 0;
-  bool has_lr = false, has_batch = false;
+  bool has_lr = false, has_batch = false, overlap = true;
   absl::Duration collective_timeout;
   int64_t stall_rank = -1, stall_step = -1, nan_rank = -1, nan_step = -1, slow_rank = -1, slow_ms = 0;
   MallocMode malloc_mode;
@@ -161,6 +163,7 @@ absl::Status ReadConfig(const Flags& flags, Config* c) {
   c->bucket_cap = Take(flags.Int("bucket-cap", 25 * 1024 * 1024, 1, kMaxBucketCap), &bad);
   c->threads = Take(flags.Int("threads", 1, 1, kMaxThreads), &bad);
   const std::string malloc_flag = Take(flags.Choice("malloc", "tuned", {"tuned", "default"}), &bad);
+  c->overlap = Take(flags.Choice("overlap", "on", {"on", "off"}), &bad) == "on";
   c->coordinator = Take(flags.NonEmpty("coordinator", EnvStr("SHARDOPT_COORDINATOR", "")), &bad);
   c->job_id = Take(flags.NonEmpty("job-id", EnvStr("SHARDOPT_JOB_ID", "job")), &bad);
   const std::string token_file = Take(flags.NonEmpty("token-file", EnvStr("SHARDOPT_TOKEN_FILE", "")), &bad);
@@ -201,7 +204,7 @@ absl::Status ReadConfig(const Flags& flags, Config* c) {
 int ParseConfig(int argc, char** argv, Config* c) {
   auto flags = Flags::Parse(argc, argv,
                             {"model", "steps", "lr", "optimizer", "batch", "clip", "bucket-cap",
-                             "threads", "malloc", "coordinator", "job-id", "token-file", "bind",
+                             "threads", "malloc", "overlap", "coordinator", "job-id", "token-file", "bind",
                              "log-every", "tls-ca", "tls-cert", "tls-key", "ckpt-dir", "ckpt-every",
                              "resume", "ckpt-keep", "collective-timeout", "debug-stall-rank", "debug-stall-step",
                              "debug-nan-rank", "debug-nan-step", "debug-slow-rank", "debug-slow-ms",
@@ -236,6 +239,7 @@ ShardedOptimizerOptions OptimizerOptions(const Config& c) {
   opt.max_grad_norm = c.clip;
   opt.plan.bucket_cap_elements = c.bucket_cap;
   opt.timeout = c.collective_timeout;
+  opt.overlap_param_gather = c.overlap;
   return opt;
 }
 
@@ -329,23 +333,26 @@ int TrainLoop(const Config& c, TrainModel& model, int64_t batch, ShardedOptimize
       what = what.substr(0, what.find('\n'));
       return agent->Fail(absl::StrCat("step ", step + 1, " failed in forward/backward: ", what));
     }
+    double l = loss.item<double>();
+    if (c.rank == c.nan_rank && step + 1 == c.nan_step) l = std::nan("");  // --debug-nan-rank
+    // Control actions and non-finite losses are agreed before the update, so
+    // the agreement's all-reduce does not wait behind the step's all-gathers
+    // (which overlap the next forward).
+    auto agreed = agent->AgreeBeforeUpdate(step + 1, l);
+    if (!agreed.ok()) {
+      const std::string msg = agent->Diagnose(agreed.status());
+      return agent->Fail(absl::StrCat("step ", step + 1, " failed: ", msg), msg);
+    }
     auto r = o->Step();
     if (!r.ok()) {
       const std::string msg = agent->Diagnose(r.status());
       return agent->Fail(absl::StrCat("step ", step + 1, " failed: ", msg), msg);
     }
-    double l = loss.item<double>();
-    if (c.rank == c.nan_rank && step + 1 == c.nan_step) l = std::nan("");  // --debug-nan-rank
     if (!std::isfinite(r->grad_norm)) {
       // The norm is global: every rank stops here, at the same step, before
       // anything is checkpointed.
       return agent->Fail(absl::StrCat("non-finite gradient norm (", Num(r->grad_norm), ") at step ", step + 1,
                                       " (loss ", Num(l), "); stopping (lower --lr)"));
-    }
-    auto agreed = agent->AfterStep(step + 1, *r, l);
-    if (!agreed.ok()) {
-      const std::string msg = agent->Diagnose(agreed.status());
-      return agent->Fail(absl::StrCat("step ", step + 1, " failed: ", msg), msg);
     }
     if (agreed->nonfinite_rank >= 0) {
       return agent->Fail(!std::isfinite(l)
@@ -353,6 +360,7 @@ int TrainLoop(const Config& c, TrainModel& model, int64_t batch, ShardedOptimize
                              : absl::StrCat("rank ", agreed->nonfinite_rank, " had a non-finite loss at step ",
                                             step + 1, "; stopping"));
     }
+    agent->FinishStep(step + 1, *r, l);
     ++window_steps;
     const auto now = std::chrono::steady_clock::now();
     const double secs = std::chrono::duration<double>(now - t_window).count();
@@ -430,6 +438,14 @@ int Main(int argc, char** argv) {
     return Fail(c.rank, optimizer.status().ToString());
   }
   ShardedOptimizer* o = optimizer->get();
+  if (c.overlap) {
+    // Each layer waits for its own parameters' all-gather (started by the
+    // previous Step()) just before its forward.
+    (*model)->set_layer_gate([o](torch::nn::Module& layer) {
+      absl::Status s = o->WaitForParameters(layer);
+      if (!s.ok()) throw std::runtime_error(std::string(s.message()));
+    });
+  }
   auto agent = RankAgent::Start(&client, o, AgentOptions(c, batch));
   if (!agent.ok()) return Fail(c.rank, agent.status().ToString());
   int64_t first_step = 0;

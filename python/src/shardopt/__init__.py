@@ -205,6 +205,14 @@ class ShardedOptimizer(Optimizer):
 
     Do not wrap the model in DistributedDataParallel: shardopt reduces the
     gradients itself (bucketed reduce-scatter during backward).
+
+    `module`: the model the parameters belong to. Given it, step() returns
+    with the parameter all-gathers still in flight (overlap_param_gather,
+    the default then) and each layer waits for its own parameters in a
+    forward pre-hook, so the gathers hide behind the next forward;
+    module.state_dict(), checkpoints and state_dict() wait for them too.
+    Read parameters any other way between steps only after
+    wait_for_parameters().
     """
 
     def __init__(self, params, optimizer: str = "adamw", lr: float = 1e-3,
@@ -214,6 +222,8 @@ class ShardedOptimizer(Optimizer):
                  bucket_cap_mb: float = 25.0, grad_dtype: Optional[torch.dtype] = None,
                  timeout: float = 300.0, kernel_threads: int = 1,
                  checkpoint_dir: Optional[str] = None, checkpoint_keep: int = 0,
+                 module: Optional[torch.nn.Module] = None,
+                 overlap_param_gather: Optional[bool] = None,
                  context: Optional[Context] = None):
         if optimizer not in _KINDS:
             raise ValueError(f"unknown optimizer {optimizer!r}: expected one of {', '.join(_KINDS)}")
@@ -273,21 +283,40 @@ class ShardedOptimizer(Optimizer):
             if id(t) in seen:
                 raise ValueError(f"parameter {n!r} is passed twice (the same tensor)")
             seen.add(id(t))
+        if any(t.is_cuda for t in tensors) and not _C.has_cuda:
+            raise ValueError("parameters are on a CUDA device, but this build of shardopt has no "
+                             "CUDA kernels (it was built against a CPU-only PyTorch); see the "
+                             "README's GPU section")
         # torch.optim.Optimizer: param_groups, state, hooks; checks the groups.
         super().__init__(torch_groups, defaults)
         self._kind = optimizer
         self._names = names
+        self._tensors = tensors
         self._index = {n: i for i, n in enumerate(names)}
         self._context = context or init()
         elem = tensors[0].element_size() if tensors else 4
+        if overlap_param_gather is None:
+            overlap_param_gather = module is not None
+        if overlap_param_gather and module is None:
+            raise ValueError("overlap_param_gather needs module= (the model whose forward waits "
+                             "for its parameters)")
+        if module is not None:
+            in_module = {id(p) for p in module.parameters()}
+            missing = [n for n, t in zip(names, tensors) if id(t) not in in_module]
+            if missing:
+                raise ValueError(f"parameter {missing[0]!r} is not in `module` ({len(missing)} "
+                                 "are not): pass the module that uses the parameters")
         comm = self._context._new_communicator(timeout)
         self._core = _C.Optimizer(
             comm, names, tensors, param_group, optimizer,
             [self._hyper(g) for g in self.param_groups], float(max_grad_norm),
             max(1, int(bucket_cap_mb * 1024 * 1024 / elem)), grad_dtype == torch.bfloat16,
-            float(timeout), int(kernel_threads))
+            float(timeout), int(kernel_threads), bool(overlap_param_gather))
         self._pushed = [self._hyper(g) for g in self.param_groups]
         self._initialised = True
+        self._hooks = []
+        if overlap_param_gather:
+            self._attach(module)
         self._finished = False
         ctx = self._context
         if ctx.control_plane and not ctx._agent_taken:
@@ -299,6 +328,28 @@ class ShardedOptimizer(Optimizer):
         elif ctx.control_plane:
             print("shardopt: only the first ShardedOptimizer of a process joins the control "
                   "plane", file=sys.stderr)
+
+    def _attach(self, module: torch.nn.Module) -> None:
+        """Forward pre-hooks: each module waits for the buckets of its own
+        parameters before its forward; state_dict() waits for all."""
+        ours = {id(t) for t in self._tensors}
+        core = self._core
+        for sub in module.modules():
+            own = [p for p in sub.parameters(recurse=False) if id(p) in ours]
+            if not own:
+                continue
+            buckets = core.buckets_of(own)
+            if buckets:
+                self._hooks.append(sub.register_forward_pre_hook(
+                    lambda m, inputs, b=buckets: core.wait_buckets(b)))
+        self._hooks.append(module._register_state_dict_hook(
+            lambda m, sd, prefix, meta: core.wait_all()))
+
+    def wait_for_parameters(self) -> None:
+        """Waits until every parameter has been all-gathered (only needed to
+        read parameters outside the module's forward and state_dict when the
+        gathers overlap the next forward)."""
+        self._core.wait_all()
 
     # -- hyper-parameters -----------------------------------------------------
     def _hyper(self, group: Dict[str, Any]) -> Dict[str, Any]:

@@ -1,0 +1,252 @@
+"""The same Python training loop with the optimizer swapped: PyTorch's DDP +
+torch.optim.Adam, DDP + ZeroRedundancyOptimizer(Adam), and shardopt.
+
+    bazel build //python:shardopt
+    PYTHONPATH=bazel-bin/python /usr/bin/python3 tools/bench/bench_python.py [--json out.json]
+
+2 ranks on this machine over gloo (torchrun's environment contract), one
+thread per rank, the allocator tuned identically for every row (glibc
+tunables: no mmap for large blocks, no trimming, one arena, as shardopt's
+--malloc=tuned). Every (row, round) runs in fresh processes, so peak RSS is
+the row's own. Rows are interleaved (row order rotates every round) so the
+machine's drift hits them alike. Reports samples/s/rank (median of rounds,
+with min-max), its ratio to DDP and to ZeRO, peak RSS, optimizer-state
+bytes per rank, and where a step's time goes (forward; backward, which for
+DDP includes the all-reduce it cannot overlap; optimizer step, which for
+ZeRO includes the parameter broadcast and for shardopt the exposed
+reduce-scatter/all-gather waits, reported separately).
+"""
+import argparse
+import json
+import os
+import resource
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROWS = ("ddp", "ddp_zero", "shardopt")
+TUNABLES = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=1073741824:glibc.malloc.arena_max=1"
+
+
+def build_model(name):
+    import torch.nn as nn
+    if name == "mlp":  # 1024-4096-4096-4096-1024
+        return nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 4096), nn.ReLU(),
+                             nn.Linear(4096, 4096), nn.ReLU(), nn.Linear(4096, 1024))
+    import torchvision
+    return torchvision.models.resnet101(num_classes=10)
+
+
+def worker(a):
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = build_model(a.model)
+    batch = 64 if a.model == "mlp" else 32
+    g = torch.Generator().manual_seed(rank)
+    if a.model == "mlp":
+        x = torch.randn(batch, 1024, generator=g)
+        y = torch.randn(batch, 1024, generator=g)
+        loss_fn = nn.MSELoss()
+    else:
+        x = torch.randn(batch, 3, 32, 32, generator=g)
+        y = torch.randint(0, 10, (batch,), generator=g)
+        loss_fn = nn.CrossEntropyLoss()
+    net = model
+    if a.row == "shardopt":
+        import shardopt
+        # module=: the all-gathers overlap the next forward (per-layer waits).
+        opt = shardopt.ShardedOptimizer(model.named_parameters(), optimizer="adam", lr=1e-4,
+                                        module=model)
+    else:
+        net = torch.nn.parallel.DistributedDataParallel(model)
+        if a.row == "ddp":
+            opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+        else:
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+            opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam,
+                                          lr=1e-4)
+    fwd = bwd = stp = exposed = 0.0
+    t_start = None
+    for step in range(a.warmup + a.steps):
+        if step == a.warmup:
+            dist.barrier()
+            t_start = time.perf_counter()
+            fwd = bwd = stp = exposed = 0.0
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        loss = loss_fn(net(x), y)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        r = opt.step()
+        t3 = time.perf_counter()
+        fwd += t1 - t0
+        bwd += t2 - t1
+        stp += t3 - t2
+        if a.row == "shardopt":
+            exposed += r.comm_wait_seconds
+    elapsed = time.perf_counter() - t_start
+    if a.row == "shardopt":
+        state = opt.memory()["state_bytes"]
+    else:
+        local = opt.optim if a.row == "ddp_zero" else opt
+        state = sum(t.numel() * t.element_size() for s in local.state.values()
+                    for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
+    out = {
+        "samples_per_s": a.steps * batch / elapsed,
+        "forward_s": fwd / a.steps, "backward_s": bwd / a.steps, "step_s": stp / a.steps,
+        "exposed_comm_s": exposed / a.steps if a.row == "shardopt" else None,
+        "state_bytes": state,
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }
+    results = [None] * dist.get_world_size()
+    dist.all_gather_object(results, out)
+    if rank == 0:
+        with open(a.out, "w") as f:
+            json.dump(results, f)
+    if a.row == "shardopt":
+        opt.finish()
+    # Not dist.destroy_process_group() nor the interpreter's teardown: with
+    # DDP over gloo either can hang for minutes after the work is done (seen
+    # with resnet101 on torch 1.13); the results are written.
+    dist.barrier()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(a, model, row, world):
+    out = tempfile.mktemp(suffix=".json")
+    port = str(free_port())
+    procs, logs = [], []
+    for r in range(world):
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1",
+                   GLIBC_TUNABLES=TUNABLES)
+        env.pop("SHARDOPT_COORDINATOR", None)
+        logs.append(tempfile.TemporaryFile(mode="w+"))
+        procs.append(subprocess.Popen(
+            [sys.executable, __file__, "--worker", "--model", model, "--row", row,
+             "--steps", str(a.steps), "--warmup", str(a.warmup), "--out", out],
+            env=env, stdout=logs[-1], stderr=subprocess.STDOUT))
+    # Poll every rank: one that fails ends the others at once (they would wait
+    # in a collective for gloo's 30-minute timeout), and its log is shown.
+    deadline = time.time() + a.launch_timeout
+    while any(p.poll() is None for p in procs):
+        failed = [p for p in procs if p.poll() not in (None, 0)]
+        if failed or time.time() > deadline:
+            for p in procs:
+                p.kill()
+            break
+        time.sleep(0.2)
+    texts = []
+    for p, log in zip(procs, logs):
+        p.wait()
+        log.seek(0)
+        texts.append(log.read())
+    if any(p.returncode != 0 for p in procs):
+        if time.time() > deadline and not any(p.returncode not in (0, -9) for p in procs):
+            return None  # timed out: the caller retries (and says so)
+        raise SystemExit(f"bench_python: {model}/{row} failed:\n" + "\n---\n".join(texts))
+    with open(out) as f:
+        res = json.load(f)
+    os.unlink(out)
+    return res
+
+
+def summarize(per_round):
+    """Per row: medians over rounds of the per-rank mean."""
+    def mean_over_ranks(res, key):
+        vals = [r[key] for r in res if r[key] is not None]
+        return sum(vals) / len(vals) if vals else None
+    s = {}
+    for key in ("samples_per_s", "forward_s", "backward_s", "step_s", "exposed_comm_s"):
+        vals = [mean_over_ranks(res, key) for res in per_round]
+        vals = [v for v in vals if v is not None]
+        s[key] = statistics.median(vals) if vals else None
+        if key == "samples_per_s":
+            s["samples_per_s_min"], s["samples_per_s_max"] = min(vals), max(vals)
+    s["peak_rss_bytes"] = statistics.median(max(r["peak_rss_bytes"] for r in res)
+                                            for res in per_round)
+    s["state_bytes"] = per_round[0][0]["state_bytes"]
+    return s
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="mlp,resnet101")
+    p.add_argument("--rows", default=",".join(ROWS))
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--launch-timeout", type=float, default=300.0,
+                   help="seconds one (row, round) may take before it is killed and retried")
+    p.add_argument("--json", default=None, help="write the results here")
+    # worker mode (internal)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--model", help=argparse.SUPPRESS)
+    p.add_argument("--row", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.worker:
+        return worker(a)
+    rows = a.rows.split(",")
+    for r in rows:
+        if r not in ROWS:
+            p.error(f"unknown row {r!r} (rows: {', '.join(ROWS)})")
+    report = {"world_size": a.world, "rounds": a.rounds, "steps": a.steps, "models": {}}
+    for model in a.models.split(","):
+        per_row = {r: [] for r in rows}
+        for rnd in range(a.rounds):
+            order = rows[rnd % len(rows):] + rows[:rnd % len(rows)]
+            for row in order:
+                t = time.time()
+                res = launch(a, model, row, a.world)
+                if res is None:
+                    print(f"[{model} round {rnd + 1}] {row}: no result within "
+                          f"{a.launch_timeout:.0f} s (hung); retrying once", file=sys.stderr)
+                    res = launch(a, model, row, a.world)
+                    if res is None:
+                        raise SystemExit(f"bench_python: {model}/{row} hung twice")
+                per_row[row].append(res)
+                print(f"[{model} round {rnd + 1}/{a.rounds}] {row:9s} "
+                      f"{sum(r['samples_per_s'] for r in res) / len(res):7.1f} samples/s/rank "
+                      f"({time.time() - t:.0f} s)", file=sys.stderr, flush=True)
+        summary = {r: summarize(per_row[r]) for r in rows}
+        report["models"][model] = summary
+        print(f"\n{model}, {a.world} ranks, median of {a.rounds} rounds x {a.steps} steps:")
+        print(f"{'row':10s} {'samples/s/rank':>22s} {'vs ddp':>7s} {'vs zero':>8s} "
+              f"{'fwd ms':>7s} {'bwd ms':>7s} {'step ms':>8s} {'exposed':>8s} "
+              f"{'state MiB':>10s} {'peak RSS MiB':>13s}")
+        for r in rows:
+            s = summary[r]
+            vs = lambda other: (f"{s['samples_per_s'] / summary[other]['samples_per_s']:.2f}x"
+                                if other in summary else "-")
+            exposed = f"{s['exposed_comm_s'] * 1e3:.0f} ms" if s["exposed_comm_s"] is not None else "-"
+            print(f"{r:10s} {s['samples_per_s']:8.1f} ({s['samples_per_s_min']:.1f}-"
+                  f"{s['samples_per_s_max']:.1f})  {vs('ddp'):>7s} {vs('ddp_zero'):>8s} "
+                  f"{s['forward_s'] * 1e3:7.0f} {s['backward_s'] * 1e3:7.0f} "
+                  f"{s['step_s'] * 1e3:8.0f} {exposed:>8s} {s['state_bytes'] / 2**20:10.1f} "
+                  f"{s['peak_rss_bytes'] / 2**20:13.0f}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
