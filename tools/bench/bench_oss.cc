@@ -11,6 +11,8 @@
 //             partition), then one broadcast per owner;
 //   shardopt  ShardedOptimizer: bucketed reduce-scatter during backward, fused
 //             update of the owned slices, bucketed all-gather;
+//   shardopt_overlap  the same with the all-gathers overlapping the next
+//             forward (overlap_param_gather; each layer waits for its own);
 //   shardopt_fr  the same with what shardopt_train adds for observability: every
 //             collective through the flight recorder, per-step metrics under a
 //             mutex and a thread that collects them once a second as heartbeats
@@ -38,6 +40,7 @@
 #include <mutex>
 #include <numeric>
 #include <sstream>
+#include <stdexcept>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -198,9 +201,13 @@ int RunWorker(const Flags& f) {
       if (thread->joinable()) thread->join();
     }
   } joiner{&stop_metrics, &heartbeat};
-  if (row == "shardopt" || observed) {
+  const bool overlap = row == "shardopt_overlap";
+  if (row == "shardopt" || overlap || observed) {
     ShardedOptimizerOptions o;
     o.adam.lr = lr;
+    // shardopt_overlap: Step() returns with the all-gathers in flight; each
+    // layer waits for its own in the next forward (as shardopt_train does).
+    o.overlap_param_gather = overlap;
     auto s = ShardedOptimizer::Create(named, o, observed ? recording.get() : comm->get());
     if (!s.ok()) {
       std::fprintf(stderr, "%s\n", s.status().ToString().c_str());
@@ -208,6 +215,13 @@ int RunWorker(const Flags& f) {
     }
     sharded = std::move(*s);
     state_bytes = sharded->memory().state_bytes;
+    if (overlap) {
+      ShardedOptimizer* raw = sharded.get();
+      model->set_layer_gate([raw](torch::nn::Module& layer) {
+        absl::Status w = raw->WaitForParameters(layer);
+        if (!w.ok()) throw std::runtime_error(std::string(w.message()));
+      });
+    }
     if (observed) {
       heartbeat = std::thread([&] {  // what shardopt_train's heartbeat thread collects
         double sink = 0;
@@ -443,7 +457,9 @@ samples/s per rank (+/- standard deviation over timed steps), ratio to ddp,
 peak RSS, optimizer state and bytes sent per rank per step, and the step
 breakdown. --png draws the chart with tools/bench/plot_oss.py (needs python3-matplotlib).
 --rows=shardopt,shardopt_fr measures what the flight recorder and the trainer's
-heartbeat metrics cost (README, "Flight recorder").
+heartbeat metrics cost (README, "Flight recorder"); --rows=...,shardopt_overlap adds the
+all-gathers overlapping the next forward (its fwd+bwd column includes those waits, which its
+exposed-comm column counts too).
 )";
 
 int RunParent(const Flags& f, const std::string& self) {
