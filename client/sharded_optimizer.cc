@@ -378,6 +378,16 @@ std::vector<TraceEvent> ShardedOptimizer::TakeTrace() {
 
 void ShardedOptimizer::OnGradReady(int param) {
   const int b = layout_.placement(param).bucket;
+  torch::Tensor& grad = params_[param].mutable_grad();
+  if (!grad.is_same(grad_views_[param])) {
+    // The gradient was set to None (module.zero_grad(set_to_none=True)) or
+    // replaced, so autograd accumulated into a tensor of its own: it holds
+    // exactly this backward's gradient. Take it into the flat buffer and make
+    // the parameter's gradient the view again.
+    at::NoGradGuard no_grad;
+    if (grad.defined()) grad_views_[param].copy_(grad);
+    grad = grad_views_[param];
+  }
   Trace(TraceEvent::kGradReady, b, param);
   ++grads_seen_;
   if (needs_zero_grad_) {
@@ -467,13 +477,6 @@ void ShardedOptimizer::ZeroGrad() {
   {
     at::NoGradGuard no_grad;
     grad_flat_.zero_();
-    // Gradients set to None (module.zero_grad(set_to_none=True)) or
-    // replaced become views of the flat buffer again.
-    for (size_t i = 0; i < params_.size(); ++i) {
-      if (grad_views_[i].defined() && !params_[i].grad().is_same(grad_views_[i])) {
-        params_[i].mutable_grad() = grad_views_[i];
-      }
-    }
   }
   std::fill(ready_.begin(), ready_.end(), false);
   std::fill(bucket_ready_count_.begin(), bucket_ready_count_.end(), 0);
@@ -505,14 +508,6 @@ absl::Status ShardedOptimizer::BeginStep() {
   if (grads_seen_ == 0) {
     return absl::FailedPreconditionError(
         "Step() called without a backward pass since the last step (no gradient arrived)");
-  }
-  for (size_t i = 0; i < params_.size(); ++i) {
-    if (grad_views_[i].defined() && !params_[i].grad().is_same(grad_views_[i])) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "the gradient of parameter '", layout_.params()[i].name,
-          "' is no longer the optimizer's (set to None or replaced after its ZeroGrad(), e.g. by "
-          "module.zero_grad(set_to_none=True)): zero gradients with the optimizer"));
-    }
   }
   const int nb = static_cast<int>(layout_.buckets().size());
   while (next_launch_ < nb) LaunchReduceScatterLocked(next_launch_++);

@@ -93,6 +93,26 @@ struct PyCommunicator {
   std::unique_ptr<Communicator> comm;
 };
 
+// Gloo over `store` (with the GIL released: a Python store takes it back).
+std::unique_ptr<GlooCommunicator> ConnectGloo(KeyValueStore* store, int rank, int world,
+                                              const std::string& prefix, double timeout_s,
+                                              const std::string& hostname) {
+  if (world < 1 || rank < 0 || rank >= world) {
+    throw py::value_error(absl::StrCat("rank ", rank, " is outside a world of ", world));
+  }
+  if (!(timeout_s > 0)) throw py::value_error("timeout must be > 0 seconds");
+  GlooOptions o;
+  o.hostname = hostname;
+  o.timeout = absl::Seconds(timeout_s);
+  o.store_prefix = prefix;
+  absl::StatusOr<std::unique_ptr<GlooCommunicator>> gloo;
+  {
+    py::gil_scoped_release release;
+    gloo = GlooCommunicator::Create(store, rank, world, o);
+  }
+  return Take(std::move(gloo));
+}
+
 // Under shardrun: rendezvous through the coordinator's key-value store, every
 // collective through the flight recorder (as shardopt_train does).
 std::shared_ptr<PyCommunicator> MakeCoordinatorCommunicator(
@@ -100,56 +120,32 @@ std::shared_ptr<PyCommunicator> MakeCoordinatorCommunicator(
     const std::string& job_id, const std::string& prefix, double timeout_s,
     const std::string& hostname, const std::string& tls_ca, const std::string& tls_cert,
     const std::string& tls_key) {
-  if (world < 1 || rank < 0 || rank >= world) {
-    throw py::value_error(absl::StrCat("rank ", rank, " is outside a world of ", world));
-  }
-  if (!(timeout_s > 0)) throw py::value_error("timeout must be > 0 seconds");
   auto creds = MakeChannelCredentials(ClientTls{tls_ca, tls_cert, tls_key});
   if (!creds.ok()) Raise(creds.status());
   auto out = std::make_shared<PyCommunicator>();
   out->client = std::make_unique<CoordinatorClient>(address, token, *creds);
   out->job_id = job_id;
-  GlooOptions o;
-  o.hostname = hostname;
-  o.timeout = absl::Seconds(timeout_s);
-  o.store_prefix = prefix;
-  absl::StatusOr<std::unique_ptr<GlooCommunicator>> gloo;
-  {
-    py::gil_scoped_release release;
-    GrpcKeyValueStore kv(out->client.get());
-    PrefixKeyValueStore job_kv(&kv, job_id);
-    gloo = GlooCommunicator::Create(&job_kv, rank, world, o);
-  }
-  out->comm = std::make_unique<FlightRecordingCommunicator>(Take(std::move(gloo)),
-                                                            std::make_shared<FlightRecorder>());
+  GrpcKeyValueStore kv(out->client.get());
+  PrefixKeyValueStore job_kv(&kv, job_id);
+  out->comm = std::make_unique<FlightRecordingCommunicator>(
+      ConnectGloo(&job_kv, rank, world, prefix, timeout_s, hostname),
+      std::make_shared<FlightRecorder>());
   return out;
 }
 
 std::shared_ptr<PyCommunicator> MakeCommunicator(int rank, int world, py::object store,
                                                  const std::string& prefix, double timeout_s,
                                                  const std::string& hostname) {
-  if (world < 1 || rank < 0 || rank >= world) {
-    throw py::value_error(absl::StrCat("rank ", rank, " is outside a world of ", world));
-  }
-  if (!(timeout_s > 0)) throw py::value_error("timeout must be > 0 seconds");
   auto out = std::make_shared<PyCommunicator>();
   if (store.is_none()) {
     if (world != 1) throw py::value_error("several ranks need a store for their rendezvous");
+    if (!(timeout_s > 0)) throw py::value_error("timeout must be > 0 seconds");
     out->world = std::make_unique<InProcessWorld>(1, absl::Seconds(timeout_s));
     out->comm = out->world->Connect(0);
     return out;
   }
   PythonStore py_store(store);
-  GlooOptions o;
-  o.hostname = hostname;
-  o.timeout = absl::Seconds(timeout_s);
-  o.store_prefix = prefix;
-  absl::StatusOr<std::unique_ptr<GlooCommunicator>> gloo;
-  {
-    py::gil_scoped_release release;
-    gloo = GlooCommunicator::Create(&py_store, rank, world, o);
-  }
-  out->comm = Take(std::move(gloo));
+  out->comm = ConnectGloo(&py_store, rank, world, prefix, timeout_s, hostname);
   return out;
 }
 

@@ -119,6 +119,13 @@ absl::Status ShardOwner::Init(ShardOwnerOptions options, torch::Tensor param_fla
     master_ = torch::empty({owned_elements_}, f32);
     for (int b = 0; b < nb; ++b) MasterOf(b).copy_(OwnedRange(param_flat_, b));
   }
+  // The update's slices, per bucket and group (buffers never move).
+  slices_.assign(nb, std::vector<std::vector<UpdateSlice>>(groups_.size()));
+  for (int b = 0; b < nb; ++b) {
+    for (const Segment& seg : segments_[b]) {
+      if (seg.size > 0) slices_[b][seg.group].push_back(SliceOf(b, seg.begin, seg.size));
+    }
+  }
   return absl::OkStatus();
 }
 
@@ -164,23 +171,17 @@ absl::Status ShardOwner::Update(int bucket, int64_t step) {
     return absl::OutOfRangeError(absl::StrCat("no bucket ", bucket));
   }
   if (staged_) return absl::FailedPreconditionError("cannot update while slices are staged");
-  std::vector<HyperParameters> groups;
-  {
-    absl::MutexLock lock(&mu_);
-    groups = groups_;
-  }
-  const std::vector<Segment>& segs = segments_[bucket];
-  // One multi-slice call per group present in the bucket.
-  std::vector<UpdateSlice> slices;
-  for (size_t g = 0; g < groups.size(); ++g) {
-    slices.clear();
-    for (const Segment& s : segs) {
-      if (s.group == static_cast<int>(g) && s.size > 0) {
-        slices.push_back(SliceOf(bucket, s.begin, s.size));
-      }
+  // One multi-slice call per group present in the bucket (slices built once,
+  // at construction: no per-parameter host work per step).
+  const std::vector<std::vector<UpdateSlice>>& by_group = slices_[bucket];
+  for (size_t g = 0; g < by_group.size(); ++g) {
+    if (by_group[g].empty()) continue;
+    HyperParameters hp;
+    {
+      absl::MutexLock lock(&mu_);
+      hp = groups_[g];
     }
-    if (slices.empty()) continue;
-    SHARDOPT_RETURN_IF_ERROR(backend_->Update(kind_, groups[g], step, slices));
+    SHARDOPT_RETURN_IF_ERROR(backend_->Update(kind_, hp, step, by_group[g]));
   }
   return absl::OkStatus();
 }

@@ -142,6 +142,7 @@ class ShardOwner {
   std::vector<int64_t> owned_offset_;  // per bucket: offset of its slice in master_/state
   int64_t owned_elements_ = 0;
   std::vector<std::vector<Segment>> segments_;  // per bucket
+  std::vector<std::vector<std::vector<UpdateSlice>>> slices_;  // [bucket][group]
   std::vector<int> param_group_;
   mutable absl::Mutex mu_;
   std::vector<HyperParameters> groups_ ABSL_GUARDED_BY(mu_);

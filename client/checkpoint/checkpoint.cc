@@ -45,22 +45,6 @@ bool ParseStepName(const std::string& name, int64_t* step) {
   return absl::SimpleAtoi(name.substr(5), step);
 }
 
-// Waits for a collective on buffers the caller is about to free. On a
-// timeout the collective may still be running, and a peer that arrives late
-// may still read or write this rank's buffers (the in-process world keeps
-// pointers to them even after an abort: AddressSanitizer showed it). So the
-// communicator is aborted (every pending collective fails promptly) and
-// `keepalive`, which owns the buffers, is deliberately leaked: a few bytes,
-// once, on a path that ends the communicator anyway.
-absl::Status WaitSafely(Communicator* comm, const CommHandlePtr& handle, absl::Duration timeout,
-                        std::shared_ptr<void> keepalive) {
-  absl::Status s = handle->Wait(timeout);
-  if (s.code() != absl::StatusCode::kDeadlineExceeded || handle->done()) return s;
-  comm->Abort(s);
-  new std::shared_ptr<void>(std::move(keepalive));  // never freed: see above
-  return s;
-}
-
 // Collects every rank's string on rank 0 (others get an empty vector).
 absl::StatusOr<std::vector<std::string>> GatherStrings(Communicator* comm, const std::string& mine,
                                                        absl::Duration timeout) {

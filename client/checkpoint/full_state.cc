@@ -25,13 +25,6 @@ float* ArrayOf(const ShardedOptimizer::OwnedSlice& s, size_t k) {
   return k == 0 ? s.master : k == 1 ? s.state0 : s.state1;
 }
 
-absl::Status Wait(ShardedOptimizer& opt, CommHandlePtr h) {
-  absl::Status s = h->Wait(opt.options().timeout);
-  // A timed-out collective may still write into its buffer: the caller's
-  // buffers are kept alive by leaking them in that case (see below).
-  if (!s.ok()) opt.communicator()->Abort(s);
-  return s;
-}
 
 }  // namespace
 
@@ -49,14 +42,20 @@ absl::StatusOr<FullState> GatherFullState(ShardedOptimizer& opt) {
   for (const Bucket& b : layout.buckets()) {
     ShardedOptimizer::OwnedSlice own = opt.owned_slice(b.index);
     for (size_t k = 0; k < names.size() && status.ok(); ++k) {
-      // Heap buffer: leaked if the all-gather times out (it may still write).
-      auto* buf = new std::vector<float>(static_cast<size_t>(b.capacity_per_rank) * world);
+      auto buf = std::make_shared<std::vector<float>>(
+          static_cast<size_t>(b.capacity_per_rank) * world);
       std::memcpy(buf->data() + rank * b.capacity_per_rank, ArrayOf(own, k),
                   b.capacity_per_rank * sizeof(float));
       CollectiveBucketScope tag(b.index);
-      status = Wait(opt, opt.communicator()->AllGather(buf->data(), b.capacity_per_rank,
-                                                       ElementType::kFloat32));
-      if (!status.ok()) break;  // `buf` leaked on purpose
+      // On a timeout WaitSafely keeps `buf` alive: a late peer may still write it.
+      status = WaitSafely(opt.communicator(),
+                          opt.communicator()->AllGather(buf->data(), b.capacity_per_rank,
+                                                        ElementType::kFloat32),
+                          opt.options().timeout, buf);
+      if (!status.ok()) {
+        if (status.code() != absl::StatusCode::kDeadlineExceeded) opt.communicator()->Abort(status);
+        break;
+      }
       for (int p : b.params) {
         const ParamSpec& spec = layout.params()[p];
         const ParamPlacement& pl = layout.placement(p);
@@ -65,7 +64,6 @@ absl::StatusOr<FullState> GatherFullState(ShardedOptimizer& opt) {
                 .clone()
                 .view(spec.shape);
       }
-      delete buf;
     }
     if (!status.ok()) break;
   }

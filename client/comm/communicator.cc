@@ -244,4 +244,13 @@ ByteCounters QueuedCommunicator::counters() const {
   return c;
 }
 
+absl::Status WaitSafely(Communicator* comm, const CommHandlePtr& handle, absl::Duration timeout,
+                        std::shared_ptr<void> keepalive) {
+  absl::Status s = handle->Wait(timeout);
+  if (s.code() != absl::StatusCode::kDeadlineExceeded || handle->done()) return s;
+  comm->Abort(s);
+  new std::shared_ptr<void>(std::move(keepalive));  // never freed: see above
+  return s;
+}
+
 }  // namespace shardopt

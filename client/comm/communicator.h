@@ -189,6 +189,16 @@ class QueuedCommunicator : public Communicator {
   std::thread worker_;
 };
 
+// Waits for a collective on buffers the caller is about to free. On a
+// timeout the collective may still be running, and a peer that arrives late
+// may still read or write this rank's buffers (the in-process world keeps
+// pointers to them even after an abort: AddressSanitizer showed it). So the
+// communicator is aborted (every pending collective fails promptly) and
+// `keepalive`, which owns the buffers, is deliberately leaked: a few bytes,
+// once, on a path that ends the communicator anyway.
+absl::Status WaitSafely(Communicator* comm, const CommHandlePtr& handle, absl::Duration timeout,
+                        std::shared_ptr<void> keepalive);
+
 }  // namespace shardopt
 
 #endif  // SHARDOPT_CLIENT_COMMUNICATOR_H_
