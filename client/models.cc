@@ -201,7 +201,12 @@ absl::StatusOr<std::unique_ptr<TrainModel>> MakeModel(const std::string& name, u
       std::string name() const override { return m->name(); }
       torch::nn::Module& module() override { return m->module(); }
       int64_t batch_per_rank() const override { return m->batch_per_rank(); }
-      torch::Tensor Loss(int64_t s, int64_t b, int64_t e) override { return m->Loss(s, b, e); }
+      // The holder's gate is the one set_layer_gate sets: it covers every
+      // parameter (the small model reads them all at once).
+      torch::Tensor Loss(int64_t s, int64_t b, int64_t e) override {
+        Gate(m->module());
+        return m->Loss(s, b, e);
+      }
     };
     auto h = std::make_unique<Holder>();
     h->m = m;

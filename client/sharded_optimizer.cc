@@ -5,6 +5,7 @@
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <sstream>
@@ -63,7 +64,8 @@ std::string DescribeModel(const Layout& layout, const ShardedOptimizerOptions& o
                                  " alignment=", o.plan.alignment_elements,
                                  " allow_cut=", o.plan.allow_cut,
                                  " grad_comm=", ElementTypeName(o.grad_comm_type),
-                                 " max_grad_norm=", o.max_grad_norm, "\n");
+                                 " max_grad_norm=", o.max_grad_norm,
+                                 " shard_gradients=", o.shard_gradients, "\n");
   absl::StrAppend(&out, "groups ", std::max<size_t>(1, o.groups.size()), "\n");
   for (size_t i = 0; i < layout.params().size(); ++i) {
     const ParamSpec& p = layout.params()[i];
@@ -86,6 +88,10 @@ absl::Status ValidateOptions(ShardedOptimizerOptions& opt, size_t num_params) {
   if (!(opt.max_grad_norm >= 0.0) || !std::isfinite(opt.max_grad_norm)) {
     return absl::InvalidArgumentError(
         absl::StrCat("max_grad_norm must be >= 0 and finite, got ", opt.max_grad_norm));
+  }
+  if (opt.shard_gradients && opt.grad_staging_buffers < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("grad_staging_buffers must be >= 1, got ", opt.grad_staging_buffers));
   }
   if (opt.kernel_threads < 0) return absl::InvalidArgumentError("kernel_threads must be >= 0");
   if (opt.timeout <= absl::ZeroDuration()) return absl::InvalidArgumentError("timeout must be > 0");
@@ -263,9 +269,16 @@ absl::Status ShardedOptimizer::Init(
   const int64_t flat = layout_.flat_size();
   const auto on_device = torch::TensorOptions().device(device_);
   param_flat_ = torch::zeros({flat}, on_device.dtype(dtype_));
-  grad_flat_ = torch::zeros({flat}, on_device.dtype(dtype_));
-  if (dtype_ == torch::kFloat && options_.grad_comm_type == ElementType::kBFloat16) {
-    comm_scratch_ = torch::zeros({flat}, on_device.dtype(torch::kBFloat16));
+  comm_type_ = options_.grad_comm_type;
+  if (options_.shard_gradients) {
+    int64_t owned = 0;
+    for (const Bucket& b : layout_.buckets()) owned += b.capacity_per_rank;
+    owned_grad_flat_ = torch::zeros({owned}, on_device.dtype(dtype_));
+  } else {
+    grad_flat_ = torch::zeros({flat}, on_device.dtype(dtype_));
+    if (dtype_ == torch::kFloat && comm_type_ == ElementType::kBFloat16) {
+      comm_scratch_ = torch::zeros({flat}, on_device.dtype(torch::kBFloat16));
+    }
   }
   for (size_t i = 0; i < named_parameters.size(); ++i) {
     torch::Tensor p = named_parameters[i].second;
@@ -276,7 +289,11 @@ absl::Status ShardedOptimizer::Init(
     torch::Tensor view = param_flat_.narrow(0, off, pl.numel).view(p.sizes());
     view.copy_(p);
     p.set_data(view);
-    p.mutable_grad() = grad_flat_.narrow(0, off, pl.numel).view(p.sizes());
+    if (options_.shard_gradients) {
+      p.mutable_grad() = torch::Tensor();  // backward's gradients are handed over
+    } else {
+      p.mutable_grad() = grad_flat_.narrow(0, off, pl.numel).view(p.sizes());
+    }
   }
   for (size_t i = 0; i < params_.size(); ++i) {
     const int b = layout_.placement(static_cast<int>(i)).bucket;
@@ -284,8 +301,11 @@ absl::Status ShardedOptimizer::Init(
   }
   grad_views_.assign(params_.size(), torch::Tensor());
   for (size_t i = 0; i < params_.size(); ++i) {
-    if (layout_.placement(static_cast<int>(i)).bucket >= 0) grad_views_[i] = params_[i].grad();
+    if (layout_.placement(static_cast<int>(i)).bucket >= 0 && !options_.shard_gradients) {
+      grad_views_[i] = params_[i].grad();
+    }
   }
+  if (options_.shard_gradients) PrepareShardedGradients();
   SHARDOPT_RETURN_IF_ERROR(BroadcastInitialValues());
   SHARDOPT_RETURN_IF_ERROR(CreateShardOwner());
   return InstallHooks(named_parameters);
@@ -322,10 +342,12 @@ absl::Status ShardedOptimizer::CreateShardOwner() {
     o.groups = options_.groups;
   }
   o.param_group = options_.param_group;
+  o.owned_grads_only = options_.shard_gradients;
   std::shared_ptr<KernelBackend> backend = options_.kernel_backend;
   if (backend == nullptr) backend = MakeCpuKernelBackend(options_.kernel_threads);
   SHARDOPT_ASSIGN_OR_RETURN(
-      owner_, ShardOwner::Create(layout_, rank_, std::move(o), param_flat_, grad_flat_,
+      owner_, ShardOwner::Create(layout_, rank_, std::move(o), param_flat_,
+                                 options_.shard_gradients ? owned_grad_flat_ : grad_flat_,
                                  std::move(backend)));
   return absl::OkStatus();
 }
@@ -354,9 +376,11 @@ absl::Status ShardedOptimizer::InstallHooks(
     const int index = static_cast<int>(i);
     acc->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
         [state, index](const torch::autograd::variable_list& outputs,
-                       const torch::autograd::variable_list&) {
+                       const torch::autograd::variable_list& inputs) {
           absl::MutexLock lock(&state->mu);
-          if (state->owner != nullptr) state->owner->OnGradReady(index);
+          if (state->owner != nullptr) {
+            state->owner->OnGradReady(index, inputs.empty() ? torch::Tensor() : inputs[0]);
+          }
           return outputs;
         }));
     grad_accumulators_.push_back(std::move(acc));
@@ -376,9 +400,15 @@ std::vector<TraceEvent> ShardedOptimizer::TakeTrace() {
   return out;
 }
 
-void ShardedOptimizer::OnGradReady(int param) {
+void ShardedOptimizer::OnGradReady(int param, const torch::Tensor& input) {
   const int b = layout_.placement(param).bucket;
   torch::Tensor& grad = params_[param].mutable_grad();
+  if (options_.shard_gradients) {
+    torch::Tensor taken = std::move(grad);
+    grad = torch::Tensor();
+    OnShardedGradReadyLocked(param, std::move(taken), input);
+    return;
+  }
   if (!grad.is_same(grad_views_[param])) {
     // The gradient was set to None (module.zero_grad(set_to_none=True)) or
     // replaced, so autograd accumulated into a tensor of its own: it holds
@@ -414,6 +444,7 @@ void ShardedOptimizer::LaunchReadyBucketsLocked() {
 }
 
 void ShardedOptimizer::LaunchReduceScatterLocked(int b) {
+  if (options_.shard_gradients) return LaunchShardedLocked(b);
   const Bucket& bk = layout_.buckets()[b];
   const int64_t size = bk.capacity_per_rank * world_;
   Trace(TraceEvent::kReduceScatterStart, b, -1);
@@ -463,6 +494,23 @@ absl::Status ShardedOptimizer::SetGroup(int g, const HyperParameters& hp) {
 double ShardedOptimizer::learning_rate() const { return owner_->learning_rate(); }
 
 void ShardedOptimizer::ZeroGrad() {
+  if (options_.shard_gradients) {
+    absl::MutexLock lock(&hook_state_->mu);
+    // Reductions launched by a backward whose step never came end before
+    // their buffers are reused.
+    while (!in_flight_.empty()) (void)ReclaimLocked(in_flight_.front());
+    ReleaseShardedBuffersLocked();
+    std::fill(ready_.begin(), ready_.end(), false);
+    std::fill(bucket_ready_count_.begin(), bucket_ready_count_.end(), 0);
+    std::fill(rs_handles_.begin(), rs_handles_.end(), nullptr);
+    next_launch_ = 0;
+    grads_seen_ = 0;
+    needs_zero_grad_ = false;
+    grad_after_step_ = false;
+    accumulated_while_syncing_ = false;
+    hook_error_ = absl::OkStatus();
+    return;
+  }
   std::vector<CommHandlePtr> in_flight;
   {
     absl::MutexLock lock(&hook_state_->mu);
@@ -494,6 +542,11 @@ void ShardedOptimizer::ZeroGrad() {
 absl::Status ShardedOptimizer::BeginStep() {
   absl::MutexLock lock(&hook_state_->mu);
   Trace(TraceEvent::kStepBegin, -1, -1);
+  if (!hook_error_.ok()) {
+    absl::Status s = hook_error_;
+    hook_error_ = absl::OkStatus();
+    return s;
+  }
   if (grad_after_step_) {
     return absl::FailedPreconditionError(
         "gradients were accumulated on top of the previous step's reduced gradients: call "
@@ -518,13 +571,21 @@ absl::Status ShardedOptimizer::BeginStep() {
 // holds the averaged gradient. On the CPU, adds its squared norm to *local_sq
 // (on a GPU one kernel takes the norm of every bucket, in GlobalNorm).
 absl::Status ShardedOptimizer::FinishReduce(int b, double* local_sq) {
-  CommHandlePtr handle;
-  {
+  if (options_.shard_gradients) {
     absl::MutexLock lock(&hook_state_->mu);
-    handle = rs_handles_[b];
-  }
-  SHARDOPT_RETURN_IF_ERROR(WaitOrAbort(handle, "reduce-scatter", b));
-  {
+    if (!reclaimed_[b]) {
+      const int64_t t0 = NowNs();
+      absl::Status s = ReclaimLocked(b);
+      wait_ns_ += NowNs() - t0;
+      SHARDOPT_RETURN_IF_ERROR(s);
+    }
+  } else {
+    CommHandlePtr handle;
+    {
+      absl::MutexLock lock(&hook_state_->mu);
+      handle = rs_handles_[b];
+    }
+    SHARDOPT_RETURN_IF_ERROR(WaitOrAbort(handle, "reduce-scatter", b));
     absl::MutexLock lock(&hook_state_->mu);
     Trace(TraceEvent::kReduceScatterDone, b, -1);
   }
@@ -667,10 +728,16 @@ absl::StatusOr<StepResult> ShardedOptimizer::Step() {
   const int nb = static_cast<int>(layout_.buckets().size());
   StepResult result;
   result.step = step_ + 1;
-  // Gathers waited for since the last step (forward pre-hooks) are exposed
+  // Gathers waited for since the last step (forward pre-hooks), and backward
+  // waiting for a staging buffer (shard_gradients), are exposed
   // communication of this step.
   wait_ns_ = gather_wait_ns_;
   gather_wait_ns_ = 0;
+  {
+    absl::MutexLock lock(&hook_state_->mu);
+    wait_ns_ += hook_wait_ns_;
+    hook_wait_ns_ = 0;
+  }
   int64_t update_ns = 0;
   double local_sq = 0.0;
   if (options_.overlap_param_gather) {
@@ -702,6 +769,7 @@ absl::StatusOr<StepResult> ShardedOptimizer::Step() {
 
 void ShardedOptimizer::EndStep(int64_t step) {
   absl::MutexLock lock(&hook_state_->mu);
+  if (options_.shard_gradients) ReleaseShardedBuffersLocked();
   std::fill(ready_.begin(), ready_.end(), false);
   std::fill(bucket_ready_count_.begin(), bucket_ready_count_.end(), 0);
   std::fill(rs_handles_.begin(), rs_handles_.end(), nullptr);
@@ -732,9 +800,223 @@ absl::Status ShardedOptimizer::FinishRestore(int64_t step) {
 MemoryReport ShardedOptimizer::memory() const {
   MemoryReport m = owner_->memory();
   auto bytes = [](const torch::Tensor& t) { return t.defined() ? t.numel() * t.element_size() : 0; };
-  m.grad_bytes = bytes(grad_flat_) + bytes(comm_scratch_);
+  m.grad_bytes = options_.shard_gradients ? sharded_grad_bytes_.load()
+                                          : bytes(grad_flat_) + bytes(comm_scratch_);
   m.param_bytes = bytes(param_flat_);
   return m;
+}
+
+// ---- Gradient sharding (ZeRO-2) ----
+//
+// A bucket's gradients go into a staging buffer (pooled, in the type they
+// travel in) as backward produces them, or, for a bucket that is exactly one
+// parameter's gradient, are reduced in that gradient tensor itself; while
+// micro-batches accumulate (no_sync) they are summed in a full-size buffer
+// that is then reduced in place. After a bucket's reduce-scatter ("reclaim")
+// its owned range is copied into owned_grad_flat_ and the buffer released.
+
+namespace {
+
+torch::ScalarType ScalarTypeOf(ElementType t) {
+  return t == ElementType::kBFloat16 ? torch::kBFloat16 : torch::kFloat;
+}
+
+// True when `g` is the only user of its memory (the autograd input it was
+// taken from aside), so the reduction may overwrite it.
+bool Exclusive(const torch::Tensor& g, const torch::Tensor& input) {
+  if (!g.defined() || !g.is_contiguous() || g.storage_offset() != 0 || g.use_count() != 1 ||
+      static_cast<size_t>(g.numel() * g.element_size()) != g.storage().nbytes()) {
+    return false;
+  }
+  const size_t expected =
+      input.defined() && input.storage().is_alias_of(g.storage()) ? 2 : 1;
+  return g.storage().use_count() == expected;
+}
+
+}  // namespace
+
+void ShardedOptimizer::PrepareShardedGradients() {
+  absl::MutexLock lock(&hook_state_->mu);
+  const int nb = static_cast<int>(layout_.buckets().size());
+  in_place_.assign(nb, false);
+  gaps_.assign(nb, {});
+  bucket_buf_.assign(nb, torch::Tensor());
+  bucket_pool_.assign(nb, torch::Tensor());
+  reclaimed_.assign(nb, false);
+  // Multi-parameter buckets hold at most the cap plus each rank's alignment.
+  const int64_t pooled_limit =
+      layout_.options().bucket_cap_elements + world_ * layout_.options().alignment_elements;
+  for (const Bucket& bk : layout_.buckets()) {
+    const int64_t size = bk.capacity_per_rank * world_;
+    int64_t at = 0;
+    for (int p : bk.params) {
+      const ParamPlacement& pl = layout_.placement(p);
+      if (pl.bucket_offset > at) gaps_[bk.index].push_back({at, pl.bucket_offset - at});
+      at = pl.bucket_offset + pl.numel;
+    }
+    if (size > at) gaps_[bk.index].push_back({at, size - at});
+    in_place_[bk.index] = bk.params.size() == 1 && layout_.placement(bk.params[0]).numel == size &&
+                          comm_type_ == ElementTypeOf(dtype_);
+    if (!in_place_[bk.index] && size <= pooled_limit) {
+      staging_elements_ = std::max(staging_elements_, size);
+    }
+  }
+  UpdateGradBytesLocked();
+}
+
+torch::Tensor ShardedOptimizer::AccumView(int param) {
+  const ParamPlacement& pl = layout_.placement(param);
+  return accum_flat_.narrow(0, layout_.buckets()[pl.bucket].flat_offset + pl.bucket_offset,
+                            pl.numel);
+}
+
+void ShardedOptimizer::UpdateGradBytesLocked() {
+  auto bytes = [](const torch::Tensor& t) { return t.defined() ? t.numel() * t.element_size() : 0; };
+  sharded_grad_bytes_ = bytes(owned_grad_flat_) + bytes(accum_flat_) +
+                        staging_allocated_ * staging_elements_ * ElementSize(comm_type_);
+}
+
+void ShardedOptimizer::OnShardedGradReadyLocked(int param, torch::Tensor g,
+                                                const torch::Tensor& input) {
+  const ParamPlacement& pl = layout_.placement(param);
+  const int b = pl.bucket;
+  Trace(TraceEvent::kGradReady, b, param);
+  ++grads_seen_;
+  if (needs_zero_grad_) {
+    grad_after_step_ = true;
+    return;
+  }
+  if (!g.defined()) return;
+  at::NoGradGuard no_grad;
+  if (!sync_) {  // accumulate locally; reduced with the last micro-batch
+    if (!accum_flat_.defined()) {
+      accum_flat_ = torch::zeros({layout_.flat_size()}, param_flat_.options());
+      UpdateGradBytesLocked();
+    }
+    AccumView(param).add_(g.reshape({-1}));
+    return;
+  }
+  if (ready_[param]) {
+    accumulated_while_syncing_ = true;
+    return;
+  }
+  ready_[param] = true;
+  const bool same_type = comm_type_ == ElementTypeOf(dtype_);
+  if (accum_flat_.defined()) {
+    torch::Tensor acc = AccumView(param);
+    acc.add_(g.reshape({-1}));
+    if (same_type) {
+      const Bucket& bk = layout_.buckets()[b];
+      bucket_buf_[b] = accum_flat_.narrow(0, bk.flat_offset, bk.capacity_per_rank * world_);
+    } else {
+      AcquireStagingLocked(b).narrow(0, pl.bucket_offset, pl.numel).copy_(acc);
+    }
+  } else if (in_place_[b] && Exclusive(g, input)) {
+    bucket_buf_[b] = g.view({-1});  // reduced in place: no copy, no staging
+  } else {
+    AcquireStagingLocked(b).narrow(0, pl.bucket_offset, pl.numel).copy_(g.reshape({-1}));
+  }
+  if (++bucket_ready_count_[b] == bucket_size_[b]) LaunchReadyBucketsLocked();
+}
+
+torch::Tensor ShardedOptimizer::AcquireStagingLocked(int b) {
+  if (bucket_buf_[b].defined()) return bucket_buf_[b];
+  const int64_t size = layout_.buckets()[b].capacity_per_rank * world_;
+  const auto opts = param_flat_.options().dtype(ScalarTypeOf(comm_type_));
+  torch::Tensor buf;
+  if (size > staging_elements_) {
+    buf = torch::empty({size}, opts);  // larger than the pooled buffers: its own
+  } else {
+    // All staging buffers in use: wait for the oldest reduction in flight.
+    while (staging_free_.empty() && staging_allocated_ >= options_.grad_staging_buffers &&
+           !in_flight_.empty()) {
+      const int64_t t0 = NowNs();
+      absl::Status s = ReclaimLocked(in_flight_.front());
+      hook_wait_ns_ += NowNs() - t0;
+      if (!s.ok() && hook_error_.ok()) hook_error_ = s;
+    }
+    if (!staging_free_.empty()) {
+      bucket_pool_[b] = std::move(staging_free_.back());
+      staging_free_.pop_back();
+    } else {
+      bucket_pool_[b] = torch::empty({staging_elements_}, opts);
+      ++staging_allocated_;
+      UpdateGradBytesLocked();
+    }
+    buf = bucket_pool_[b].narrow(0, 0, size);
+  }
+  for (const auto& [begin, length] : gaps_[b]) buf.narrow(0, begin, length).zero_();
+  bucket_buf_[b] = buf;
+  return buf;
+}
+
+void ShardedOptimizer::LaunchShardedLocked(int b) {
+  at::NoGradGuard no_grad;
+  const Bucket& bk = layout_.buckets()[b];
+  Trace(TraceEvent::kReduceScatterStart, b, -1);
+  const bool in_accum = accum_flat_.defined() && comm_type_ == ElementTypeOf(dtype_);
+  if (!bucket_buf_[b].defined()) {
+    if (in_accum) {
+      bucket_buf_[b] = accum_flat_.narrow(0, bk.flat_offset, bk.capacity_per_rank * world_);
+    } else {
+      AcquireStagingLocked(b);
+    }
+  }
+  torch::Tensor buf = bucket_buf_[b];
+  // Parameters this backward gave no gradient: what earlier micro-batches
+  // accumulated, or zeros (DDP's find_unused_parameters).
+  if (!in_accum) {
+    for (int p : bk.params) {
+      if (ready_[p]) continue;
+      const ParamPlacement& pl = layout_.placement(p);
+      torch::Tensor dst = buf.narrow(0, pl.bucket_offset, pl.numel);
+      if (accum_flat_.defined()) {
+        dst.copy_(AccumView(p));
+      } else {
+        dst.zero_();
+      }
+    }
+  }
+  CollectiveBucketScope tag(b);  // for the flight recorder
+  rs_handles_[b] =
+      comm_->ReduceScatter(buf.data_ptr(), bk.capacity_per_rank, comm_type_, ReduceOp::kAverage);
+  in_flight_.push_back(b);
+}
+
+absl::Status ShardedOptimizer::ReclaimLocked(int b) {
+  auto it = std::find(in_flight_.begin(), in_flight_.end(), b);
+  if (it == in_flight_.end()) return absl::OkStatus();
+  in_flight_.erase(it);
+  absl::Status s = rs_handles_[b]->Wait(options_.timeout);
+  if (!s.ok()) {
+    comm_->Abort(s);
+    // The collective may still write into the buffer: keep it alive.
+    abandoned_.push_back(bucket_buf_[b]);
+    abandoned_.push_back(bucket_pool_[b]);
+    bucket_buf_[b] = bucket_pool_[b] = torch::Tensor();
+    return absl::Status(s.code(), absl::StrCat("rank ", rank_, ": reduce-scatter of bucket ", b,
+                                               " failed: ", s.message()));
+  }
+  {
+    at::NoGradGuard no_grad;
+    const int64_t cap = layout_.buckets()[b].capacity_per_rank;
+    owner_->owned_grad(b).copy_(bucket_buf_[b].narrow(0, rank_ * cap, cap));
+  }
+  if (bucket_pool_[b].defined()) staging_free_.push_back(std::move(bucket_pool_[b]));
+  bucket_pool_[b] = bucket_buf_[b] = torch::Tensor();
+  reclaimed_[b] = true;
+  Trace(TraceEvent::kReduceScatterDone, b, -1);
+  return absl::OkStatus();
+}
+
+void ShardedOptimizer::ReleaseShardedBuffersLocked() {
+  for (size_t b = 0; b < bucket_buf_.size(); ++b) {
+    if (bucket_pool_[b].defined()) staging_free_.push_back(std::move(bucket_pool_[b]));
+    bucket_pool_[b] = bucket_buf_[b] = torch::Tensor();
+    reclaimed_[b] = false;
+  }
+  accum_flat_ = torch::Tensor();
+  UpdateGradBytesLocked();
 }
 
 }  // namespace shardopt

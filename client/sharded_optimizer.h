@@ -20,6 +20,7 @@
 #include <torch/nn/module.h>
 #include <torch/types.h>
 
+#include <atomic>
 #include <unordered_map>
 
 #include <functional>
@@ -80,6 +81,18 @@ struct ShardedOptimizerOptions {
   // layer's forward, as Python's forward pre-hooks do. Checkpoints, restores,
   // the next Step() and the full-state gather wait by themselves.
   bool overlap_param_gather = false;
+  // true (ZeRO-2): each rank keeps only the reduced gradient of the ranges it
+  // owns (1/N of the model). Parameters have no .grad between steps: backward
+  // hands each gradient to the optimizer, which copies it into its bucket's
+  // staging buffer (or reduces it in place when it fills a bucket alone) and
+  // drops it; after the bucket's reduce-scatter only the owned range is kept.
+  // Gradient accumulation (SetGradientSync(false)) accumulates locally in a
+  // full-size buffer that exists only until the step, as FSDP's no_sync does.
+  // Smaller buckets mean smaller staging buffers (bucket_cap_elements).
+  bool shard_gradients = false;
+  // With shard_gradients: staging buffers shared by the buckets in flight.
+  // When all are in use, backward waits for the oldest bucket's reduction.
+  int grad_staging_buffers = 2;
 };
 
 struct StepResult {
@@ -130,7 +143,9 @@ class ShardedOptimizer {
   // accumulated without ZeroGrad() after the previous step, communication
   // failures or timeouts (the communicator is aborted then).
   absl::StatusOr<StepResult> Step();
-  // Zeroes the flat gradient buffer (gradients stay views of it).
+  // Zeroes the flat gradient buffer (gradients stay views of it). With
+  // shard_gradients: ends any reduction still in flight and drops what a
+  // backward accumulated since the last step.
   void ZeroGrad();
   // false: backward only accumulates locally (gradient accumulation, like
   // DDP's no_sync()); true (default): buckets are reduced during backward.
@@ -191,9 +206,18 @@ class ShardedOptimizer {
   absl::Status BroadcastInitialValues();
   absl::Status CreateShardOwner();
   absl::Status InstallHooks(const std::vector<std::pair<std::string, torch::Tensor>>& params);
-  void OnGradReady(int param);
+  void OnGradReady(int param, const torch::Tensor& input);
   void LaunchReadyBucketsLocked();
   void LaunchReduceScatterLocked(int bucket);
+  // shard_gradients (all with hook_state_->mu held).
+  void PrepareShardedGradients();
+  void OnShardedGradReadyLocked(int param, torch::Tensor grad, const torch::Tensor& input);
+  torch::Tensor AcquireStagingLocked(int bucket);
+  void LaunchShardedLocked(int bucket);
+  absl::Status ReclaimLocked(int bucket);
+  void ReleaseShardedBuffersLocked();
+  void UpdateGradBytesLocked();
+  torch::Tensor AccumView(int param);
   void Trace(TraceEvent::Kind kind, int bucket, int param);
   absl::Status WaitOrAbort(const CommHandlePtr& handle, const char* what, int bucket);
   // Step()'s stages.
@@ -242,6 +266,24 @@ class ShardedOptimizer {
   bool grad_after_step_ = false;
   bool accumulated_while_syncing_ = false;
   std::vector<TraceEvent> trace_;
+
+  // shard_gradients; guarded by hook_state_->mu.
+  torch::Tensor owned_grad_flat_;  // this rank's ranges, bucket after bucket
+  torch::Tensor accum_flat_;       // full size, only while accumulating (no_sync)
+  ElementType comm_type_ = ElementType::kFloat32;  // type gradients travel in
+  std::vector<bool> in_place_;     // bucket is one parameter filling it exactly
+  std::vector<std::vector<std::pair<int64_t, int64_t>>> gaps_;  // per bucket: padding runs
+  int64_t staging_elements_ = 0;   // size of a pooled staging buffer
+  int staging_allocated_ = 0;
+  std::vector<torch::Tensor> staging_free_;
+  std::vector<torch::Tensor> bucket_buf_;   // per bucket: what its reduce-scatter uses
+  std::vector<torch::Tensor> bucket_pool_;  // per bucket: the pooled buffer behind it
+  std::vector<bool> reclaimed_;             // owned range copied out, buffer released
+  std::vector<int> in_flight_;              // launched, not reclaimed, in launch order
+  std::vector<torch::Tensor> abandoned_;    // buffers of collectives that failed
+  absl::Status hook_error_;
+  int64_t hook_wait_ns_ = 0;  // backward blocked on a reduction (exposed)
+  std::atomic<int64_t> sharded_grad_bytes_{0};
 
   int64_t step_ = 0;
   int64_t wait_ns_ = 0;  // training thread only: time blocked in this Step()

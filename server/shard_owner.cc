@@ -29,14 +29,17 @@ absl::StatusOr<std::unique_ptr<ShardOwner>> ShardOwner::Create(
   if (!param_flat.defined() || !grad_flat.defined()) {
     return absl::InvalidArgumentError("flat parameter and gradient buffers are required");
   }
+  int64_t owned = 0;
+  for (const Bucket& b : layout.buckets()) owned += b.capacity_per_rank;
+  const int64_t grad_elements = options.owned_grads_only ? owned : layout.flat_size();
   if (param_flat.dim() != 1 || param_flat.numel() != layout.flat_size() ||
-      grad_flat.sizes() != param_flat.sizes() ||
+      grad_flat.dim() != 1 || grad_flat.numel() != grad_elements ||
       grad_flat.scalar_type() != param_flat.scalar_type() ||
       (param_flat.scalar_type() != torch::kFloat && param_flat.scalar_type() != torch::kBFloat16) ||
       !param_flat.is_contiguous() || !grad_flat.is_contiguous()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "flat buffers must be contiguous float32 or bfloat16 vectors of ", layout.flat_size(),
-        " elements"));
+        " elements (the gradient buffer ", grad_elements, ")"));
   }
   if (backend->on_device() == param_flat.device().is_cpu()) {
     return absl::InvalidArgumentError(absl::StrCat("the ", backend->name(),
@@ -84,6 +87,7 @@ absl::Status ShardOwner::Init(ShardOwnerOptions options, torch::Tensor param_fla
   param_group_ = std::move(options.param_group);
   param_flat_ = std::move(param_flat);
   grad_flat_ = std::move(grad_flat);
+  owned_grads_only_ = options.owned_grads_only;
   bf16_ = param_flat_.scalar_type() == torch::kBFloat16;
 
   const int nb = static_cast<int>(layout_.buckets().size());
@@ -134,6 +138,11 @@ torch::Tensor ShardOwner::OwnedRange(const torch::Tensor& flat, int bucket) cons
   return flat.narrow(0, bk.flat_offset + rank_ * bk.capacity_per_rank, bk.capacity_per_rank);
 }
 
+torch::Tensor ShardOwner::owned_grad(int bucket) const {
+  if (!owned_grads_only_) return OwnedRange(grad_flat_, bucket);
+  return grad_flat_.narrow(0, owned_offset_[bucket], layout_.buckets()[bucket].capacity_per_rank);
+}
+
 torch::Tensor ShardOwner::MasterOf(int bucket) const {
   if (!bf16_) return OwnedRange(param_flat_, bucket);
   return master_.narrow(0, owned_offset_[bucket], layout_.buckets()[bucket].capacity_per_rank);
@@ -143,17 +152,18 @@ UpdateSlice ShardOwner::SliceOf(int bucket, int64_t begin, int64_t size) {
   const Bucket& bk = layout_.buckets()[bucket];
   const int64_t flat = bk.flat_offset + rank_ * bk.capacity_per_rank + begin;
   const int64_t owned = owned_offset_[bucket] + begin;
+  const int64_t grad_at = owned_grads_only_ ? owned : flat;
   UpdateSlice s;
   s.size = size;
   s.state0 = state0_.defined() ? state0_.data_ptr<float>() + owned : nullptr;
   s.state1 = state1_.defined() ? state1_.data_ptr<float>() + owned : nullptr;
   if (bf16_) {
     s.param = master_.data_ptr<float>() + owned;
-    s.grad_bf16 = reinterpret_cast<const uint16_t*>(grad_flat_.data_ptr()) + flat;
+    s.grad_bf16 = reinterpret_cast<const uint16_t*>(grad_flat_.data_ptr()) + grad_at;
     s.param_bf16 = reinterpret_cast<uint16_t*>(param_flat_.data_ptr()) + flat;
   } else {
     s.param = param_flat_.data_ptr<float>() + flat;
-    s.grad = grad_flat_.data_ptr<float>() + flat;
+    s.grad = grad_flat_.data_ptr<float>() + grad_at;
   }
   return s;
 }
@@ -192,7 +202,7 @@ absl::StatusOr<double> ShardOwner::SquaredGradNorm() {
 
 void ShardOwner::ScaleGradients(double coef) {
   at::NoGradGuard no_grad;
-  for (const Bucket& b : layout_.buckets()) OwnedRange(grad_flat_, b.index).mul_(coef);
+  for (const Bucket& b : layout_.buckets()) owned_grad(b.index).mul_(coef);
 }
 
 int ShardOwner::num_groups() const {

@@ -50,13 +50,18 @@ struct ShardOwnerOptions {
   std::vector<HyperParameters> groups{HyperParameters{}};
   // Group of every parameter of the layout (by index); empty: all in group 0.
   std::vector<int> param_group;
+  // false: `grad_flat` given to Create is a full flat buffer and the owner
+  // reads its owned ranges. true (gradient sharding, ZeRO-2): it holds only
+  // this rank's ranges, bucket after bucket (owned_elements() elements).
+  bool owned_grads_only = false;
 };
 
 class ShardOwner {
  public:
   // Owns rank `rank`'s slices of `layout`'s buckets. `param_flat` and
   // `grad_flat` are the flat, bucket-ordered buffers (model dtype, float32 or
-  // bfloat16, layout.flat_size() elements, on the backend's device); they
+  // bfloat16, layout.flat_size() elements, on the backend's device; with
+  // options.owned_grads_only `grad_flat` has only the owned ranges); they
   // must outlive the owner. Master copies are taken from `param_flat` now.
   // Errors: bad hyper-parameters or groups, buffers that do not match the
   // layout, a backend for another device.
@@ -75,7 +80,8 @@ class ShardOwner {
   void ScaleGradients(double coef);
   // This rank's range of bucket `bucket` in a flat buffer.
   torch::Tensor OwnedRange(const torch::Tensor& flat, int bucket) const;
-  torch::Tensor owned_grad(int bucket) const { return OwnedRange(grad_flat_, bucket); }
+  // The reduced gradient of bucket `bucket`'s owned range (in grad_flat).
+  torch::Tensor owned_grad(int bucket) const;
 
   // Hyper-parameters, by group. SetGroup validates; the optimizer kind, and
   // whether SGD keeps a momentum buffer, cannot change.
@@ -136,6 +142,7 @@ class ShardOwner {
   const OptimizerKind kind_;
   std::shared_ptr<KernelBackend> backend_;
   bool bf16_ = false;
+  bool owned_grads_only_ = false;
   torch::Tensor param_flat_, grad_flat_;
   torch::Tensor master_;           // fp32 owned slices (bf16 models)
   torch::Tensor state0_, state1_;  // fp32 owned slices

@@ -21,6 +21,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
 #include <torch/torch.h>
 
@@ -483,6 +484,175 @@ TEST(ApiTest, Bf16GradientCommunicationHalvesReduceScatterBytes) {
   EXPECT_EQ(bytes[0].sent[rs] * 2, bytes[0].sent[ag]);  // gradients in bf16, parameters in fp32
   for (size_t i = 0; i < out[0].size(); ++i) {
     EXPECT_NEAR(out[0][i], (*ref)[i], 0.01 * std::fabs((*ref)[i]) + 6e-3) << i;
+  }
+}
+
+// ---- Gradient sharding (ZeRO-2) ----
+
+// shard_gradients changes where gradients live, not what is computed: the same
+// parameters, bit for bit, as with full gradient buffers, with clipping, bf16
+// gradients, overlap, SGD, cut tensors, one staging buffer (backward waits for
+// reductions) and 2 and 3 ranks.
+TEST(ShardGradientsTest, SameParametersBitForBitAsFullGradients) {
+  struct Case {
+    const char* name;
+    OptimizerKind kind;
+    double clip;
+    bool bf16;
+    bool overlap;
+    int staging;
+  };
+  for (const Case& k : {Case{"adam", OptimizerKind::kAdam, 0.0, false, false, 2},
+                        Case{"adamw_clip_one_staging", OptimizerKind::kAdamW, 0.5, false, false, 1},
+                        Case{"sgd_bf16_grads", OptimizerKind::kSgd, 0.0, true, false, 2},
+                        Case{"adamw_clip_overlap", OptimizerKind::kAdamW, 0.5, false, true, 1}}) {
+    for (int n : {2, 3}) {
+      TrainConfig c;
+      c.model = "small";
+      c.kind = k.kind;
+      c.max_grad_norm = k.clip;
+      c.grad_bf16 = k.bf16;
+      c.overlap = k.overlap;
+      c.lr = k.kind == OptimizerKind::kSgd ? 0.05 : 1e-2;
+      c.steps = 6;
+      c.bucket_cap = 300;  // several buckets, tensors cut across ranks
+      std::vector<float> full = TrainInProcess(c, n);
+      if (k.overlap) {  // overlap itself changes nothing either
+        c.overlap = false;
+        EXPECT_EQ(TrainInProcess(c, n), full) << k.name << ": overlap on vs off at " << n;
+        c.overlap = true;
+      }
+      c.shard_gradients = true;
+      c.staging_buffers = k.staging;
+      std::vector<float> sharded = TrainInProcess(c, n);
+      ASSERT_FALSE(full.empty());
+      EXPECT_EQ(sharded, full) << k.name << " at " << n << " ranks";
+    }
+  }
+}
+
+// A hand-built model: "w1" fills a bucket alone (reduced in place in autograd's
+// gradient tensor), "b1"/"w2" share a staged bucket, "unused" never gets a
+// gradient (reduced as zeros). Micro-batch accumulation, the memory report and
+// misuse are checked against full gradients.
+struct HandModel {
+  torch::Tensor w1, b1, w2, unused;
+  // Own generators: ranks are threads, LibTorch's global generator is shared.
+  explicit HandModel(uint64_t seed) {
+    at::Generator gen = at::detail::createCPUGenerator(seed);
+    w1 = (torch::randn({64, 128}, gen) * 0.1).set_requires_grad(true);
+    b1 = torch::zeros({64}).set_requires_grad(true);
+    w2 = (torch::randn({10, 64}, gen) * 0.1).set_requires_grad(true);
+    unused = torch::randn({32}, gen).set_requires_grad(true);
+  }
+  std::vector<std::pair<std::string, torch::Tensor>> named() {
+    return {{"w1", w1}, {"b1", b1}, {"w2", w2}, {"unused", unused}};
+  }
+  torch::Tensor Loss(int step, int64_t begin, int64_t end) {
+    at::Generator gen = at::detail::createCPUGenerator(1000 + step);
+    torch::Tensor x = torch::randn({16, 128}, gen).narrow(0, begin, end - begin);
+    torch::Tensor h = torch::relu(torch::matmul(x, w1.t()) + b1);
+    return torch::matmul(h, w2.t()).pow(2).mean();
+  }
+  std::vector<float> Flat() {
+    torch::Tensor f = torch::cat({w1.detach().flatten(), b1.detach().flatten(),
+                                  w2.detach().flatten(), unused.detach().flatten()});
+    return std::vector<float>(f.data_ptr<float>(), f.data_ptr<float>() + f.numel());
+  }
+};
+
+std::vector<float> TrainHand(bool shard, bool accumulate, MemoryReport* mem = nullptr) {
+  TwoRanks job;
+  std::vector<std::vector<float>> out(2);
+  job.Run([&](int r) {
+    HandModel m(7);
+    ShardedOptimizerOptions o;
+    o.kind = OptimizerKind::kAdamW;
+    o.adam.lr = 1e-2;
+    o.max_grad_norm = 1.0;
+    o.plan.bucket_cap_elements = 1000;  // w1 (8192) gets a bucket of its own
+    o.shard_gradients = shard;
+    o.timeout = absl::Seconds(20);
+    auto opt = ShardedOptimizer::Create(m.named(), o, job.comms[r].get());
+    ASSERT_TRUE(opt.ok()) << opt.status();
+    for (int step = 0; step < 4; ++step) {
+      (*opt)->ZeroGrad();
+      if (accumulate) {
+        (*opt)->SetGradientSync(false);
+        (m.Loss(step, r * 8, r * 8 + 4) * 0.5).backward();
+        (*opt)->SetGradientSync(true);
+        (m.Loss(step, r * 8 + 4, r * 8 + 8) * 0.5).backward();
+      } else {
+        m.Loss(step, r * 8, r * 8 + 8).backward();
+      }
+      if (shard) {
+        EXPECT_FALSE(m.w1.grad().defined()) << "sharded gradients leave no .grad behind";
+      }
+      auto res = (*opt)->Step();
+      ASSERT_TRUE(res.ok()) << res.status();
+    }
+    if (r == 0 && mem != nullptr) *mem = (*opt)->memory();
+    // Misuse is still refused: a backward after Step() without ZeroGrad().
+    m.Loss(9, r * 8, r * 8 + 8).backward();
+    EXPECT_EQ((*opt)->Step().status().code(), absl::StatusCode::kFailedPrecondition);
+    out[r] = m.Flat();
+  });
+  EXPECT_EQ(out[0], out[1]);
+  return out[0];
+}
+
+TEST(ShardGradientsTest, InPlaceBucketsUnusedParametersAndAccumulation) {
+  MemoryReport full_mem, sharded_mem;
+  std::vector<float> full = TrainHand(false, false, &full_mem);
+  std::vector<float> sharded = TrainHand(true, false, &sharded_mem);
+  EXPECT_EQ(sharded, full);
+  EXPECT_EQ(TrainHand(true, true), TrainHand(false, true)) << "micro-batch accumulation";
+  // Full: every gradient. Sharded: this rank's half, plus staging buffers for
+  // the small bucket only (w1's bucket is reduced in autograd's own tensor).
+  const int64_t total = (64 * 128 + 64 + 640 + 32) * 4;
+  EXPECT_GE(full_mem.grad_bytes, total);
+  EXPECT_LE(sharded_mem.grad_bytes, full_mem.grad_bytes / 2 + 2 * (64 + 640 + 32 + 256) * 4)
+      << "full " << full_mem.grad_bytes;
+  std::cout << "gradient bytes per rank: full " << full_mem.grad_bytes << ", sharded "
+            << sharded_mem.grad_bytes << "\n";
+}
+
+// The memory report: sharded gradients take 1/N of the full buffer plus two
+// staging buffers of at most one bucket (the tiny model, 4096-element buckets).
+TEST(ShardGradientsTest, GradientBytesFollowTheWorldSize) {
+  for (int n : {2, 4}) {
+    InProcessWorld world(n, absl::Seconds(30));
+    std::vector<std::unique_ptr<Communicator>> comms;
+    for (int r = 0; r < n; ++r) comms.push_back(world.Connect(r));
+    std::vector<MemoryReport> mem(n);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < n; ++r) {
+      threads.emplace_back([&, r] {
+        auto model = *MakeModel("tiny", 1);
+        TrainConfig c;
+        c.bucket_cap = 4096;
+        c.shard_gradients = true;
+        auto opt = ShardedOptimizer::Create(model->NamedParameters(), OptionsFor(c),
+                                            comms[r].get());
+        ASSERT_TRUE(opt.ok()) << opt.status();
+        for (int step = 0; step < 2; ++step) {
+          (*opt)->ZeroGrad();
+          model->Loss(step, r * 16 / n, (r + 1) * 16 / n).backward();
+          ASSERT_TRUE((*opt)->Step().ok());
+        }
+        mem[r] = (*opt)->memory();
+      });
+    }
+    for (auto& t : threads) t.join();
+    const int64_t full = mem[0].param_bytes;  // the full gradient buffer's size
+    const int64_t staging_bound = 2 * (4096 + n * 64) * 4;
+    for (int r = 0; r < n; ++r) {
+      EXPECT_LE(mem[r].grad_bytes, full / n + staging_bound) << n << " ranks, rank " << r;
+      EXPECT_GE(mem[r].grad_bytes, full / n) << n << " ranks, rank " << r;
+    }
+    EXPECT_LT(mem[0].grad_bytes, full * (n == 2 ? 0.6 : 0.35));
+    std::cout << n << " ranks: gradient bytes " << mem[0].grad_bytes << " of " << full << " ("
+              << static_cast<double>(mem[0].grad_bytes) / full << "x)\n";
   }
 }
 

@@ -23,6 +23,9 @@ ShardedOptimizerOptions OptionsFor(const TrainConfig& c) {
   o.sgd.momentum = 0.9;
   o.max_grad_norm = c.max_grad_norm;
   o.plan.bucket_cap_elements = c.bucket_cap;
+  o.shard_gradients = c.shard_gradients;
+  o.grad_staging_buffers = c.staging_buffers;
+  if (c.grad_bf16) o.grad_comm_type = ElementType::kBFloat16;
   o.timeout = absl::Seconds(60);
   return o;
 }
@@ -140,6 +143,12 @@ absl::StatusOr<TrainConfig> ParseTrainConfig(const std::vector<std::string>& arg
       ok = absl::SimpleAtoi(v, &c.global_batch);
     } else if (k == "bucket_cap") {
       ok = absl::SimpleAtoi(v, &c.bucket_cap);
+    } else if (k == "shard_gradients") {
+      ok = absl::SimpleAtob(v, &c.shard_gradients);
+    } else if (k == "staging_buffers") {
+      ok = absl::SimpleAtoi(v, &c.staging_buffers);
+    } else if (k == "grad_bf16") {
+      ok = absl::SimpleAtob(v, &c.grad_bf16);
     } else {
       continue;  // flags of the caller
     }
@@ -155,7 +164,10 @@ std::vector<std::string> TrainConfigFlags(const TrainConfig& c) {
           absl::StrCat("--clip=", c.max_grad_norm),
           absl::StrCat("--steps=", c.steps),
           absl::StrCat("--global_batch=", c.global_batch),
-          absl::StrCat("--bucket_cap=", c.bucket_cap)};
+          absl::StrCat("--bucket_cap=", c.bucket_cap),
+          absl::StrCat("--shard_gradients=", c.shard_gradients ? "true" : "false"),
+          absl::StrCat("--staging_buffers=", c.staging_buffers),
+          absl::StrCat("--grad_bf16=", c.grad_bf16 ? "true" : "false")};
 }
 
 }  // namespace shardopt

@@ -25,6 +25,12 @@ struct TrainConfig {
   // overlap_param_gather, with the model's layers waiting for their own
   // parameters before their forward (TrainModel::set_layer_gate).
   bool overlap = false;
+  // ZeRO-2: keep only the owned gradient ranges (shard_gradients), with this
+  // many staging buffers.
+  bool shard_gradients = false;
+  int staging_buffers = 2;
+  // Gradients travel in bf16.
+  bool grad_bf16 = false;
 };
 
 class TrainModel;
