@@ -119,10 +119,13 @@ struct BottleneckImpl : torch::nn::Module {
     }
   }
   torch::Tensor forward(const torch::Tensor& x) {
-    torch::Tensor out = torch::relu(bn1->forward(conv1->forward(x)));
-    out = torch::relu(bn2->forward(conv2->forward(out)));
+    // In-place ReLUs and residual add, as torchvision's Bottleneck (BatchNorm's
+    // backward does not read its output; the results are the same bits).
+    torch::Tensor out = bn1->forward(conv1->forward(x)).relu_();
+    out = bn2->forward(conv2->forward(out)).relu_();
     out = bn3->forward(conv3->forward(out));
-    return torch::relu(out + (down.is_empty() ? x : down->forward(x)));
+    out.add_(down.is_empty() ? x : down->forward(x));
+    return out.relu_();
   }
   torch::nn::Conv2d conv1{nullptr}, conv2{nullptr}, conv3{nullptr};
   torch::nn::BatchNorm2d bn1{nullptr}, bn2{nullptr}, bn3{nullptr};
@@ -160,7 +163,7 @@ class ResNet101 : public TrainModel, public torch::nn::Module {
                                .to(torch::kLong).remainder(1000);
     Gate(*conv1);
     Gate(*bn1);
-    torch::Tensor h = torch::max_pool2d(torch::relu(bn1->forward(conv1->forward(x))), 3, 2, 1);
+    torch::Tensor h = torch::max_pool2d(bn1->forward(conv1->forward(x)).relu_(), 3, 2, 1);
     for (auto& layer : layers) {
       for (auto& block : *layer) {  // one bottleneck at a time
         Gate(*block.ptr());

@@ -901,6 +901,7 @@ void ShardedOptimizer::OnShardedGradReadyLocked(int param, torch::Tensor g,
     return;
   }
   ready_[param] = true;
+  ReclaimFinishedLocked();
   const bool same_type = comm_type_ == ElementTypeOf(dtype_);
   if (accum_flat_.defined()) {
     torch::Tensor acc = AccumView(param);
@@ -917,6 +918,29 @@ void ShardedOptimizer::OnShardedGradReadyLocked(int param, torch::Tensor g,
     AcquireStagingLocked(b).narrow(0, pl.bucket_offset, pl.numel).copy_(g.reshape({-1}));
   }
   if (++bucket_ready_count_[b] == bucket_size_[b]) LaunchReadyBucketsLocked();
+}
+
+// Takes back buckets whose reduction has finished (oldest first), so their
+// buffers (autograd's own gradient for in-place buckets) are released during
+// backward. With grad_staging_buffers buckets, or more elements than that
+// many staging buffers hold, in flight, waits for the oldest: memory in
+// flight stays bounded (a large in-place bucket is reduced while the next
+// gradient is computed, one at a time), and reductions still overlap backward.
+void ShardedOptimizer::ReclaimFinishedLocked() {
+  const int64_t budget = options_.grad_staging_buffers * staging_elements_;
+  while (!in_flight_.empty()) {
+    const int b = in_flight_.front();
+    const bool full = static_cast<int>(in_flight_.size()) >= options_.grad_staging_buffers ||
+                      in_flight_elements_ > budget;
+    if (!full && !rs_handles_[b]->done()) break;
+    const int64_t t0 = NowNs();
+    absl::Status s = ReclaimLocked(b);
+    hook_wait_ns_ += NowNs() - t0;
+    if (!s.ok()) {
+      if (hook_error_.ok()) hook_error_ = s;
+      return;
+    }
+  }
 }
 
 torch::Tensor ShardedOptimizer::AcquireStagingLocked(int b) {
@@ -981,12 +1005,14 @@ void ShardedOptimizer::LaunchShardedLocked(int b) {
   rs_handles_[b] =
       comm_->ReduceScatter(buf.data_ptr(), bk.capacity_per_rank, comm_type_, ReduceOp::kAverage);
   in_flight_.push_back(b);
+  in_flight_elements_ += bk.capacity_per_rank * world_;
 }
 
 absl::Status ShardedOptimizer::ReclaimLocked(int b) {
   auto it = std::find(in_flight_.begin(), in_flight_.end(), b);
   if (it == in_flight_.end()) return absl::OkStatus();
   in_flight_.erase(it);
+  in_flight_elements_ -= layout_.buckets()[b].capacity_per_rank * world_;
   absl::Status s = rs_handles_[b]->Wait(options_.timeout);
   if (!s.ok()) {
     comm_->Abort(s);

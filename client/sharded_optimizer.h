@@ -90,8 +90,9 @@ struct ShardedOptimizerOptions {
   // full-size buffer that exists only until the step, as FSDP's no_sync does.
   // Smaller buckets mean smaller staging buffers (bucket_cap_elements).
   bool shard_gradients = false;
-  // With shard_gradients: staging buffers shared by the buckets in flight.
-  // When all are in use, backward waits for the oldest bucket's reduction.
+  // With shard_gradients: staging buffers shared by the buckets in flight,
+  // and the most buckets whose reduction may be in flight. When all are in
+  // use, backward waits for the oldest bucket's reduction.
   int grad_staging_buffers = 2;
 };
 
@@ -215,6 +216,7 @@ class ShardedOptimizer {
   torch::Tensor AcquireStagingLocked(int bucket);
   void LaunchShardedLocked(int bucket);
   absl::Status ReclaimLocked(int bucket);
+  void ReclaimFinishedLocked();
   void ReleaseShardedBuffersLocked();
   void UpdateGradBytesLocked();
   torch::Tensor AccumView(int param);
@@ -280,6 +282,7 @@ class ShardedOptimizer {
   std::vector<torch::Tensor> bucket_pool_;  // per bucket: the pooled buffer behind it
   std::vector<bool> reclaimed_;             // owned range copied out, buffer released
   std::vector<int> in_flight_;              // launched, not reclaimed, in launch order
+  int64_t in_flight_elements_ = 0;          // their buffers' elements
   std::vector<torch::Tensor> abandoned_;    // buffers of collectives that failed
   absl::Status hook_error_;
   int64_t hook_wait_ns_ = 0;  // backward blocked on a reduction (exposed)

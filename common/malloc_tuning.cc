@@ -1,5 +1,7 @@
 #include "common/malloc_tuning.h"
 
+#include <dlfcn.h>
+
 #include <malloc.h>
 
 #include "absl/strings/str_cat.h"
@@ -43,6 +45,14 @@ absl::Status ParseMallocMode(const std::string& text, MallocMode* mode) {
         absl::StrCat("unknown malloc mode '", text, "' (expected 'tuned' or 'default')"));
   }
   return absl::OkStatus();
+}
+
+bool LimitBlasThreads(int threads) {
+  using SetThreads = void (*)(int);
+  auto set = reinterpret_cast<SetThreads>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"));
+  if (set == nullptr) return false;
+  set(threads);
+  return true;
 }
 
 }  // namespace shardopt

@@ -23,6 +23,12 @@ enum class MallocMode {
 // Errors if glibc refuses a setting.
 absl::Status ApplyMallocMode(MallocMode mode);
 
+// Limits OpenBLAS (which LibTorch's matmuls use) to `threads` threads when it
+// is loaded: at::set_num_threads() does not reach it, and its default (one
+// thread per CPU) spins idle threads on the cores other ranks need. Same as
+// OMP_NUM_THREADS=threads before start. Returns false when OpenBLAS is absent.
+bool LimitBlasThreads(int threads);
+
 // One line saying which settings are in force, for start-up logs and benchmarks.
 std::string DescribeMallocMode(MallocMode mode);
 

@@ -202,7 +202,7 @@ class PyOptimizer {
               const std::vector<torch::Tensor>& tensors, const std::vector<int>& param_group,
               const std::string& kind, const std::vector<py::dict>& groups, double max_grad_norm,
               int64_t bucket_cap_elements, bool grad_bf16, double timeout_s, int kernel_threads,
-              bool overlap_param_gather)
+              bool overlap_param_gather, bool shard_gradients)
       : comm_(std::move(comm)) {
     if (names.size() != tensors.size()) throw py::value_error("names and tensors differ in length");
     ShardedOptimizerOptions o;
@@ -222,6 +222,7 @@ class PyOptimizer {
     o.timeout = absl::Seconds(timeout_s);
     o.kernel_threads = kernel_threads;
     o.overlap_param_gather = overlap_param_gather;
+    o.shard_gradients = shard_gradients;
 #ifdef SHARDOPT_WITH_CUDA
     if (!tensors.empty() && tensors.front().is_cuda()) o.kernel_backend = MakeCudaKernelBackend();
 #endif
@@ -522,11 +523,13 @@ PYBIND11_MODULE(_C, m) {
   py::class_<PyOptimizer>(m, "Optimizer")
       .def(py::init<std::shared_ptr<PyCommunicator>, const std::vector<std::string>&,
                     const std::vector<torch::Tensor>&, const std::vector<int>&, const std::string&,
-                    const std::vector<py::dict>&, double, int64_t, bool, double, int, bool>(),
+                    const std::vector<py::dict>&, double, int64_t, bool, double, int, bool,
+                    bool>(),
            py::arg("comm"), py::arg("names"), py::arg("tensors"), py::arg("param_group"),
            py::arg("kind"), py::arg("groups"), py::arg("max_grad_norm"),
            py::arg("bucket_cap_elements"), py::arg("grad_bf16"), py::arg("timeout_s"),
-           py::arg("kernel_threads"), py::arg("overlap_param_gather"))
+           py::arg("kernel_threads"), py::arg("overlap_param_gather"),
+           py::arg("shard_gradients"))
       .def("wait_buckets", &PyOptimizer::WaitBuckets)
       .def("wait_all", &PyOptimizer::WaitAll)
       .def("buckets_of", &PyOptimizer::BucketsOf)

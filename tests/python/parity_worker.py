@@ -101,7 +101,8 @@ def shardopt_model(a, grad_dtype=None):
                                     momentum=0.9 if a.kind == "sgd" else 0.0,
                                     max_grad_norm=a.clip, bucket_cap_mb=a.bucket_mb,
                                     grad_dtype=grad_dtype,
-                                    module=model if a.overlap else None)
+                                    module=model if a.overlap else None,
+                                    shard_gradients=a.shard_gradients)
     return model, opt
 
 
@@ -114,6 +115,10 @@ def scenario_parity(a, res):
     assert isinstance(opt, torch.optim.Optimizer)
     train(model, opt, schedule(opt, a), a, a.steps, accumulate=a.accumulate)
     res["max_rel_diff"] = max_rel_diff(model, ref)
+    mem = opt.memory()
+    res["grad_bytes"], res["param_bytes"] = mem["grad_bytes"], mem["param_bytes"]
+    # With shard_gradients backward leaves no .grad behind.
+    res["grads_after_backward"] = sum(p.grad is not None for p in model.parameters())
     if a.floor:
         # PyTorch against itself: the same global batches with the slices
         # assigned to the ranks in another order, so DDP sums every gradient
@@ -225,6 +230,7 @@ def main():
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--floor", action="store_true")
     p.add_argument("--overlap", action="store_true", help="module=: gathers overlap the forward")
+    p.add_argument("--shard-gradients", action="store_true", help="ZeRO-2")
     p.add_argument("--bucket-mb", type=float, default=0.05)  # several buckets
     p.add_argument("--ckpt")
     p.add_argument("--save-at", type=int, default=5)

@@ -13,10 +13,15 @@
 //             update of the owned slices, bucketed all-gather;
 //   shardopt_overlap  the same with the all-gathers overlapping the next
 //             forward (overlap_param_gather; each layer waits for its own);
+//   shardopt_zero2  shardopt_overlap with gradient sharding (shard_gradients,
+//             1M-element buckets as shardopt_train uses with it): each rank
+//             keeps only its slices' reduced gradients;
 //   shardopt_fr  the same with what shardopt_train adds for observability: every
 //             collective through the flight recorder, per-step metrics under a
 //             mutex and a thread that collects them once a second as heartbeats
 //             do (not in the default rows; for measuring that overhead).
+// Every row reports its gradient bytes per rank (buffers held across the
+// step; autograd's transient gradients are not counted, in any row).
 // Each (row, round) is a fresh pair of processes, so peak RSS is per row; rows
 // are interleaved round by round (A B C D A B C D ...); warm-up steps are
 // excluded.
@@ -152,6 +157,7 @@ int RunWorker(const Flags& f) {
   const int warmup = static_cast<int>(f.Int("warmup", 2).value_or(2));
   (void)ApplyMallocMode(MallocMode::kTuned);
   at::set_num_threads(1);
+  (void)LimitBlasThreads(1);  // OMP_NUM_THREADS=1 is set by the parent too
   FileKeyValueStore store(f.Str("store", "/tmp"));
   GlooOptions go;
   go.store_prefix = row;
@@ -172,6 +178,7 @@ int RunWorker(const Flags& f) {
   }
   const double lr = 1e-4;
   int64_t state_bytes = 0;
+  int64_t grad_bytes = numel * 4;  // ddp rows: the flat gradient buffer
 
   std::unique_ptr<ShardedOptimizer> sharded;
   std::unique_ptr<DdpGradients> ddp;
@@ -201,13 +208,18 @@ int RunWorker(const Flags& f) {
       if (thread->joinable()) thread->join();
     }
   } joiner{&stop_metrics, &heartbeat};
-  const bool overlap = row == "shardopt_overlap";
+  const bool zero2 = row == "shardopt_zero2";
+  const bool overlap = row == "shardopt_overlap" || zero2;
   if (row == "shardopt" || overlap || observed) {
     ShardedOptimizerOptions o;
     o.adam.lr = lr;
     // shardopt_overlap: Step() returns with the all-gathers in flight; each
     // layer waits for its own in the next forward (as shardopt_train does).
     o.overlap_param_gather = overlap;
+    if (zero2) {
+      o.shard_gradients = true;
+      o.plan.bucket_cap_elements = 1024 * 1024;
+    }
     auto s = ShardedOptimizer::Create(named, o, observed ? recording.get() : comm->get());
     if (!s.ok()) {
       std::fprintf(stderr, "%s\n", s.status().ToString().c_str());
@@ -365,6 +377,7 @@ int RunWorker(const Flags& f) {
     if (step >= warmup) times.push_back(t);
   }
   const ByteCounters after = (*comm)->counters();
+  if (sharded) grad_bytes = sharded->memory().grad_bytes;  // after the steps: staging included
   stop_metrics = true;
   if (heartbeat.joinable()) heartbeat.join();
   struct rusage ru;
@@ -375,6 +388,7 @@ int RunWorker(const Flags& f) {
   out["batch"] = batch;
   out["parameters"] = numel;
   out["optimizer_state_bytes"] = state_bytes;
+  out["grad_bytes"] = grad_bytes;
   out["peak_rss_bytes"] = static_cast<int64_t>(ru.ru_maxrss) * 1024;
   out["bytes_sent_per_step"] = static_cast<double>(after.total_sent() - before.total_sent()) / steps;
   for (const StepTimes& t : times) {
@@ -402,12 +416,13 @@ double StdDev(const std::vector<double>& v) {
 
 // Runs one (model, row) pair of ranks; returns their JSON reports.
 std::vector<nlohmann::json> RunPair(const std::string& self, const std::string& model,
-                                    const std::string& row, int steps, int warmup) {
+                                    const std::string& row, int steps, int warmup, int world) {
   char tmpl[] = "/tmp/bench_oss.XXXXXX";
   const std::string dir = mkdtemp(tmpl);
   std::vector<pid_t> pids;
-  for (int r = 0; r < 2; ++r) {
-    std::vector<std::string> args = {self, "--worker", "--rank=" + std::to_string(r), "--world=2",
+  for (int r = 0; r < world; ++r) {
+    std::vector<std::string> args = {self, "--worker", "--rank=" + std::to_string(r),
+                                      "--world=" + std::to_string(world),
                                       "--row=" + row, "--model=" + model,
                                       "--steps=" + std::to_string(steps),
                                       "--warmup=" + std::to_string(warmup), "--store=" + dir,
@@ -417,6 +432,9 @@ std::vector<nlohmann::json> RunPair(const std::string& self, const std::string& 
       std::vector<char*> argv;
       for (auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
       argv.push_back(nullptr);
+      // OpenBLAS sizes its thread pool when it loads: one thread, as the
+      // Python benchmark and torchrun's default do.
+      setenv("OMP_NUM_THREADS", "1", 1);
       execv(argv[0], argv.data());
       _exit(127);
     }
@@ -435,7 +453,7 @@ std::vector<nlohmann::json> RunPair(const std::string& self, const std::string& 
     ok &= WIFEXITED(status) && WEXITSTATUS(status) == 0;
   }
   std::vector<nlohmann::json> out;
-  for (int r = 0; ok && r < 2; ++r) {
+  for (int r = 0; ok && r < world; ++r) {
     std::ifstream in(absl::StrCat(dir, "/out", r, ".json"));
     out.push_back(nlohmann::json::parse(in));
   }
@@ -448,7 +466,7 @@ std::vector<nlohmann::json> RunPair(const std::string& self, const std::string& 
 }
 
 constexpr char kUsage[] = R"(usage: bench_oss [--models=mlp,resnet101] [--rows=ddp,ddp_fused,oss_ddp,shardopt]
-                 [--rounds=3] [--steps=5] [--warmup=2] [--json=PATH] [--png=PATH]
+                 [--rounds=3] [--steps=5] [--warmup=2] [--ranks=2] [--json=PATH] [--png=PATH]
 
 fairscale's OSS benchmark table on CPU: 2 ranks (processes, Gloo over 127.0.0.1,
 1 compute thread each, tuned malloc), rows interleaved round by round, each
@@ -459,7 +477,9 @@ breakdown. --png draws the chart with tools/bench/plot_oss.py (needs python3-mat
 --rows=shardopt,shardopt_fr measures what the flight recorder and the trainer's
 heartbeat metrics cost (README, "Flight recorder"); --rows=...,shardopt_overlap adds the
 all-gathers overlapping the next forward (its fwd+bwd column includes those waits, which its
-exposed-comm column counts too).
+exposed-comm column counts too); shardopt_zero2 adds gradient sharding to that (the "grads"
+column: gradient buffers per rank). --ranks=4 runs 4 processes per row (on 2 cores: for the
+memory columns, not for speed).
 )";
 
 int RunParent(const Flags& f, const std::string& self) {
@@ -469,11 +489,13 @@ int RunParent(const Flags& f, const std::string& self) {
   const int rounds = static_cast<int>(f.Int("rounds", 3).value_or(3));
   const int steps = static_cast<int>(f.Int("steps", 5).value_or(5));
   const int warmup = static_cast<int>(f.Int("warmup", 2).value_or(2));
-  if (rounds < 1 || steps < 1 || warmup < 0) {
-    std::fprintf(stderr, "bench_oss: need --rounds >= 1, --steps >= 1, --warmup >= 0\n");
+  const int ranks = static_cast<int>(f.Int("ranks", 2).value_or(2));
+  if (rounds < 1 || steps < 1 || warmup < 0 || ranks < 1 || ranks > 16) {
+    std::fprintf(stderr,
+                 "bench_oss: need --rounds >= 1, --steps >= 1, --warmup >= 0, 1 <= --ranks <= 16\n");
     return 2;
   }
-  std::printf("bench_oss: 2 ranks, Gloo over 127.0.0.1, 1 thread per rank, %s\n",
+  std::printf("bench_oss: %d ranks, Gloo over 127.0.0.1, 1 thread per rank, %s\n", ranks,
               DescribeMallocMode(MallocMode::kTuned).c_str());
   std::printf("%d rounds x (%d warm-up + %d timed steps) per row, rows interleaved\n\n", rounds,
               warmup, steps);
@@ -484,17 +506,19 @@ int RunParent(const Flags& f, const std::string& self) {
       for (const std::string& row : rows) {
         std::fprintf(stderr, "  %s round %d/%d: %s...\n", model.c_str(), round + 1, rounds,
                      row.c_str());
-        for (auto& j : RunPair(self, model, row, steps, warmup)) runs[row].push_back(j);
+        for (auto& j : RunPair(self, model, row, steps, warmup, ranks)) runs[row].push_back(j);
       }
     }
     std::printf("model %s\n", model.c_str());
-    std::printf("%-10s %20s %8s %12s %14s %14s %10s %10s %10s\n", "row", "samples/s/rank",
-                "vs ddp", "peak RSS", "opt state", "sent/step", "fwd+bwd", "exposed", "optim");
+    std::printf("%-16s %20s %8s %12s %12s %12s %12s %10s %10s %10s\n", "row", "samples/s/rank",
+                "vs ddp", "peak RSS", "opt state", "grads", "sent/step", "fwd+bwd", "exposed",
+                "optim");
     double ddp_sps = 0;
     for (const std::string& row : rows) {
       std::vector<double> sps, rss, fb, cm, op, sent;
-      double state = 0;
+      double state = 0, grads = 0;
       for (const auto& j : runs[row]) {
+        grads = std::max(grads, j["grad_bytes"].get<double>());
         const double batch = j["batch"].get<double>();
         for (double s : j["step_s"]) sps.push_back(batch / s);
         for (double s : j["fwd_bwd_s"]) fb.push_back(s);
@@ -512,19 +536,21 @@ int RunParent(const Flags& f, const std::string& self) {
       r["vs_ddp"] = ddp_sps > 0 ? med / ddp_sps : 0;
       r["peak_rss_bytes"] = Median(rss);
       r["optimizer_state_bytes"] = state;
+      r["grad_bytes"] = grads;
       r["bytes_sent_per_step"] = Median(sent);
       r["fwd_bwd_s"] = Median(fb);
       r["exposed_comm_s"] = Median(cm);
       r["optimizer_s"] = Median(op);
       all[model][row] = r;
-      std::printf("%-10s %11.2f +/- %5.2f %7.3fx %9.0f MiB %10.1f MiB %10.1f MiB %8.3f s %8.3f s %8.3f s\n",
+      std::printf("%-16s %11.2f +/- %5.2f %7.3fx %8.0f MiB %8.1f MiB %8.1f MiB %8.1f MiB %8.3f s %8.3f s %8.3f s\n",
                   row.c_str(), med, StdDev(sps), r["vs_ddp"].get<double>(), Median(rss) / 1048576,
-                  state / 1048576, Median(sent) / 1048576, Median(fb), Median(cm), Median(op));
+                  state / 1048576, grads / 1048576, Median(sent) / 1048576, Median(fb), Median(cm),
+                  Median(op));
     }
     std::printf("\n");
     std::fflush(stdout);
   }
-  all["setup"] = {{"ranks", 2}, {"threads_per_rank", 1}, {"transport", "gloo tcp 127.0.0.1"},
+  all["setup"] = {{"ranks", ranks}, {"omp_num_threads", 1}, {"threads_per_rank", 1}, {"transport", "gloo tcp 127.0.0.1"},
                   {"malloc", DescribeMallocMode(MallocMode::kTuned)}, {"rounds", rounds},
                   {"steps", steps}, {"warmup", warmup}, {"optimizer", "adam lr 1e-4 fp32"}};
   const std::string json = f.Str("json", "");
@@ -554,7 +580,7 @@ int RunParent(const Flags& f, const std::string& self) {
 int main(int argc, char** argv) {
   using namespace shardopt;
   auto f = Flags::Parse(argc, argv, {"worker", "rank", "world", "row", "model", "steps", "warmup",
-                                     "store", "out", "models", "rows", "rounds", "json", "png",
+                                     "store", "out", "models", "rows", "rounds", "json", "png", "ranks",
                                      "help"});
   if (!f.ok()) {
     std::fprintf(stderr, "bench_oss: %s\n", std::string(f.status().message()).c_str());

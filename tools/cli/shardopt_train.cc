@@ -43,11 +43,16 @@ flags (a malformed or out-of-range value is refused, naming the flag; exit statu
   --optimizer=NAME     adam | adamw | sgd (SGD uses momentum 0.9; default adam)
   --batch=N            samples per rank per step, 1..65536 (default: the model's)
   --clip=X             clip gradients to global L2 norm X, 0..1e+30 (default 0: off)
-  --bucket-cap=N       bucket cap in elements, 1..2147483647 (default 26214400)
+  --bucket-cap=N       bucket cap in elements, 1..2147483647 (default 26214400; 1048576
+                       with --shard-gradients=on)
   --threads=N          compute threads per rank, 1..256 (default 1)
   --malloc=MODE        tuned | default (default tuned: see README, "allocator")
   --overlap=on|off     on: Step() returns with the parameter all-gathers in flight and each
                        layer waits for its own before its forward (default on)
+  --shard-gradients=on|off
+                       on (ZeRO-2): each rank keeps only the reduced gradients of the slices
+                       it owns (about 1/N of the gradient memory, plus two bucket-sized
+                       staging buffers; see shardctl memory) (default off)
   --coordinator=H:P    coordinator address (default $SHARDOPT_COORDINATOR)
   --job-id=ID          job id (default $SHARDOPT_JOB_ID or "job")
   --token-file=PATH    bearer token for the control plane (default $SHARDOPT_TOKEN_FILE)
@@ -141,7 +146,7 @@ struct Config {
   int64_t steps = 0, batch_flag = 0, bucket_cap = 0, threads = 1, log_every = 1;
   int64_t ckpt_every = 0, ckpt_keep = 0;
   double lr = 0, clip = 0;
-  bool has_lr = false, has_batch = false, overlap = true;
+  bool has_lr = false, has_batch = false, overlap = true, shard_gradients = false;
   absl::Duration collective_timeout;
   int64_t stall_rank = -1, stall_step = -1, nan_rank = -1, nan_step = -1, slow_rank = -1, slow_ms = 0;
   MallocMode malloc_mode;
@@ -160,7 +165,11 @@ absl::Status ReadConfig(const Flags& flags, Config* c) {
   c->batch_flag = Take(flags.Int("batch", 0, 1, kMaxBatch), &bad);
   c->has_batch = flags.Has("batch");
   c->clip = Take(flags.Double("clip", 0, 0, kMaxClip), &bad);
-  c->bucket_cap = Take(flags.Int("bucket-cap", 25 * 1024 * 1024, 1, kMaxBucketCap), &bad);
+  c->shard_gradients =
+      Take(flags.Choice("shard-gradients", "off", {"on", "off"}), &bad) == "on";
+  c->bucket_cap = Take(flags.Int("bucket-cap", c->shard_gradients ? 1024 * 1024 : 25 * 1024 * 1024,
+                                 1, kMaxBucketCap),
+                       &bad);
   c->threads = Take(flags.Int("threads", 1, 1, kMaxThreads), &bad);
   const std::string malloc_flag = Take(flags.Choice("malloc", "tuned", {"tuned", "default"}), &bad);
   c->overlap = Take(flags.Choice("overlap", "on", {"on", "off"}), &bad) == "on";
@@ -204,7 +213,7 @@ absl::Status ReadConfig(const Flags& flags, Config* c) {
 int ParseConfig(int argc, char** argv, Config* c) {
   auto flags = Flags::Parse(argc, argv,
                             {"model", "steps", "lr", "optimizer", "batch", "clip", "bucket-cap",
-                             "threads", "malloc", "overlap", "coordinator", "job-id", "token-file", "bind",
+                             "threads", "malloc", "overlap", "shard-gradients", "coordinator", "job-id", "token-file", "bind",
                              "log-every", "tls-ca", "tls-cert", "tls-key", "ckpt-dir", "ckpt-every",
                              "resume", "ckpt-keep", "collective-timeout", "debug-stall-rank", "debug-stall-step",
                              "debug-nan-rank", "debug-nan-step", "debug-slow-rank", "debug-slow-ms",
@@ -240,6 +249,7 @@ ShardedOptimizerOptions OptimizerOptions(const Config& c) {
   opt.plan.bucket_cap_elements = c.bucket_cap;
   opt.timeout = c.collective_timeout;
   opt.overlap_param_gather = c.overlap;
+  opt.shard_gradients = c.shard_gradients;
   return opt;
 }
 
@@ -417,6 +427,7 @@ int Main(int argc, char** argv) {
   if (int rc = ParseConfig(argc, argv, &c); rc >= 0) return rc;
   if (absl::Status s = ApplyMallocMode(c.malloc_mode); !s.ok()) return Fail(c.rank, s.ToString());
   at::set_num_threads(static_cast<int>(c.threads));
+  (void)LimitBlasThreads(static_cast<int>(c.threads));  // OpenBLAS keeps its own pool
   auto model = MakeModel(c.model_name, 42);
   if (!model.ok()) return Fail(c.rank, std::string(model.status().message()));
   const int64_t batch = c.has_batch ? c.batch_flag : (*model)->batch_per_rank();

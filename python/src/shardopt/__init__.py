@@ -213,17 +213,26 @@ class ShardedOptimizer(Optimizer):
     module.state_dict(), checkpoints and state_dict() wait for them too.
     Read parameters any other way between steps only after
     wait_for_parameters().
+
+    `shard_gradients=True` (ZeRO-2): each rank keeps only the reduced
+    gradients of the slices it owns, about 1/N of the gradient memory plus a
+    few bucket-sized staging buffers (bucket_cap_mb defaults to 4 then, to
+    keep them small). Backward hands every gradient to the optimizer, so
+    `p.grad` is None after backward: clip with max_grad_norm=, not with
+    torch.nn.utils.clip_grad_norm_. Under no_sync() micro-batches accumulate
+    in a full-size buffer that lives only until the next step.
     """
 
     def __init__(self, params, optimizer: str = "adamw", lr: float = 1e-3,
                  betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: Optional[float] = None, momentum: float = 0.0,
                  dampening: float = 0.0, nesterov: bool = False, max_grad_norm: float = 0.0,
-                 bucket_cap_mb: float = 25.0, grad_dtype: Optional[torch.dtype] = None,
+                 bucket_cap_mb: Optional[float] = None, grad_dtype: Optional[torch.dtype] = None,
                  timeout: float = 300.0, kernel_threads: int = 1,
                  checkpoint_dir: Optional[str] = None, checkpoint_keep: int = 0,
                  module: Optional[torch.nn.Module] = None,
                  overlap_param_gather: Optional[bool] = None,
+                 shard_gradients: bool = False,
                  context: Optional[Context] = None):
         if optimizer not in _KINDS:
             raise ValueError(f"unknown optimizer {optimizer!r}: expected one of {', '.join(_KINDS)}")
@@ -235,7 +244,11 @@ class ShardedOptimizer(Optimizer):
                 raise ValueError(f"invalid {name} {v!r}: must be >= 0 and finite")
         if not (len(betas) == 2 and all(0.0 <= b < 1.0 for b in betas)):
             raise ValueError(f"invalid betas {betas!r}: each must be in [0, 1)")
-        if not (bucket_cap_mb > 0):
+        if not isinstance(shard_gradients, bool):
+            raise ValueError(f"shard_gradients must be True or False, not {shard_gradients!r}")
+        if bucket_cap_mb is None:
+            bucket_cap_mb = 4.0 if shard_gradients else 25.0
+        if not isinstance(bucket_cap_mb, (int, float)) or not (bucket_cap_mb > 0):
             raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
         if grad_dtype not in (None, torch.float32, torch.bfloat16):
             raise ValueError(f"grad_dtype must be None, torch.float32 or torch.bfloat16, "
@@ -311,7 +324,7 @@ class ShardedOptimizer(Optimizer):
             comm, names, tensors, param_group, optimizer,
             [self._hyper(g) for g in self.param_groups], float(max_grad_norm),
             max(1, int(bucket_cap_mb * 1024 * 1024 / elem)), grad_dtype == torch.bfloat16,
-            float(timeout), int(kernel_threads), bool(overlap_param_gather))
+            float(timeout), int(kernel_threads), bool(overlap_param_gather), shard_gradients)
         self._pushed = [self._hyper(g) for g in self.param_groups]
         self._initialised = True
         self._hooks = []
@@ -422,7 +435,8 @@ class ShardedOptimizer(Optimizer):
     def zero_grad(self, set_to_none: bool = False) -> None:
         """Zeroes the gradients. They stay views of the flat gradient buffer
         (set_to_none is accepted and ignored: None gradients would detach
-        them)."""
+        them). With shard_gradients, drops what backward accumulated since
+        the last step (parameters have no .grad then)."""
         self._core.zero_grad()
         self._core.before_step()  # the step's clock starts (heartbeats, slow-rank detection)
 
