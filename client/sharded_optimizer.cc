@@ -922,16 +922,17 @@ void ShardedOptimizer::OnShardedGradReadyLocked(int param, torch::Tensor g,
 
 // Takes back buckets whose reduction has finished (oldest first), so their
 // buffers (autograd's own gradient for in-place buckets) are released during
-// backward. With grad_staging_buffers buckets, or more elements than that
-// many staging buffers hold, in flight, waits for the oldest: memory in
-// flight stays bounded (a large in-place bucket is reduced while the next
-// gradient is computed, one at a time), and reductions still overlap backward.
+// backward. With grad_staging_buffers buckets in flight, or more elements
+// than 1/16 of the model (or than the staging buffers hold, if more), waits
+// for the oldest: gradients in flight stay bounded (a bucket holding a large
+// fraction of the model is reduced while the next gradient is computed, one
+// at a time), and reductions still overlap backward.
 void ShardedOptimizer::ReclaimFinishedLocked() {
-  const int64_t budget = options_.grad_staging_buffers * staging_elements_;
+  const int64_t budget = std::max<int64_t>(options_.grad_staging_buffers * staging_elements_,
+                                           layout_.flat_size() / 16);
   while (!in_flight_.empty()) {
     const int b = in_flight_.front();
-    const bool full = static_cast<int>(in_flight_.size()) >= options_.grad_staging_buffers ||
-                      in_flight_elements_ > budget;
+    const bool full = in_flight_elements_ > budget;
     if (!full && !rs_handles_[b]->done()) break;
     const int64_t t0 = NowNs();
     absl::Status s = ReclaimLocked(b);

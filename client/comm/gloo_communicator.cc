@@ -331,19 +331,33 @@ absl::Status GlooCommunicator::RunAllReduce(void* buffer, int64_t count, Element
   const int n = world_size();
   const int elem = ElementSize(type);
   if (n == 1 || count == 0) return absl::OkStatus();
-  // Pad to a multiple of N, reduce-scatter, all-gather: the ring all-reduce.
-  const int64_t per_rank = (count + n - 1) / n;
-  std::vector<char> padded(static_cast<size_t>(per_rank * n * elem), 0);
-  std::memcpy(padded.data(), buffer, count * elem);
-  absl::Status s =
-      RingReduceScatter(padded.data(), per_rank * elem, type, op, CollectiveKind::kAllReduce);
-  if (s.ok()) s = RingAllGather(padded.data(), per_rank * elem, CollectiveKind::kAllReduce);
+  // The ring all-reduce: reduce-scatter, average this rank's chunk, all-gather.
+  // In place over the largest multiple of N elements (no copies); the < N
+  // elements left go through a small padded buffer.
+  const int64_t per_rank = count / n;
+  char* base = static_cast<char*>(buffer);
+  if (per_rank > 0) {
+    absl::Status s =
+        RingReduceScatter(base, per_rank * elem, type, op, CollectiveKind::kAllReduce);
+    if (!s.ok()) return s;
+    if (op == ReduceOp::kAverage) {
+      Scale(base + rank() * per_rank * elem, per_rank, type, 1.0f / n);
+    }
+    s = RingAllGather(base, per_rank * elem, CollectiveKind::kAllReduce);
+    if (!s.ok()) return s;
+  }
+  const int64_t rest = count - per_rank * n;
+  if (rest == 0) return absl::OkStatus();
+  std::vector<char> padded(static_cast<size_t>(n * elem), 0);
+  std::memcpy(padded.data(), base + per_rank * n * elem, rest * elem);
+  absl::Status s = RingReduceScatter(padded.data(), elem, type, op, CollectiveKind::kAllReduce);
+  if (s.ok()) s = RingAllGather(padded.data(), elem, CollectiveKind::kAllReduce);
   if (!s.ok()) {
     scratch_graveyard_.push_back(std::make_unique<std::vector<char>>(std::move(padded)));
     return s;
   }
-  std::memcpy(buffer, padded.data(), count * elem);
-  if (op == ReduceOp::kAverage) Scale(buffer, count, type, 1.0f / n);
+  if (op == ReduceOp::kAverage) Scale(padded.data(), rest, type, 1.0f / n);
+  std::memcpy(base + per_rank * n * elem, padded.data(), rest * elem);
   return absl::OkStatus();
 }
 

@@ -14,8 +14,9 @@
 //   shardopt_overlap  the same with the all-gathers overlapping the next
 //             forward (overlap_param_gather; each layer waits for its own);
 //   shardopt_zero2  shardopt_overlap with gradient sharding (shard_gradients,
-//             1M-element buckets as shardopt_train uses with it): each rank
-//             keeps only its slices' reduced gradients;
+//             4 Mi-element buckets as shardopt_train uses with it, or
+//             --zero2-bucket-cap): each rank keeps only its slices' reduced
+//             gradients;
 //   shardopt_fr  the same with what shardopt_train adds for observability: every
 //             collective through the flight recorder, per-step metrics under a
 //             mutex and a thread that collects them once a second as heartbeats
@@ -209,6 +210,7 @@ int RunWorker(const Flags& f) {
     }
   } joiner{&stop_metrics, &heartbeat};
   const bool zero2 = row == "shardopt_zero2";
+  const int64_t zero2_bucket_cap = f.Int("zero2-bucket-cap", 4 << 20).value_or(4 << 20);
   const bool overlap = row == "shardopt_overlap" || zero2;
   if (row == "shardopt" || overlap || observed) {
     ShardedOptimizerOptions o;
@@ -218,7 +220,7 @@ int RunWorker(const Flags& f) {
     o.overlap_param_gather = overlap;
     if (zero2) {
       o.shard_gradients = true;
-      o.plan.bucket_cap_elements = 1024 * 1024;
+      o.plan.bucket_cap_elements = zero2_bucket_cap;
     }
     auto s = ShardedOptimizer::Create(named, o, observed ? recording.get() : comm->get());
     if (!s.ok()) {
@@ -416,7 +418,8 @@ double StdDev(const std::vector<double>& v) {
 
 // Runs one (model, row) pair of ranks; returns their JSON reports.
 std::vector<nlohmann::json> RunPair(const std::string& self, const std::string& model,
-                                    const std::string& row, int steps, int warmup, int world) {
+                                    const std::string& row, int steps, int warmup, int world,
+                                    int64_t zero2_bucket_cap) {
   char tmpl[] = "/tmp/bench_oss.XXXXXX";
   const std::string dir = mkdtemp(tmpl);
   std::vector<pid_t> pids;
@@ -426,6 +429,7 @@ std::vector<nlohmann::json> RunPair(const std::string& self, const std::string& 
                                       "--row=" + row, "--model=" + model,
                                       "--steps=" + std::to_string(steps),
                                       "--warmup=" + std::to_string(warmup), "--store=" + dir,
+                                      absl::StrCat("--zero2-bucket-cap=", zero2_bucket_cap),
                                       absl::StrCat("--out=", dir, "/out", r, ".json")};
     pid_t pid = fork();
     if (pid == 0) {
@@ -466,7 +470,8 @@ std::vector<nlohmann::json> RunPair(const std::string& self, const std::string& 
 }
 
 constexpr char kUsage[] = R"(usage: bench_oss [--models=mlp,resnet101] [--rows=ddp,ddp_fused,oss_ddp,shardopt]
-                 [--rounds=3] [--steps=5] [--warmup=2] [--ranks=2] [--json=PATH] [--png=PATH]
+                 [--rounds=3] [--steps=5] [--warmup=2] [--ranks=2] [--zero2-bucket-cap=N]
+                 [--json=PATH] [--png=PATH]
 
 fairscale's OSS benchmark table on CPU: 2 ranks (processes, Gloo over 127.0.0.1,
 1 compute thread each, tuned malloc), rows interleaved round by round, each
@@ -490,7 +495,8 @@ int RunParent(const Flags& f, const std::string& self) {
   const int steps = static_cast<int>(f.Int("steps", 5).value_or(5));
   const int warmup = static_cast<int>(f.Int("warmup", 2).value_or(2));
   const int ranks = static_cast<int>(f.Int("ranks", 2).value_or(2));
-  if (rounds < 1 || steps < 1 || warmup < 0 || ranks < 1 || ranks > 16) {
+  const int64_t zero2_cap = f.Int("zero2-bucket-cap", 4 << 20).value_or(4 << 20);
+  if (rounds < 1 || steps < 1 || warmup < 0 || ranks < 1 || ranks > 16 || zero2_cap < 1) {
     std::fprintf(stderr,
                  "bench_oss: need --rounds >= 1, --steps >= 1, --warmup >= 0, 1 <= --ranks <= 16\n");
     return 2;
@@ -506,7 +512,9 @@ int RunParent(const Flags& f, const std::string& self) {
       for (const std::string& row : rows) {
         std::fprintf(stderr, "  %s round %d/%d: %s...\n", model.c_str(), round + 1, rounds,
                      row.c_str());
-        for (auto& j : RunPair(self, model, row, steps, warmup, ranks)) runs[row].push_back(j);
+        for (auto& j : RunPair(self, model, row, steps, warmup, ranks, zero2_cap)) {
+          runs[row].push_back(j);
+        }
       }
     }
     std::printf("model %s\n", model.c_str());
@@ -550,7 +558,7 @@ int RunParent(const Flags& f, const std::string& self) {
     std::printf("\n");
     std::fflush(stdout);
   }
-  all["setup"] = {{"ranks", ranks}, {"omp_num_threads", 1}, {"threads_per_rank", 1}, {"transport", "gloo tcp 127.0.0.1"},
+  all["setup"] = {{"ranks", ranks}, {"omp_num_threads", 1}, {"zero2_bucket_cap", zero2_cap}, {"threads_per_rank", 1}, {"transport", "gloo tcp 127.0.0.1"},
                   {"malloc", DescribeMallocMode(MallocMode::kTuned)}, {"rounds", rounds},
                   {"steps", steps}, {"warmup", warmup}, {"optimizer", "adam lr 1e-4 fp32"}};
   const std::string json = f.Str("json", "");
@@ -580,7 +588,7 @@ int RunParent(const Flags& f, const std::string& self) {
 int main(int argc, char** argv) {
   using namespace shardopt;
   auto f = Flags::Parse(argc, argv, {"worker", "rank", "world", "row", "model", "steps", "warmup",
-                                     "store", "out", "models", "rows", "rounds", "json", "png", "ranks",
+                                     "store", "out", "models", "rows", "rounds", "json", "png", "ranks", "zero2-bucket-cap",
                                      "help"});
   if (!f.ok()) {
     std::fprintf(stderr, "bench_oss: %s\n", std::string(f.status().message()).c_str());

@@ -216,7 +216,7 @@ class ShardedOptimizer(Optimizer):
 
     `shard_gradients=True` (ZeRO-2): each rank keeps only the reduced
     gradients of the slices it owns, about 1/N of the gradient memory plus a
-    few bucket-sized staging buffers (bucket_cap_mb defaults to 4 then, to
+    few bucket-sized staging buffers (bucket_cap_mb defaults to 16 then, to
     keep them small). Backward hands every gradient to the optimizer, so
     `p.grad` is None after backward: clip with max_grad_norm=, not with
     torch.nn.utils.clip_grad_norm_. Under no_sync() micro-batches accumulate
@@ -247,7 +247,7 @@ class ShardedOptimizer(Optimizer):
         if not isinstance(shard_gradients, bool):
             raise ValueError(f"shard_gradients must be True or False, not {shard_gradients!r}")
         if bucket_cap_mb is None:
-            bucket_cap_mb = 4.0 if shard_gradients else 25.0
+            bucket_cap_mb = 16.0 if shard_gradients else 25.0
         if not isinstance(bucket_cap_mb, (int, float)) or not (bucket_cap_mb > 0):
             raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
         if grad_dtype not in (None, torch.float32, torch.bfloat16):
