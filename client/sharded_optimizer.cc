@@ -376,10 +376,10 @@ absl::Status ShardedOptimizer::InstallHooks(
     const int index = static_cast<int>(i);
     acc->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
         [state, index](const torch::autograd::variable_list& outputs,
-                       const torch::autograd::variable_list& inputs) {
+                       const torch::autograd::variable_list&) {
           absl::MutexLock lock(&state->mu);
           if (state->owner != nullptr) {
-            state->owner->OnGradReady(index, inputs.empty() ? torch::Tensor() : inputs[0]);
+            state->owner->OnGradReady(index);
           }
           return outputs;
         }));
@@ -400,13 +400,13 @@ std::vector<TraceEvent> ShardedOptimizer::TakeTrace() {
   return out;
 }
 
-void ShardedOptimizer::OnGradReady(int param, const torch::Tensor& input) {
+void ShardedOptimizer::OnGradReady(int param) {
   const int b = layout_.placement(param).bucket;
   torch::Tensor& grad = params_[param].mutable_grad();
   if (options_.shard_gradients) {
     torch::Tensor taken = std::move(grad);
     grad = torch::Tensor();
-    OnShardedGradReadyLocked(param, std::move(taken), input);
+    OnShardedGradReadyLocked(param, std::move(taken));
     return;
   }
   if (!grad.is_same(grad_views_[param])) {
@@ -809,11 +809,14 @@ MemoryReport ShardedOptimizer::memory() const {
 // ---- Gradient sharding (ZeRO-2) ----
 //
 // A bucket's gradients go into a staging buffer (pooled, in the type they
-// travel in) as backward produces them, or, for a bucket that is exactly one
-// parameter's gradient, are reduced in that gradient tensor itself; while
+// travel in; a bucket larger than the pooled buffers gets one of its own) as
+// backward produces them, and autograd's gradient is dropped at once; while
 // micro-batches accumulate (no_sync) they are summed in a full-size buffer
 // that is then reduced in place. After a bucket's reduce-scatter ("reclaim")
 // its owned range is copied into owned_grad_flat_ and the buffer released.
+// Autograd's gradient tensor itself is not reduced in place: while its hook
+// runs, autograd still holds references to it that cannot be told apart
+// from a user's, so overwriting it could not be proven safe.
 
 namespace {
 
@@ -821,24 +824,11 @@ torch::ScalarType ScalarTypeOf(ElementType t) {
   return t == ElementType::kBFloat16 ? torch::kBFloat16 : torch::kFloat;
 }
 
-// True when `g` is the only user of its memory (the autograd input it was
-// taken from aside), so the reduction may overwrite it.
-bool Exclusive(const torch::Tensor& g, const torch::Tensor& input) {
-  if (!g.defined() || !g.is_contiguous() || g.storage_offset() != 0 || g.use_count() != 1 ||
-      static_cast<size_t>(g.numel() * g.element_size()) != g.storage().nbytes()) {
-    return false;
-  }
-  const size_t expected =
-      input.defined() && input.storage().is_alias_of(g.storage()) ? 2 : 1;
-  return g.storage().use_count() == expected;
-}
-
 }  // namespace
 
 void ShardedOptimizer::PrepareShardedGradients() {
   absl::MutexLock lock(&hook_state_->mu);
   const int nb = static_cast<int>(layout_.buckets().size());
-  in_place_.assign(nb, false);
   gaps_.assign(nb, {});
   bucket_buf_.assign(nb, torch::Tensor());
   bucket_pool_.assign(nb, torch::Tensor());
@@ -855,9 +845,7 @@ void ShardedOptimizer::PrepareShardedGradients() {
       at = pl.bucket_offset + pl.numel;
     }
     if (size > at) gaps_[bk.index].push_back({at, size - at});
-    in_place_[bk.index] = bk.params.size() == 1 && layout_.placement(bk.params[0]).numel == size &&
-                          comm_type_ == ElementTypeOf(dtype_);
-    if (!in_place_[bk.index] && size <= pooled_limit) {
+    if (size <= pooled_limit) {
       staging_elements_ = std::max(staging_elements_, size);
     }
   }
@@ -876,8 +864,7 @@ void ShardedOptimizer::UpdateGradBytesLocked() {
                         staging_allocated_ * staging_elements_ * ElementSize(comm_type_);
 }
 
-void ShardedOptimizer::OnShardedGradReadyLocked(int param, torch::Tensor g,
-                                                const torch::Tensor& input) {
+void ShardedOptimizer::OnShardedGradReadyLocked(int param, torch::Tensor g) {
   const ParamPlacement& pl = layout_.placement(param);
   const int b = pl.bucket;
   Trace(TraceEvent::kGradReady, b, param);
@@ -912,36 +899,30 @@ void ShardedOptimizer::OnShardedGradReadyLocked(int param, torch::Tensor g,
     } else {
       AcquireStagingLocked(b).narrow(0, pl.bucket_offset, pl.numel).copy_(acc);
     }
-  } else if (in_place_[b] && Exclusive(g, input)) {
-    bucket_buf_[b] = g.view({-1});  // reduced in place: no copy, no staging
   } else {
     AcquireStagingLocked(b).narrow(0, pl.bucket_offset, pl.numel).copy_(g.reshape({-1}));
   }
   if (++bucket_ready_count_[b] == bucket_size_[b]) LaunchReadyBucketsLocked();
 }
 
-// Takes back buckets whose reduction has finished (oldest first), so their
-// buffers (autograd's own gradient for in-place buckets) are released during
-// backward. With grad_staging_buffers buckets in flight, or more elements
-// than 1/16 of the model (or than the staging buffers hold, if more), waits
-// for the oldest: gradients in flight stay bounded (a bucket holding a large
-// fraction of the model is reduced while the next gradient is computed, one
-// at a time), and reductions still overlap backward.
+// Takes back buckets whose reduction has finished (oldest first, without
+// waiting), so their buffers are reused or released during backward.
 void ShardedOptimizer::ReclaimFinishedLocked() {
-  const int64_t budget = std::max<int64_t>(options_.grad_staging_buffers * staging_elements_,
-                                           layout_.flat_size() / 16);
-  while (!in_flight_.empty()) {
-    const int b = in_flight_.front();
-    const bool full = in_flight_elements_ > budget;
-    if (!full && !rs_handles_[b]->done()) break;
-    const int64_t t0 = NowNs();
-    absl::Status s = ReclaimLocked(b);
-    hook_wait_ns_ += NowNs() - t0;
+  while (!in_flight_.empty() && rs_handles_[in_flight_.front()]->done()) {
+    absl::Status s = ReclaimLocked(in_flight_.front());
     if (!s.ok()) {
       if (hook_error_.ok()) hook_error_ = s;
       return;
     }
   }
+}
+
+// Waits for the oldest reduction in flight (backward blocked: exposed).
+void ShardedOptimizer::ReclaimOldestLocked() {
+  const int64_t t0 = NowNs();
+  absl::Status s = ReclaimLocked(in_flight_.front());
+  hook_wait_ns_ += NowNs() - t0;
+  if (!s.ok() && hook_error_.ok()) hook_error_ = s;
 }
 
 torch::Tensor ShardedOptimizer::AcquireStagingLocked(int b) {
@@ -950,15 +931,19 @@ torch::Tensor ShardedOptimizer::AcquireStagingLocked(int b) {
   const auto opts = param_flat_.options().dtype(ScalarTypeOf(comm_type_));
   torch::Tensor buf;
   if (size > staging_elements_) {
-    buf = torch::empty({size}, opts);  // larger than the pooled buffers: its own
+    // Larger than the pooled buffers (a tensor bigger than the bucket cap):
+    // a buffer of its own, allocated once the reductions in flight leave
+    // room (1/16 of the model, or two pooled buffers if more), so a model of
+    // a few huge tensors holds about one of them in flight, not all.
+    const int64_t budget = std::max<int64_t>(
+        options_.grad_staging_buffers * staging_elements_, layout_.flat_size() / 16);
+    while (!in_flight_.empty() && in_flight_elements_ + size > budget) ReclaimOldestLocked();
+    buf = torch::empty({size}, opts);
   } else {
     // All staging buffers in use: wait for the oldest reduction in flight.
     while (staging_free_.empty() && staging_allocated_ >= options_.grad_staging_buffers &&
            !in_flight_.empty()) {
-      const int64_t t0 = NowNs();
-      absl::Status s = ReclaimLocked(in_flight_.front());
-      hook_wait_ns_ += NowNs() - t0;
-      if (!s.ok() && hook_error_.ok()) hook_error_ = s;
+      ReclaimOldestLocked();
     }
     if (!staging_free_.empty()) {
       bucket_pool_[b] = std::move(staging_free_.back());

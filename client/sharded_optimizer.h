@@ -84,15 +84,14 @@ struct ShardedOptimizerOptions {
   // true (ZeRO-2): each rank keeps only the reduced gradient of the ranges it
   // owns (1/N of the model). Parameters have no .grad between steps: backward
   // hands each gradient to the optimizer, which copies it into its bucket's
-  // staging buffer (or reduces it in place when it fills a bucket alone) and
-  // drops it; after the bucket's reduce-scatter only the owned range is kept.
+  // staging buffer and drops it; after the bucket's reduce-scatter only the
+  // owned range is kept.
   // Gradient accumulation (SetGradientSync(false)) accumulates locally in a
   // full-size buffer that exists only until the step, as FSDP's no_sync does.
   // Smaller buckets mean smaller staging buffers (bucket_cap_elements).
   bool shard_gradients = false;
-  // With shard_gradients: staging buffers shared by the buckets in flight,
-  // and the most buckets whose reduction may be in flight. When all are in
-  // use, backward waits for the oldest bucket's reduction.
+  // With shard_gradients: staging buffers shared by the buckets in flight.
+  // When all are in use, backward waits for the oldest bucket's reduction.
   int grad_staging_buffers = 2;
 };
 
@@ -207,16 +206,17 @@ class ShardedOptimizer {
   absl::Status BroadcastInitialValues();
   absl::Status CreateShardOwner();
   absl::Status InstallHooks(const std::vector<std::pair<std::string, torch::Tensor>>& params);
-  void OnGradReady(int param, const torch::Tensor& input);
+  void OnGradReady(int param);
   void LaunchReadyBucketsLocked();
   void LaunchReduceScatterLocked(int bucket);
   // shard_gradients (all with hook_state_->mu held).
   void PrepareShardedGradients();
-  void OnShardedGradReadyLocked(int param, torch::Tensor grad, const torch::Tensor& input);
+  void OnShardedGradReadyLocked(int param, torch::Tensor grad);
   torch::Tensor AcquireStagingLocked(int bucket);
   void LaunchShardedLocked(int bucket);
   absl::Status ReclaimLocked(int bucket);
   void ReclaimFinishedLocked();
+  void ReclaimOldestLocked();
   void ReleaseShardedBuffersLocked();
   void UpdateGradBytesLocked();
   torch::Tensor AccumView(int param);
@@ -273,7 +273,6 @@ class ShardedOptimizer {
   torch::Tensor owned_grad_flat_;  // this rank's ranges, bucket after bucket
   torch::Tensor accum_flat_;       // full size, only while accumulating (no_sync)
   ElementType comm_type_ = ElementType::kFloat32;  // type gradients travel in
-  std::vector<bool> in_place_;     // bucket is one parameter filling it exactly
   std::vector<std::vector<std::pair<int64_t, int64_t>>> gaps_;  // per bucket: padding runs
   int64_t staging_elements_ = 0;   // size of a pooled staging buffer
   int staging_allocated_ = 0;

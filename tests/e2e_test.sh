@@ -66,6 +66,31 @@ check "aborted job exits non-zero" test $rc -eq 1
 check "abort reason reported" grep -q 'job failed: test says stop' "$tmp/run.log"
 check "lr change applied" grep -q 'learning rate set to 0.5' "$tmp/run.log"
 
+# 3a. Gradient sharding (ZeRO-2): shardctl memory shows each rank holding about half the
+# gradients of a full-gradient job (owned slices plus staging buffers).
+grad_ratio() {  # grad_ratio MEMORY_JSON -> max over ranks of gradient / parameter bytes
+  python3 -c "import json,sys; r=json.load(open(sys.argv[1]))['ranks']; print(max(int(x['gradBytes'])/int(x['paramBytes']) for x in r))" "$1"
+}
+for mode in off on; do
+  timeout 120 $B/shardrun --nproc 2 --port-file "$tmp/addr.$mode" --token-file "$tmp/token" \
+    --job-id="zero2-$mode" -- $B/shardopt_train --model=tiny --steps=1000000 --log-every=100000 \
+    --bucket-cap=4096 --shard-gradients=$mode >"$tmp/zero2.$mode.log" 2>&1 &
+  run=$!
+  for _ in $(seq 1 200); do [[ -s "$tmp/addr.$mode" ]] && break; sleep 0.1; done
+  addr=$(cat "$tmp/addr.$mode")
+  ctl status --wait=60 >/dev/null
+  sleep 1  # a few steps: staging buffers allocated
+  ctl memory --json >"$tmp/memory.$mode.json"
+  ctl memory >"$tmp/memory.$mode.txt"
+  ctl abort "zero2 check done" >/dev/null
+  wait $run
+done
+full=$(grad_ratio "$tmp/memory.off.json")
+sharded=$(grad_ratio "$tmp/memory.on.json")
+echo "gradient bytes / parameter bytes per rank: full $full, --shard-gradients=on $sharded"
+check "full gradients: one per parameter" python3 -c "assert abs($full - 1.0) < 1e-9"
+check "sharded gradients: about half (<= 0.6)" python3 -c "assert 0.45 < $sharded <= 0.6"
+
 # 3b. Ctrl-C (SIGINT to shardrun) stops everything cleanly.
 $B/shardrun --nproc 2 --job-id=ctrlc -- $B/shardopt_train --model=small --steps=1000000 \
   --log-every=100000 >"$tmp/ctrlc.log" 2>&1 &

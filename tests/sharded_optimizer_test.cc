@@ -531,8 +531,8 @@ TEST(ShardGradientsTest, SameParametersBitForBitAsFullGradients) {
   }
 }
 
-// A hand-built model: "w1" fills a bucket alone (reduced in place in autograd's
-// gradient tensor), "b1"/"w2" share a staged bucket, "unused" never gets a
+// A hand-built model: "w1" is larger than the bucket cap (a staging buffer of
+// its own), "b1"/"w2" share a pooled staging buffer, "unused" never gets a
 // gradient (reduced as zeros). Micro-batch accumulation, the memory report and
 // misuse are checked against full gradients.
 struct HandModel {
@@ -601,14 +601,14 @@ std::vector<float> TrainHand(bool shard, bool accumulate, MemoryReport* mem = nu
   return out[0];
 }
 
-TEST(ShardGradientsTest, InPlaceBucketsUnusedParametersAndAccumulation) {
+TEST(ShardGradientsTest, LargeBucketsUnusedParametersAndAccumulation) {
   MemoryReport full_mem, sharded_mem;
   std::vector<float> full = TrainHand(false, false, &full_mem);
   std::vector<float> sharded = TrainHand(true, false, &sharded_mem);
   EXPECT_EQ(sharded, full);
   EXPECT_EQ(TrainHand(true, true), TrainHand(false, true)) << "micro-batch accumulation";
-  // Full: every gradient. Sharded: this rank's half, plus staging buffers for
-  // the small bucket only (w1's bucket is reduced in autograd's own tensor).
+  // Full: every gradient. Sharded: this rank's half, plus pooled staging
+  // buffers for the small bucket only (w1's own buffer lives only in flight).
   const int64_t total = (64 * 128 + 64 + 640 + 32) * 4;
   EXPECT_GE(full_mem.grad_bytes, total);
   EXPECT_LE(sharded_mem.grad_bytes, full_mem.grad_bytes / 2 + 2 * (64 + 640 + 32 + 256) * 4)
