@@ -21,7 +21,9 @@ namespace shardopt {
 struct PlanOptions {
   // Upper bound on the parameter elements of one bucket. A single tensor larger
   // than the cap gets a bucket of its own (tensors never span buckets).
-  int64_t bucket_cap_elements = 25 * 1024 * 1024;
+  // Default: 25 MiB of fp32, PyTorch DDP's bucket (smaller buckets start the
+  // last reduce-scatter and the first all-gather sooner: less exposed).
+  int64_t bucket_cap_elements = 25 * 1024 * 1024 / 4;
   // Every rank's range in a bucket holds a multiple of this many elements, so
   // each rank's range starts aligned (64 fp32 elements = 256 bytes). Power of 2.
   int64_t alignment_elements = 64;

@@ -20,7 +20,7 @@ struct TrainConfig {
   double max_grad_norm = 0.0;
   int steps = 20;
   int64_t global_batch = 12;
-  int64_t bucket_cap = 25 * 1024 * 1024;
+  int64_t bucket_cap = 25 * 1024 * 1024 / 4;
   uint64_t seed = 42;
   // overlap_param_gather, with the model's layers waiting for their own
   // parameters before their forward (TrainModel::set_layer_gate).

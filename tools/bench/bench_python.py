@@ -1,5 +1,6 @@
 """The same Python training loop with the optimizer swapped: PyTorch's DDP +
-torch.optim.Adam, DDP + ZeroRedundancyOptimizer(Adam), and shardopt.
+torch.optim.Adam, DDP + ZeroRedundancyOptimizer(Adam), and shardopt (also with
+gradient sharding, shard_gradients=True: the row shardopt_zero2).
 
     bazel build //python:shardopt
     PYTHONPATH=bazel-bin/python /usr/bin/python3 tools/bench/bench_python.py [--json out.json]
@@ -27,7 +28,7 @@ import sys
 import tempfile
 import time
 
-ROWS = ("ddp", "ddp_zero", "shardopt")
+ROWS = ("ddp", "ddp_zero", "shardopt", "shardopt_zero2")
 TUNABLES = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=1073741824:glibc.malloc.arena_max=1"
 
 
@@ -37,7 +38,7 @@ def build_model(name):
         return nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 4096), nn.ReLU(),
                              nn.Linear(4096, 4096), nn.ReLU(), nn.Linear(4096, 1024))
     import torchvision
-    return torchvision.models.resnet101(num_classes=10)
+    return torchvision.models.resnet101()  # 1000 classes, 44.5M parameters, as bench_oss
 
 
 def worker(a):
@@ -57,14 +58,16 @@ def worker(a):
         loss_fn = nn.MSELoss()
     else:
         x = torch.randn(batch, 3, 32, 32, generator=g)
-        y = torch.randint(0, 10, (batch,), generator=g)
+        y = torch.randint(0, 1000, (batch,), generator=g)
         loss_fn = nn.CrossEntropyLoss()
     net = model
-    if a.row == "shardopt":
+    sharded = a.row.startswith("shardopt")
+    if sharded:
         import shardopt
         # module=: the all-gathers overlap the next forward (per-layer waits).
         opt = shardopt.ShardedOptimizer(model.named_parameters(), optimizer="adam", lr=1e-4,
-                                        module=model)
+                                        module=model,
+                                        shard_gradients=a.row == "shardopt_zero2")
     else:
         net = torch.nn.parallel.DistributedDataParallel(model)
         if a.row == "ddp":
@@ -91,20 +94,25 @@ def worker(a):
         fwd += t1 - t0
         bwd += t2 - t1
         stp += t3 - t2
-        if a.row == "shardopt":
+        if sharded:
             exposed += r.comm_wait_seconds
     elapsed = time.perf_counter() - t_start
-    if a.row == "shardopt":
+    if sharded:
         state = opt.memory()["state_bytes"]
+        grads = opt.memory()["grad_bytes"]
     else:
+        # .grad of every parameter (DDP's own bucket copies come on top).
+        grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters()
+                    if p.grad is not None)
         local = opt.optim if a.row == "ddp_zero" else opt
         state = sum(t.numel() * t.element_size() for s in local.state.values()
                     for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
     out = {
         "samples_per_s": a.steps * batch / elapsed,
         "forward_s": fwd / a.steps, "backward_s": bwd / a.steps, "step_s": stp / a.steps,
-        "exposed_comm_s": exposed / a.steps if a.row == "shardopt" else None,
+        "exposed_comm_s": exposed / a.steps if sharded else None,
         "state_bytes": state,
+        "grad_bytes": grads,
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     }
     results = [None] * dist.get_world_size()
@@ -112,7 +120,7 @@ def worker(a):
     if rank == 0:
         with open(a.out, "w") as f:
             json.dump(results, f)
-    if a.row == "shardopt":
+    if sharded:
         opt.finish()
     # Not dist.destroy_process_group() nor the interpreter's teardown: with
     # DDP over gloo either can hang for minutes after the work is done (seen
@@ -182,6 +190,7 @@ def summarize(per_round):
     s["peak_rss_bytes"] = statistics.median(max(r["peak_rss_bytes"] for r in res)
                                             for res in per_round)
     s["state_bytes"] = per_round[0][0]["state_bytes"]
+    s["grad_bytes"] = max(r["grad_bytes"] for res in per_round for r in res)
     return s
 
 
@@ -223,24 +232,25 @@ def main():
                     if res is None:
                         raise SystemExit(f"bench_python: {model}/{row} hung twice")
                 per_row[row].append(res)
-                print(f"[{model} round {rnd + 1}/{a.rounds}] {row:9s} "
+                print(f"[{model} round {rnd + 1}/{a.rounds}] {row:14s} "
                       f"{sum(r['samples_per_s'] for r in res) / len(res):7.1f} samples/s/rank "
                       f"({time.time() - t:.0f} s)", file=sys.stderr, flush=True)
         summary = {r: summarize(per_row[r]) for r in rows}
         report["models"][model] = summary
         print(f"\n{model}, {a.world} ranks, median of {a.rounds} rounds x {a.steps} steps:")
-        print(f"{'row':10s} {'samples/s/rank':>22s} {'vs ddp':>7s} {'vs zero':>8s} "
+        print(f"{'row':14s} {'samples/s/rank':>22s} {'vs ddp':>7s} {'vs zero':>8s} "
               f"{'fwd ms':>7s} {'bwd ms':>7s} {'step ms':>8s} {'exposed':>8s} "
-              f"{'state MiB':>10s} {'peak RSS MiB':>13s}")
+              f"{'state MiB':>10s} {'grads MiB':>10s} {'peak RSS MiB':>13s}")
         for r in rows:
             s = summary[r]
             vs = lambda other: (f"{s['samples_per_s'] / summary[other]['samples_per_s']:.2f}x"
                                 if other in summary else "-")
             exposed = f"{s['exposed_comm_s'] * 1e3:.0f} ms" if s["exposed_comm_s"] is not None else "-"
-            print(f"{r:10s} {s['samples_per_s']:8.1f} ({s['samples_per_s_min']:.1f}-"
+            print(f"{r:14s} {s['samples_per_s']:8.1f} ({s['samples_per_s_min']:.1f}-"
                   f"{s['samples_per_s_max']:.1f})  {vs('ddp'):>7s} {vs('ddp_zero'):>8s} "
                   f"{s['forward_s'] * 1e3:7.0f} {s['backward_s'] * 1e3:7.0f} "
                   f"{s['step_s'] * 1e3:8.0f} {exposed:>8s} {s['state_bytes'] / 2**20:10.1f} "
+                  f"{s['grad_bytes'] / 2**20:10.1f} "
                   f"{s['peak_rss_bytes'] / 2**20:13.0f}")
     if a.json:
         with open(a.json, "w") as f:
