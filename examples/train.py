@@ -53,6 +53,8 @@ def main() -> int:
     p.add_argument("--ckpt-every", type=int, default=0)
     p.add_argument("--resume", default=None, help="checkpoint directory, root or consolidated file")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--shard-gradients", action="store_true",
+                   help="ZeRO-2: keep only this rank's slices of the reduced gradients")
     a = p.parse_args()
     if a.steps < 1 or a.batch < 1 or not a.lr > 0:
         p.error("--steps, --batch and --lr must be positive")
@@ -64,7 +66,8 @@ def main() -> int:
     no_decay = [(n, q) for n, q in model.named_parameters() if q.dim() <= 1]
     opt = shardopt.ShardedOptimizer(
         [{"params": decay, "weight_decay": 0.05}, {"params": no_decay, "weight_decay": 0.0}],
-        optimizer="adamw", lr=a.lr, max_grad_norm=1.0, checkpoint_dir=a.ckpt_dir)
+        optimizer="adamw", lr=a.lr, max_grad_norm=1.0, checkpoint_dir=a.ckpt_dir,
+        shard_gradients=a.shard_gradients)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=a.lr, total_steps=a.steps)
     first = 0
     if a.resume:
