@@ -102,8 +102,11 @@ pane_script() {  # pane_script NAME INTERVAL
 trap : INT
 stty -g >"$tmp/$1.before"
 timeout --foreground 120 ${ctl[*]} top --interval=$2
-echo \$? >"$tmp/$1.rc"
+rc=\$?
+# Settings first, then the exit status the test waits for (the other order
+# raced: the test could compare before the settings were written).
 stty -g >"$tmp/$1.after"
+echo \$rc >"$tmp/$1.rc"
 exec sleep 600
 SH
   chmod +x "$tmp/$1.sh"
