@@ -500,14 +500,7 @@ void ShardedOptimizer::ZeroGrad() {
     // their buffers are reused.
     while (!in_flight_.empty()) (void)ReclaimLocked(in_flight_.front());
     ReleaseShardedBuffersLocked();
-    std::fill(ready_.begin(), ready_.end(), false);
-    std::fill(bucket_ready_count_.begin(), bucket_ready_count_.end(), 0);
-    std::fill(rs_handles_.begin(), rs_handles_.end(), nullptr);
-    next_launch_ = 0;
-    grads_seen_ = 0;
-    needs_zero_grad_ = false;
-    grad_after_step_ = false;
-    accumulated_while_syncing_ = false;
+    ResetBackwardStateLocked(/*needs_zero_grad=*/false);
     hook_error_ = absl::OkStatus();
     return;
   }
@@ -526,14 +519,23 @@ void ShardedOptimizer::ZeroGrad() {
     at::NoGradGuard no_grad;
     grad_flat_.zero_();
   }
+  ResetBackwardStateLocked(/*needs_zero_grad=*/false);
+}
+
+// Forgets what backward passes recorded since the last ZeroGrad()/Step().
+// After a step (needs_zero_grad), gradients that arrive before ZeroGrad()
+// are reported as misuse by the next Step().
+void ShardedOptimizer::ResetBackwardStateLocked(bool needs_zero_grad) {
   std::fill(ready_.begin(), ready_.end(), false);
   std::fill(bucket_ready_count_.begin(), bucket_ready_count_.end(), 0);
   std::fill(rs_handles_.begin(), rs_handles_.end(), nullptr);
   next_launch_ = 0;
   grads_seen_ = 0;
-  needs_zero_grad_ = false;
-  grad_after_step_ = false;
-  accumulated_while_syncing_ = false;
+  needs_zero_grad_ = needs_zero_grad;
+  if (!needs_zero_grad) {
+    grad_after_step_ = false;
+    accumulated_while_syncing_ = false;
+  }
 }
 
 // Checks the backward state and launches the reductions of buckets no
@@ -770,12 +772,7 @@ absl::StatusOr<StepResult> ShardedOptimizer::Step() {
 void ShardedOptimizer::EndStep(int64_t step) {
   absl::MutexLock lock(&hook_state_->mu);
   if (options_.shard_gradients) ReleaseShardedBuffersLocked();
-  std::fill(ready_.begin(), ready_.end(), false);
-  std::fill(bucket_ready_count_.begin(), bucket_ready_count_.end(), 0);
-  std::fill(rs_handles_.begin(), rs_handles_.end(), nullptr);
-  next_launch_ = 0;
-  grads_seen_ = 0;
-  needs_zero_grad_ = true;
+  ResetBackwardStateLocked(/*needs_zero_grad=*/true);
   step_ = step;
   Trace(TraceEvent::kStepEnd, -1, -1);
 }

@@ -216,6 +216,7 @@ class ShardedOptimizer {
   void LaunchShardedLocked(int bucket);
   absl::Status ReclaimLocked(int bucket);
   void ReclaimFinishedLocked();
+  void ResetBackwardStateLocked(bool needs_zero_grad);
   void ReclaimOldestLocked();
   void ReleaseShardedBuffersLocked();
   void UpdateGradBytesLocked();
