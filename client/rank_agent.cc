@@ -323,7 +323,9 @@ void RankAgent::RecordStep(const StepResult& result, double agree_seconds) {
   std::lock_guard<std::mutex> l(mu_);
   if (metrics_.step_seconds.size() == kMaxStepTimes) metrics_.step_seconds.erase(metrics_.step_seconds.begin());
   metrics_.step_seconds.push_back(absl::ToDoubleSeconds(absl::Now() - step_start_));
-  metrics_.grad_norm = result.grad_norm;
+  // device_async_step on a GPU: the norm is read later (LastGradNorm()); the
+  // metric keeps the last one known.
+  if (!result.grad_norm_pending) metrics_.grad_norm = result.grad_norm;
   // The agreement is communication too: a rank slow after Step() makes the
   // others wait there, and that must not count as their busy time.
   metrics_.comm_wait_seconds = result.comm_wait_seconds + agree_seconds;

@@ -6,6 +6,7 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
+#include <limits>
 #include <chrono>
 #include <cmath>
 #include <sstream>
@@ -201,6 +202,7 @@ ShardedOptimizer::~ShardedOptimizer() {
   for (const auto& h : ag_handles_) {
     if (h) (void)h->Wait(options_.timeout);
   }
+  for (const Deferred& d : deferred_) (void)d.handle->Wait(options_.timeout);
 }
 
 absl::Status ShardedOptimizer::WaitOrAbort(const CommHandlePtr& handle, const char* what,
@@ -306,6 +308,14 @@ absl::Status ShardedOptimizer::Init(
     }
   }
   if (options_.shard_gradients) PrepareShardedGradients();
+  async_ = options_.device_async_step;
+  if (async_) {
+    norm_sq_t_ = torch::zeros({1}, on_device.dtype(torch::kFloat));
+    if (!device_.is_cpu()) {
+      norm_sq_d_ = torch::zeros({1}, on_device.dtype(torch::kDouble));
+      norm_host_ = torch::zeros({2, 2}, torch::TensorOptions().dtype(torch::kFloat).pinned_memory(true));
+    }
+  }
   SHARDOPT_RETURN_IF_ERROR(BroadcastInitialValues());
   SHARDOPT_RETURN_IF_ERROR(CreateShardOwner());
   return InstallHooks(named_parameters);
@@ -587,7 +597,9 @@ absl::Status ShardedOptimizer::FinishReduce(int b, double* local_sq) {
       absl::MutexLock lock(&hook_state_->mu);
       handle = rs_handles_[b];
     }
-    SHARDOPT_RETURN_IF_ERROR(WaitOrAbort(handle, "reduce-scatter", b));
+    if (!Defer(handle, "reduce-scatter", b)) {
+      SHARDOPT_RETURN_IF_ERROR(WaitOrAbort(handle, "reduce-scatter", b));
+    }
     absl::MutexLock lock(&hook_state_->mu);
     Trace(TraceEvent::kReduceScatterDone, b, -1);
   }
@@ -650,6 +662,111 @@ bool ShardedOptimizer::ClipGradients(double grad_norm) {
   return true;
 }
 
+// device_async_step: the local squared norm goes into a device scalar (on
+// the CPU: the per-bucket sum FinishReduce made, as without the option), is
+// all-reduced in place, and the clipping coefficient is computed with
+// clip_grad_norm_'s float arithmetic, max_norm * reciprocal(norm + 1e-6)
+// clamped to 1, and applied, all without the host reading a value.
+absl::Status ShardedOptimizer::GlobalNormOnDevice(double local_sq, bool clip,
+                                                  StepResult* result) {
+  if (device_.is_cpu()) {
+    norm_sq_t_.fill_(static_cast<float>(local_sq));
+  } else {
+    SHARDOPT_RETURN_IF_ERROR(owner_->SquaredGradNormTo(norm_sq_d_.data_ptr<double>()));
+    norm_sq_t_.copy_(norm_sq_d_);
+  }
+  CommHandlePtr h = comm_->AllReduce(norm_sq_t_.data_ptr(), 1, ElementType::kFloat32, ReduceOp::kSum);
+  if (!Defer(h, "gradient norm", -1)) SHARDOPT_RETURN_IF_ERROR(WaitOrAbort(h, "gradient norm", -1));
+  torch::Tensor norm = norm_sq_t_.sqrt().reshape({});
+  torch::Tensor coef;
+  if (clip) {
+    coef = (norm + 1e-6).reciprocal_().mul_(options_.max_grad_norm).clamp_max_(1.0);
+    owner_->ScaleGradients(coef);
+  }
+  RecordNormReading(result->step, norm, coef, result);
+  return absl::OkStatus();
+}
+
+// The norm (and coefficient) for StepResult: read at once on the CPU; on a GPU
+// copied into a pinned slot behind a fence, read by LastGradNorm().
+void ShardedOptimizer::RecordNormReading(int64_t step, const torch::Tensor& norm,
+                                         const torch::Tensor& coef, StepResult* result) {
+  if (device_.is_cpu()) {
+    last_norm_.step = step;
+    last_norm_.grad_norm = norm.item<float>();
+    last_norm_.clipped = coef.defined() && coef.item<float>() < 1.0f;
+    result->grad_norm = last_norm_.grad_norm;
+    result->clipped = last_norm_.clipped;
+    return;
+  }
+  const int slot = static_cast<int>(step & 1);
+  torch::Tensor both = torch::stack({norm, coef.defined() ? coef : torch::ones_like(norm)});
+  norm_host_.select(0, slot).copy_(both, /*non_blocking=*/true);
+  norm_fence_[slot] = options_.kernel_backend->RecordFence();
+  norm_step_[slot] = step;
+  result->grad_norm = std::numeric_limits<double>::quiet_NaN();
+  result->clipped = false;
+  result->grad_norm_pending = true;
+}
+
+absl::StatusOr<GradNormReading> ShardedOptimizer::LastGradNorm() {
+  if (step_ == 0) return absl::FailedPreconditionError("LastGradNorm: no step has run yet");
+  if (last_norm_.step == step_ || !async_ || device_.is_cpu()) return last_norm_;
+  const int slot = static_cast<int>(step_ & 1);
+  if (norm_step_[slot] != step_ || norm_fence_[slot] == nullptr) {
+    return absl::InternalError("LastGradNorm: the last step recorded no norm");
+  }
+  SHARDOPT_RETURN_IF_ERROR(CheckDeferred(/*all=*/true));
+  SHARDOPT_RETURN_IF_ERROR(norm_fence_[slot]->Wait(options_.timeout));
+  std::optional<GradNormReading> r = ReadyGradNorm();
+  if (!r.has_value() || r->step != step_) return absl::InternalError("LastGradNorm: norm not ready");
+  return *r;
+}
+
+std::optional<GradNormReading> ShardedOptimizer::ReadyGradNorm() {
+  if (step_ == 0) return std::nullopt;
+  if (!async_ || device_.is_cpu()) return last_norm_;
+  for (int64_t s : {step_, step_ - 1}) {
+    if (s <= 0) break;
+    if (last_norm_.step == s) return last_norm_;
+    const int slot = static_cast<int>(s & 1);
+    if (norm_step_[slot] != s || norm_fence_[slot] == nullptr || !norm_fence_[slot]->Ready()) continue;
+    const float* v = norm_host_.select(0, slot).data_ptr<float>();
+    last_norm_.step = s;
+    last_norm_.grad_norm = v[0];
+    last_norm_.clipped = v[1] < 1.0f;
+    return last_norm_;
+  }
+  return std::nullopt;
+}
+
+bool ShardedOptimizer::Defer(const CommHandlePtr& handle, const char* what, int bucket) {
+  if (!async_ || handle == nullptr || !comm_->OrderStreamAfter(handle, nullptr)) return false;
+  deferred_.push_back({handle, what, bucket, step_});
+  return true;
+}
+
+absl::Status ShardedOptimizer::CheckDeferred(bool all) {
+  std::vector<Deferred> still;
+  absl::Status first;
+  for (Deferred& d : deferred_) {
+    if (first.ok() && (all || d.step < step_ - 1 || d.handle->done())) {
+      first = WaitOrAbort(d.handle, d.what, d.bucket);
+    } else if (!d.handle->done()) {
+      still.push_back(std::move(d));
+    }
+  }
+  deferred_ = std::move(still);
+  return first;
+}
+
+absl::Status ShardedOptimizer::OrderPreviousGathers() {
+  for (int b = static_cast<int>(ag_handles_.size()) - 1; b >= 0; --b) {
+    SHARDOPT_RETURN_IF_ERROR(WaitForBucket(b));
+  }
+  return CheckDeferred(/*all=*/false);
+}
+
 // overlap_param_gather: every reduction is finished and the norm's
 // all-reduce queued before any all-gather (collectives run in order, so it
 // never waits behind them); buckets are updated and gathered first layers
@@ -659,16 +776,20 @@ absl::Status ShardedOptimizer::StepOverlapped(StepResult* result, int64_t* updat
   const int nb = static_cast<int>(layout_.buckets().size());
   double local_sq = 0.0;
   for (int b = 0; b < nb; ++b) SHARDOPT_RETURN_IF_ERROR(FinishReduce(b, &local_sq));
-  SHARDOPT_RETURN_IF_ERROR(LaunchGlobalNorm(local_sq));
   const bool clip = options_.max_grad_norm > 0.0;
-  if (clip) {
-    SHARDOPT_ASSIGN_OR_RETURN(result->grad_norm, FinishGlobalNorm());
-    result->clipped = ClipGradients(result->grad_norm);
+  if (async_) {
+    SHARDOPT_RETURN_IF_ERROR(GlobalNormOnDevice(local_sq, clip, result));
+  } else {
+    SHARDOPT_RETURN_IF_ERROR(LaunchGlobalNorm(local_sq));
+    if (clip) {
+      SHARDOPT_ASSIGN_OR_RETURN(result->grad_norm, FinishGlobalNorm());
+      result->clipped = ClipGradients(result->grad_norm);
+    }
   }
   for (int b = nb - 1; b >= 0; --b) {
     SHARDOPT_RETURN_IF_ERROR(UpdateAndGather(b, result->step, update_ns));
   }
-  if (!clip) {
+  if (!async_ && !clip) {
     SHARDOPT_ASSIGN_OR_RETURN(result->grad_norm, FinishGlobalNorm());
   }
   return absl::OkStatus();
@@ -679,6 +800,12 @@ absl::Status ShardedOptimizer::WaitForBucket(int b) {
     return absl::OutOfRangeError(absl::StrCat("no bucket ", b));
   }
   if (ag_handles_[b] == nullptr) return absl::OkStatus();
+  if (Defer(ag_handles_[b], "all-gather", b)) {  // device_async_step: ordered on the device
+    ag_handles_[b] = nullptr;
+    absl::MutexLock lock(&hook_state_->mu);
+    Trace(TraceEvent::kAllGatherDone, b, -1);
+    return absl::OkStatus();
+  }
   const int64_t before = wait_ns_;
   absl::Status s = WaitOrAbort(ag_handles_[b], "all-gather", b);
   gather_wait_ns_ += wait_ns_ - before;
@@ -693,7 +820,9 @@ absl::Status ShardedOptimizer::WaitForParameters() {
   for (int b = static_cast<int>(ag_handles_.size()) - 1; b >= 0; --b) {
     SHARDOPT_RETURN_IF_ERROR(WaitForBucket(b));
   }
-  return absl::OkStatus();
+  // Callers read parameters on the host (checkpoints, the full state): every
+  // collective left to the device must have succeeded.
+  return async_ ? CheckDeferred(/*all=*/true) : absl::OkStatus();
 }
 
 absl::Status ShardedOptimizer::WaitForParameters(const std::vector<torch::Tensor>& params) {
@@ -724,8 +853,9 @@ absl::StatusOr<StepResult> ShardedOptimizer::Step() {
   at::NoGradGuard no_grad;
   wait_ns_ = 0;
   // The previous step's gathers (overlap_param_gather) end before this
-  // step's updates write the same buffer.
-  SHARDOPT_RETURN_IF_ERROR(WaitForParameters());
+  // step's updates write the same buffer (device_async_step: on the device,
+  // and the outcome of what the last steps left to the device is checked).
+  SHARDOPT_RETURN_IF_ERROR(async_ ? OrderPreviousGathers() : WaitForParameters());
   SHARDOPT_RETURN_IF_ERROR(BeginStep());
   const int nb = static_cast<int>(layout_.buckets().size());
   StepResult result;
@@ -747,8 +877,12 @@ absl::StatusOr<StepResult> ShardedOptimizer::Step() {
   } else if (options_.max_grad_norm > 0.0) {
     // Clipping needs the global norm before any update.
     for (int b = 0; b < nb; ++b) SHARDOPT_RETURN_IF_ERROR(FinishReduce(b, &local_sq));
-    SHARDOPT_ASSIGN_OR_RETURN(result.grad_norm, GlobalNorm(local_sq));
-    result.clipped = ClipGradients(result.grad_norm);
+    if (async_) {
+      SHARDOPT_RETURN_IF_ERROR(GlobalNormOnDevice(local_sq, /*clip=*/true, &result));
+    } else {
+      SHARDOPT_ASSIGN_OR_RETURN(result.grad_norm, GlobalNorm(local_sq));
+      result.clipped = ClipGradients(result.grad_norm);
+    }
     for (int b = 0; b < nb; ++b) {
       SHARDOPT_RETURN_IF_ERROR(UpdateAndGather(b, result.step, &update_ns));
     }
@@ -757,7 +891,11 @@ absl::StatusOr<StepResult> ShardedOptimizer::Step() {
       SHARDOPT_RETURN_IF_ERROR(FinishReduce(b, &local_sq));
       SHARDOPT_RETURN_IF_ERROR(UpdateAndGather(b, result.step, &update_ns));
     }
-    SHARDOPT_ASSIGN_OR_RETURN(result.grad_norm, GlobalNorm(local_sq));
+    if (async_) {
+      SHARDOPT_RETURN_IF_ERROR(GlobalNormOnDevice(local_sq, /*clip=*/false, &result));
+    } else {
+      SHARDOPT_ASSIGN_OR_RETURN(result.grad_norm, GlobalNorm(local_sq));
+    }
   }
   if (!options_.overlap_param_gather) {
     for (int b = 0; b < nb; ++b) SHARDOPT_RETURN_IF_ERROR(WaitForBucket(b));
@@ -765,6 +903,7 @@ absl::StatusOr<StepResult> ShardedOptimizer::Step() {
   }
   result.comm_wait_seconds = wait_ns_ * 1e-9;
   result.update_seconds = update_ns * 1e-9;
+  if (!result.grad_norm_pending) last_norm_ = {result.step, result.grad_norm, result.clipped};
   EndStep(result.step);
   return result;
 }

@@ -25,6 +25,7 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -93,16 +94,42 @@ struct ShardedOptimizerOptions {
   // With shard_gradients: staging buffers shared by the buckets in flight.
   // When all are in use, backward waits for the oldest bucket's reduction.
   int grad_staging_buffers = 2;
+  // true: Step() never blocks the host on a collective or a device value
+  // where the device can order the work itself. With a GPU and a
+  // communicator that can order streams (NcclCommunicator), the update of each
+  // bucket waits on the device for its reduce-scatter, the gradient norm is
+  // summed, all-reduced and turned into the clipping coefficient on the
+  // device, and the next forward (and the next step's updates) wait on the
+  // device for the all-gathers; StepResult::grad_norm is then pending (NaN):
+  // read it with LastGradNorm() (blocks) or ReadyGradNorm() (does not).
+  // Failures of collectives not waited for are reported by a later Step(),
+  // WaitForParameters() or LastGradNorm() (the communicator aborts on them,
+  // so the next collective fails too). With shard_gradients the reduce-
+  // scatters are still waited for on the host (their staging buffers return to
+  // the pool). On the CPU, and with host-memory communicators (Gloo,
+  // in-process), collectives are waited for on the host as without the option
+  // and the norm is known at once: results are bitwise those of the default.
+  bool device_async_step = false;
 };
 
 struct StepResult {
   int64_t step = 0;          // number of this step (1 for the first)
   double grad_norm = 0.0;    // global L2 norm of the averaged gradient, before clipping
   bool clipped = false;
+  // device_async_step on a GPU: grad_norm (NaN) and clipped are not known
+  // yet; ShardedOptimizer::LastGradNorm() / ReadyGradNorm() read them.
+  bool grad_norm_pending = false;
   // Where Step() spent its time: blocked on collectives (exposed
   // communication), and in the fused update.
   double comm_wait_seconds = 0.0;
   double update_seconds = 0.0;
+};
+
+// A step's gradient norm as read back from the device.
+struct GradNormReading {
+  int64_t step = 0;
+  double grad_norm = 0.0;
+  bool clipped = false;
 };
 
 struct TraceEvent {
@@ -164,6 +191,14 @@ class ShardedOptimizer {
   absl::Status SetGroup(int g, const HyperParameters& hp);
 
   int64_t step_count() const { return step_; }
+
+  // The last step's gradient norm and whether it was clipped; with
+  // device_async_step on a GPU it blocks until the value is on the host.
+  // Errors: no step yet; a deferred collective failed; a timeout.
+  absl::StatusOr<GradNormReading> LastGradNorm();
+  // The newest of the last two steps' norms that is on the host without
+  // blocking (none before the first step, or while both are in flight).
+  std::optional<GradNormReading> ReadyGradNorm();
 
   // With overlap_param_gather: waits until the parameters of bucket
   // `bucket` / of these tensors / of this module (recursively) / of every
@@ -231,6 +266,18 @@ class ShardedOptimizer {
   absl::Status LaunchGlobalNorm(double local_sq);
   absl::StatusOr<double> FinishGlobalNorm();
   bool ClipGradients(double grad_norm);
+  // device_async_step: the norm and clipping as device values.
+  absl::Status GlobalNormOnDevice(double local_sq, bool clip, StepResult* result);
+  void RecordNormReading(int64_t step, const torch::Tensor& norm, const torch::Tensor& coef,
+                         StepResult* result);
+  // Orders the device after `handle` (device_async_step) and remembers it,
+  // to check its outcome later; false: the caller waits on the host.
+  bool Defer(const CommHandlePtr& handle, const char* what, int bucket);
+  // Checks the collectives Defer() took: finished ones now, and waits for
+  // those older than the previous step (all of them when `all`).
+  absl::Status CheckDeferred(bool all);
+  // The previous step's gathers before this step's updates write the buffer.
+  absl::Status OrderPreviousGathers();
   absl::Status StepOverlapped(StepResult* result, int64_t* update_ns);
   void EndStep(int64_t step);
 
@@ -287,6 +334,22 @@ class ShardedOptimizer {
   absl::Status hook_error_;
   int64_t hook_wait_ns_ = 0;  // backward blocked on a reduction (exposed)
   std::atomic<int64_t> sharded_grad_bytes_{0};
+
+  // device_async_step (training thread only).
+  bool async_ = false;          // the option, on a device that can use it
+  torch::Tensor norm_sq_t_;     // float32 [1] on device_: local, then global squared norm
+  torch::Tensor norm_sq_d_;     // float64 [1] on device_: the kernel's sum
+  torch::Tensor norm_host_;     // pinned float32 [2 slots][norm, coef] (GPU)
+  std::unique_ptr<KernelBackend::Fence> norm_fence_[2];
+  int64_t norm_step_[2] = {0, 0};
+  GradNormReading last_norm_;   // the newest reading on the host
+  struct Deferred {
+    CommHandlePtr handle;
+    const char* what;
+    int bucket;
+    int64_t step;  // step_ when it was taken
+  };
+  std::vector<Deferred> deferred_;
 
   int64_t step_ = 0;
   int64_t wait_ns_ = 0;  // training thread only: time blocked in this Step()

@@ -200,6 +200,24 @@ absl::StatusOr<double> ShardOwner::SquaredGradNorm() {
   return backend_->SquaredNorm(WholeSlices());
 }
 
+absl::Status ShardOwner::SquaredGradNormTo(double* out) {
+  return backend_->SquaredNormTo(WholeSlices(), out);
+}
+
+void ShardOwner::ScaleGradients(const torch::Tensor& coef) {
+  at::NoGradGuard no_grad;
+  for (const Bucket& b : layout_.buckets()) {
+    torch::Tensor g = owned_grad(b.index);
+    if (g.scalar_type() == coef.scalar_type()) {
+      g.mul_(coef);
+    } else {
+      // bf16 gradients: multiplied in float and rounded once, as a float
+      // scalar coefficient is (a device tensor would be rounded to bf16 first).
+      g.copy_(g.to(coef.scalar_type()).mul_(coef));
+    }
+  }
+}
+
 void ShardOwner::ScaleGradients(double coef) {
   at::NoGradGuard no_grad;
   for (const Bucket& b : layout_.buckets()) owned_grad(b.index).mul_(coef);

@@ -76,8 +76,14 @@ class ShardOwner {
   // Sum of squares of the owned gradients of every bucket (this rank's part
   // of the global gradient norm).
   absl::StatusOr<double> SquaredGradNorm();
+  // The same sum written to `*out`: device memory for a device backend
+  // (enqueued; the host does not wait), host memory otherwise.
+  absl::Status SquaredGradNormTo(double* out);
   // Multiplies every owned gradient by `coef` (gradient clipping).
   void ScaleGradients(double coef);
+  // The same by a one-element float32 tensor on the gradients' device (the
+  // coefficient never visits the host).
+  void ScaleGradients(const torch::Tensor& coef);
   // This rank's range of bucket `bucket` in a flat buffer.
   torch::Tensor OwnedRange(const torch::Tensor& flat, int bucket) const;
   // The reduced gradient of bucket `bucket`'s owned range (in grad_flat).

@@ -67,7 +67,8 @@ void ExpectClose(const std::vector<float>& got, const std::vector<float>& want,
 // every rank ends with the same parameters.
 std::vector<float> TrainInProcess(const TrainConfig& c, int n,
                                   std::vector<TraceEvent>* trace = nullptr,
-                                  ByteCounters* bytes = nullptr, int* clipped = nullptr) {
+                                  ByteCounters* bytes = nullptr, int* clipped = nullptr,
+                                  std::vector<double>* norms = nullptr) {
   InProcessWorld world(n, absl::Seconds(60));
   std::vector<std::unique_ptr<Communicator>> comms;
   for (int r = 0; r < n; ++r) comms.push_back(world.Connect(r));
@@ -76,7 +77,7 @@ std::vector<float> TrainInProcess(const TrainConfig& c, int n,
   for (int r = 0; r < n; ++r) {
     threads.emplace_back([&, r] {
       out[r] = TrainSharded(c, comms[r].get(), r == 0 ? trace : nullptr, r == 0 ? bytes : nullptr,
-                            r == 0 ? clipped : nullptr);
+                            r == 0 ? clipped : nullptr, r == 0 ? norms : nullptr);
     });
   }
   for (auto& t : threads) t.join();
@@ -654,6 +655,121 @@ TEST(ShardGradientsTest, GradientBytesFollowTheWorldSize) {
     std::cout << n << " ranks: gradient bytes " << mem[0].grad_bytes << " of " << full << " ("
               << static_cast<double>(mem[0].grad_bytes) / full << "x)\n";
   }
+}
+
+// device_async_step: on the CPU every collective is still waited for on the
+// host (in-process and Gloo communicators cannot order a device stream), but
+// the norm, its all-reduce and the clipping coefficient take the device path
+// (tensors, no host value). Results must be bitwise those of the default step,
+// and LastGradNorm()/ReadyGradNorm() must agree with StepResult (the harness
+// checks that every step). The stream ordering itself needs a GPU
+// (tests/gpu_sharded_optimizer_test.cc).
+TEST(DeviceAsyncStepTest, SameParametersNormsAndClippingAsTheDefaultStep) {
+  struct Case {
+    const char* name;
+    OptimizerKind kind;
+    double clip;
+    bool bf16;
+    bool overlap;
+    bool shard;
+  };
+  for (const Case& k : {Case{"adam", OptimizerKind::kAdam, 0.0, false, false, false},
+                        Case{"adamw_clip", OptimizerKind::kAdamW, 0.5, false, false, false},
+                        Case{"adamw_clip_overlap", OptimizerKind::kAdamW, 0.5, false, true, false},
+                        Case{"sgd_clip_bf16_grads", OptimizerKind::kSgd, 0.5, true, false, false},
+                        Case{"adamw_clip_zero2_overlap", OptimizerKind::kAdamW, 0.5, false, true, true}}) {
+    for (int n : {1, 2, 3}) {
+      TrainConfig c;
+      c.model = "small";
+      c.kind = k.kind;
+      c.max_grad_norm = k.clip;
+      c.grad_bf16 = k.bf16;
+      c.overlap = k.overlap;
+      c.shard_gradients = k.shard;
+      c.lr = k.kind == OptimizerKind::kSgd ? 0.05 : 1e-2;
+      c.steps = 6;
+      c.bucket_cap = 300;
+      int clipped_sync = 0, clipped_async = 0;
+      std::vector<double> norms_sync, norms_async;
+      std::vector<float> sync = TrainInProcess(c, n, nullptr, nullptr, &clipped_sync, &norms_sync);
+      c.device_async_step = true;
+      std::vector<float> async = TrainInProcess(c, n, nullptr, nullptr, &clipped_async, &norms_async);
+      ASSERT_FALSE(sync.empty()) << k.name;
+      EXPECT_EQ(async, sync) << k.name << " at " << n << " ranks";
+      EXPECT_EQ(norms_async, norms_sync) << k.name << " at " << n << " ranks";
+      ASSERT_EQ(norms_sync.size(), 6u);
+      EXPECT_GT(norms_sync[0], 0.0);
+      EXPECT_EQ(clipped_async, clipped_sync) << k.name;
+      if (k.clip > 0) EXPECT_GT(clipped_sync, 0) << k.name << ": the case must clip";
+    }
+  }
+}
+
+// bf16 parameters (bf16 gradients in the optimizer) with clipping: the device
+// path multiplies each gradient by the float coefficient and rounds once (as
+// LibTorch 2.x does with a host scalar). The default path's host scalar is
+// rounded to bf16 first by LibTorch 1.13 (Debian's, here), so the two may
+// differ here by a bf16 rounding of the gradient: parameters must agree to
+// one bf16 unit (2^-7 relative) and the norms exactly.
+TEST(DeviceAsyncStepTest, Bf16ModelWithClipping) {
+  TrainConfig c;
+  c.model = "small";
+  c.kind = OptimizerKind::kAdamW;
+  c.max_grad_norm = 0.05;
+  c.steps = 4;
+  std::vector<std::vector<float>> out;
+  for (bool async : {false, true}) {
+    TwoRanks job;
+    std::vector<std::vector<float>> params(2);
+    std::vector<int> clipped(2, 0);
+    job.Run([&](int r) {
+      auto model = *MakeModel("small", c.seed);
+      model->module().to(torch::kBFloat16);
+      ShardedOptimizerOptions o = OptionsFor(c);
+      o.device_async_step = async;
+      auto opt = ShardedOptimizer::Create(model->NamedParameters(), o, job.comms[r].get());
+      ASSERT_TRUE(opt.ok()) << opt.status();
+      for (int step = 0; step < c.steps; ++step) {
+        (*opt)->ZeroGrad();
+        model->Loss(step, r * 6, r * 6 + 6).backward();
+        auto res = (*opt)->Step();
+        ASSERT_TRUE(res.ok()) << res.status();
+        EXPECT_FALSE(res->grad_norm_pending);  // the CPU knows it at once
+        clipped[r] += res->clipped;
+      }
+      params[r] = FlattenParameters(*model);
+    });
+    EXPECT_EQ(params[0], params[1]);
+    EXPECT_EQ(clipped[0], c.steps) << "max_grad_norm 0.05 clips every step";
+    out.push_back(params[0]);
+  }
+  ASSERT_EQ(out[1].size(), out[0].size());
+  int64_t differ = 0;
+  for (size_t i = 0; i < out[0].size(); ++i) {
+    ASSERT_LE(std::fabs(out[1][i] - out[0][i]), std::fabs(out[0][i]) * 0.0078125 + 1e-6) << i;
+    differ += out[1][i] != out[0][i];
+  }
+  std::cout << "bf16 model, clipped 4 steps: " << differ << " of " << out[0].size()
+            << " parameters differ (by one bf16 unit at most)\n";
+}
+
+TEST(DeviceAsyncStepTest, GradNormBeforeTheFirstStepIsAnError) {
+  InProcessWorld world(1, absl::Seconds(5));
+  auto comm = world.Connect(0);
+  torch::Tensor w = torch::ones({8}).set_requires_grad(true);
+  ShardedOptimizerOptions o;
+  o.device_async_step = true;
+  auto opt = ShardedOptimizer::Create({{"w", w}}, o, comm.get());
+  ASSERT_TRUE(opt.ok()) << opt.status();
+  EXPECT_EQ((*opt)->LastGradNorm().status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_FALSE((*opt)->ReadyGradNorm().has_value());
+  (*opt)->ZeroGrad();
+  (w * 3).sum().backward();
+  ASSERT_TRUE((*opt)->Step().ok());
+  auto norm = (*opt)->LastGradNorm();
+  ASSERT_TRUE(norm.ok()) << norm.status();
+  EXPECT_EQ(norm->step, 1);
+  EXPECT_FLOAT_EQ(norm->grad_norm, std::sqrt(8.0f * 9.0f));
 }
 
 }  // namespace

@@ -25,6 +25,7 @@ ShardedOptimizerOptions OptionsFor(const TrainConfig& c) {
   o.plan.bucket_cap_elements = c.bucket_cap;
   o.shard_gradients = c.shard_gradients;
   o.grad_staging_buffers = c.staging_buffers;
+  o.device_async_step = c.device_async_step;
   if (c.grad_bf16) o.grad_comm_type = ElementType::kBFloat16;
   o.timeout = absl::Seconds(60);
   return o;
@@ -42,7 +43,8 @@ std::vector<float> FlattenParameters(TrainModel& m) {
 absl::StatusOr<std::vector<float>> TrainSharded(const TrainConfig& c, Communicator* comm,
                                                 std::vector<TraceEvent>* trace,
                                                 ByteCounters* bytes_per_step,
-                                                int* clipped_steps) {
+                                                int* clipped_steps,
+                                                std::vector<double>* grad_norms) {
   SHARDOPT_ASSIGN_OR_RETURN(std::unique_ptr<TrainModel> model, MakeModel(c.model, c.seed));
   ShardedOptimizerOptions o = OptionsFor(c);
   o.trace = trace != nullptr;
@@ -72,7 +74,17 @@ absl::StatusOr<std::vector<float>> TrainSharded(const TrainConfig& c, Communicat
     torch::Tensor loss = model->Loss(step, comm->rank() * per, (comm->rank() + 1) * per);
     loss.backward();
     SHARDOPT_ASSIGN_OR_RETURN(StepResult r, opt->Step());
-    if (clipped_steps != nullptr && r.clipped) ++*clipped_steps;
+    SHARDOPT_ASSIGN_OR_RETURN(GradNormReading norm, opt->LastGradNorm());
+    std::optional<GradNormReading> ready = opt->ReadyGradNorm();
+    if (norm.step != r.step || !ready.has_value() || ready->step != r.step ||
+        ready->grad_norm != norm.grad_norm ||
+        (!r.grad_norm_pending && (norm.grad_norm != r.grad_norm || norm.clipped != r.clipped))) {
+      return absl::InternalError(absl::StrCat(
+          "step ", r.step, ": StepResult norm ", r.grad_norm, " clipped ", r.clipped,
+          ", LastGradNorm step ", norm.step, " norm ", norm.grad_norm, " clipped ", norm.clipped));
+    }
+    if (clipped_steps != nullptr && norm.clipped) ++*clipped_steps;
+    if (grad_norms != nullptr) grad_norms->push_back(norm.grad_norm);
   }
   if (trace) *trace = opt->TakeTrace();
   // The last step's gathers may still be in flight (overlap): wait before
@@ -145,6 +157,8 @@ absl::StatusOr<TrainConfig> ParseTrainConfig(const std::vector<std::string>& arg
       ok = absl::SimpleAtoi(v, &c.bucket_cap);
     } else if (k == "shard_gradients") {
       ok = absl::SimpleAtob(v, &c.shard_gradients);
+    } else if (k == "device_async_step") {
+      ok = absl::SimpleAtob(v, &c.device_async_step);
     } else if (k == "staging_buffers") {
       ok = absl::SimpleAtoi(v, &c.staging_buffers);
     } else if (k == "grad_bf16") {
@@ -167,6 +181,7 @@ std::vector<std::string> TrainConfigFlags(const TrainConfig& c) {
           absl::StrCat("--bucket_cap=", c.bucket_cap),
           absl::StrCat("--shard_gradients=", c.shard_gradients ? "true" : "false"),
           absl::StrCat("--staging_buffers=", c.staging_buffers),
+          absl::StrCat("--device_async_step=", c.device_async_step ? "true" : "false"),
           absl::StrCat("--grad_bf16=", c.grad_bf16 ? "true" : "false")};
 }
 

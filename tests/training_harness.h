@@ -31,6 +31,8 @@ struct TrainConfig {
   int staging_buffers = 2;
   // Gradients travel in bf16.
   bool grad_bf16 = false;
+  // ShardedOptimizerOptions::device_async_step.
+  bool device_async_step = false;
 };
 
 class TrainModel;
@@ -42,11 +44,14 @@ ShardedOptimizerOptions OptionsFor(const TrainConfig& c);
 
 // Trains on rank comm->rank() of comm->world_size(); returns every parameter
 // of the model (trainable and frozen), flattened in registration order.
-// `trace` (optional) receives the optimizer's trace of the last step.
+// `trace` (optional) receives the optimizer's trace of the last step;
+// `grad_norms` each step's gradient norm (read with LastGradNorm() and
+// checked against StepResult and ReadyGradNorm() when it is not pending).
 absl::StatusOr<std::vector<float>> TrainSharded(const TrainConfig& c, Communicator* comm,
                                                 std::vector<TraceEvent>* trace = nullptr,
                                                 ByteCounters* bytes_per_step = nullptr,
-                                                int* clipped_steps = nullptr);
+                                                int* clipped_steps = nullptr,
+                                                std::vector<double>* grad_norms = nullptr);
 
 // The same training in one process with torch::optim on the whole batch.
 absl::StatusOr<std::vector<float>> TrainReference(const TrainConfig& c);

@@ -120,6 +120,21 @@ class Communicator {
   // from any thread, idempotent. The communicator cannot be used afterwards.
   virtual void Abort(const absl::Status& reason) = 0;
   virtual ByteCounters counters() const = 0;
+
+  // For buffers in device memory: makes work enqueued on `stream` (a
+  // cudaStream_t; nullptr: the legacy default stream, the one LibTorch and the
+  // CUDA kernel backend use) after this call wait on the device until
+  // `handle`'s collective has finished, without blocking the host. Returns
+  // false when it cannot (every host-memory communicator; a collective that
+  // already ended, failed, or was staged through host memory; an aborted
+  // communicator): the caller must then Wait() on the host, which also reports
+  // the collective's status. A true return says nothing about success: check
+  // the handle later (it completes, with the status, as usual).
+  virtual bool OrderStreamAfter(const CommHandlePtr& handle, void* stream) {
+    (void)handle;
+    (void)stream;
+    return false;
+  }
 };
 
 // Argument checks every implementation applies before it starts a collective

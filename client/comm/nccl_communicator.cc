@@ -357,6 +357,25 @@ CommHandlePtr NcclCommunicator::Barrier() {
   });
 }
 
+bool NcclCommunicator::OrderStreamAfter(const CommHandlePtr& handle, void* stream) {
+  if (handle == nullptr) return false;
+  absl::MutexLock l(&state_->mu);
+  if (!state_->aborted.ok()) return false;
+  for (const State::Pending& p : state_->pending) {
+    if (p.handle != handle) continue;
+    // A staged host buffer is complete only once the watcher copied it back.
+    if (p.pinned != nullptr) return false;
+    const cudaError_t e = cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), p.done, 0);
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      return false;
+    }
+    return true;
+  }
+  // Not pending: its event has fired (or it failed); the host wait is short.
+  return false;
+}
+
 ByteCounters NcclCommunicator::counters() const {
   ByteCounters c;
   for (int i = 0; i < kNumCollectiveKinds; ++i) c.sent[i] = state_->sent[i].load();

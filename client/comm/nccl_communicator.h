@@ -51,6 +51,10 @@ class NcclCommunicator : public Communicator {
   CommHandlePtr Barrier() override;
   void Abort(const absl::Status& reason) override;
   ByteCounters counters() const override;
+  // cudaStreamWaitEvent on the collective's completion event, while it is
+  // still pending (the watcher destroys the event only after it fired, under
+  // the same lock).
+  bool OrderStreamAfter(const CommHandlePtr& handle, void* stream) override;
 
  private:
   struct State;

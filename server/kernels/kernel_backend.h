@@ -11,6 +11,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "server/kernels/optimizer_config.h"
 #include "server/kernels/update_slice.h"
@@ -38,6 +39,22 @@ class KernelBackend {
                               absl::Span<const UpdateSlice> slices) = 0;
   // Sum of squares of the gradients (`grad` or `grad_bf16`) of every slice.
   virtual absl::StatusOr<double> SquaredNorm(absl::Span<const UpdateSlice> slices) = 0;
+
+  // The same sum written to `*out`, which is device memory for a device
+  // backend (enqueued on the current stream; the host does not wait) and host
+  // memory otherwise (this default: SquaredNorm, then a store).
+  virtual absl::Status SquaredNormTo(absl::Span<const UpdateSlice> slices, double* out);
+
+  // A point in this backend's work queue: Ready() once everything enqueued
+  // before RecordFence() has run. On the CPU that is at once.
+  class Fence {
+   public:
+    virtual ~Fence() = default;
+    virtual bool Ready() = 0;
+    // Blocks until Ready() (polling), up to `timeout`: DeadlineExceeded then.
+    virtual absl::Status Wait(absl::Duration timeout) = 0;
+  };
+  virtual std::unique_ptr<Fence> RecordFence();
 };
 
 // The SIMD CPU kernels (server/kernels/cpu/cpu_kernels.h) on `num_threads`

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "server/kernels/cuda/cuda_kernels.h"
 
 namespace shardopt {
@@ -30,10 +31,51 @@ std::vector<cuda::DeviceSlice> ToDevice(absl::Span<const UpdateSlice> slices) {
   return d;
 }
 
+// An event recorded on the legacy default stream (where Update runs). If the
+// event cannot be made, Ready() is false and Wait() reports why.
+class EventFence : public KernelBackend::Fence {
+ public:
+  EventFence() {
+    error_ = cudaEventCreateWithFlags(&event_, cudaEventDisableTiming);
+    if (error_ == cudaSuccess) error_ = cudaEventRecord(event_, nullptr);
+  }
+  ~EventFence() override {
+    if (event_ != nullptr) cudaEventDestroy(event_);
+  }
+  bool Ready() override { return error_ == cudaSuccess && cudaEventQuery(event_) == cudaSuccess; }
+  absl::Status Wait(absl::Duration timeout) override {
+    const absl::Time deadline = absl::Now() + timeout;
+    while (error_ == cudaSuccess) {
+      const cudaError_t q = cudaEventQuery(event_);
+      if (q == cudaSuccess) return absl::OkStatus();
+      if (q != cudaErrorNotReady) {
+        error_ = q;
+        break;
+      }
+      if (absl::Now() > deadline) {
+        return absl::DeadlineExceededError(
+            absl::StrCat("device work not done within ", absl::FormatDuration(timeout)));
+      }
+      absl::SleepFor(absl::Microseconds(20));
+    }
+    return absl::InternalError(absl::StrCat("device fence: ", cudaGetErrorString(error_)));
+  }
+
+ private:
+  cudaEvent_t event_ = nullptr;
+  cudaError_t error_ = cudaSuccess;
+};
+
 class CudaKernelBackend : public KernelBackend {
  public:
   const char* name() const override { return "cuda"; }
   bool on_device() const override { return true; }
+
+  absl::Status SquaredNormTo(absl::Span<const UpdateSlice> slices, double* out) override {
+    return cuda::SquaredNorm(ToDevice(slices), out, nullptr);
+  }
+
+  std::unique_ptr<Fence> RecordFence() override { return std::make_unique<EventFence>(); }
 
   absl::StatusOr<double> SquaredNorm(absl::Span<const UpdateSlice> slices) override {
     double* out = nullptr;
