@@ -67,7 +67,18 @@ std::vector<std::pair<std::string, torch::Tensor>> Named(Net& net) {
 // Runs 10 steps of `kind` with ShardedOptimizer and with LibTorch on two
 // copies of the same model; returns the largest relative parameter difference.
 // `shard_gradients`: ZeRO-2 (staging buffers on the GPU, owned gradients only).
-double Compare(OptimizerKind kind, double max_grad_norm, bool shard_gradients = false) {
+// `async`: device_async_step (the step orders the device after each
+// collective and never blocks the host; the norm is read with LastGradNorm()).
+// `overlap`: overlap_param_gather, the model waiting for its parameters
+// before each forward. `params_out`: our parameters at the end.
+struct Variant {
+  bool shard_gradients = false;
+  bool async = false;
+  bool overlap = false;
+  std::vector<torch::Tensor>* params_out = nullptr;
+};
+double Compare(OptimizerKind kind, double max_grad_norm, Variant v = {}) {
+  const bool shard_gradients = v.shard_gradients;
   torch::manual_seed(7);
   const torch::Device gpu(torch::kCUDA, 0);
   auto ours = std::make_shared<Net>();
@@ -96,6 +107,8 @@ double Compare(OptimizerKind kind, double max_grad_norm, bool shard_gradients = 
   opt.plan.bucket_cap_elements = 40000;  // several buckets
   opt.trace = true;
   opt.shard_gradients = shard_gradients;
+  opt.device_async_step = v.async;
+  opt.overlap_param_gather = v.overlap;
   opt.kernel_backend = MakeCudaKernelBackend();
   auto so = ShardedOptimizer::Create(Named(*ours), opt, comm->get());
   EXPECT_TRUE(so.ok()) << so.status();
@@ -116,6 +129,10 @@ double Compare(OptimizerKind kind, double max_grad_norm, bool shard_gradients = 
     torch::Tensor x = torch::randn({32, 64}, gpu);
     torch::Tensor y = torch::randn({32, 10}, gpu);
     (*so)->ZeroGrad();
+    if (v.overlap) {
+      absl::Status w = (*so)->WaitForParameters(*ours);
+      EXPECT_TRUE(w.ok()) << w;
+    }
     torch::mse_loss(ours->forward(x), y).backward();
     if (shard_gradients) {
       for (const auto& p : ours->parameters()) EXPECT_FALSE(p.grad().defined());
@@ -123,11 +140,18 @@ double Compare(OptimizerKind kind, double max_grad_norm, bool shard_gradients = 
     auto r = (*so)->Step();
     EXPECT_TRUE(r.ok()) << r.status();
     if (!r.ok()) return 1e9;
+    EXPECT_EQ(r->grad_norm_pending, v.async) << "step " << step;
+    auto read = (*so)->LastGradNorm();  // blocks for the async step's norm
+    EXPECT_TRUE(read.ok()) << read.status();
+    if (!read.ok()) return 1e9;
+    EXPECT_EQ(read->step, step);
     ref->zero_grad();
     torch::mse_loss(theirs->forward(x), y).backward();
     if (max_grad_norm > 0) {
       const double norm = torch::nn::utils::clip_grad_norm_(theirs->parameters(), max_grad_norm);
-      EXPECT_NEAR(r->grad_norm, norm, 1e-4 * norm) << "step " << step;
+      EXPECT_NEAR(read->grad_norm, norm, 1e-4 * norm) << "step " << step;
+      EXPECT_EQ(read->clipped, norm > max_grad_norm) << "step " << step;
+      if (!v.async) EXPECT_EQ(r->grad_norm, read->grad_norm);
     }
     ref->step();
   }
@@ -141,8 +165,12 @@ double Compare(OptimizerKind kind, double max_grad_norm, bool shard_gradients = 
   EXPECT_EQ(rs, 10 * nb);
   EXPECT_EQ(ag, 10 * nb);
   double worst = 0;
+  EXPECT_TRUE((*so)->WaitForParameters().ok());
   auto a = ours->parameters();
   auto b = theirs->parameters();
+  if (v.params_out != nullptr) {
+    for (const auto& t : a) v.params_out->push_back(t.detach().clone());
+  }
   for (size_t i = 0; i < a.size(); ++i) {
     EXPECT_TRUE(a[i].is_cuda());
     torch::Tensor d = (a[i] - b[i]).abs() / b[i].abs().clamp_min(1.0);
@@ -166,9 +194,45 @@ TEST_F(GpuShardedOptimizerTest, AdamWWithClippingMatchesLibTorchOnTheGpu) {
 // Gradient sharding on the GPU (world size 1: the owned range is the whole
 // bucket, so this checks the staging and reclaim path on device memory).
 TEST_F(GpuShardedOptimizerTest, ShardedGradientsWithClippingMatchLibTorchOnTheGpu) {
-  const double worst = Compare(OptimizerKind::kAdamW, 0.5, /*shard_gradients=*/true);
+  Variant v;
+  v.shard_gradients = true;
+  const double worst = Compare(OptimizerKind::kAdamW, 0.5, v);
   RecordProperty("adamw_clip_zero2_max_rel_diff", Fmt(worst));
   EXPECT_LE(worst, 1e-5);
+}
+
+// device_async_step (issue 15, part 3): the same results as the default
+// step, bit for bit, and LibTorch's within the usual bound, with clipping, with
+// overlap_param_gather and with gradient sharding; Step() leaves the norm
+// pending and LastGradNorm() reads it.
+TEST_F(GpuShardedOptimizerTest, AsyncDeviceStepEqualsTheDefaultStepOnTheGpu) {
+  struct Case {
+    const char* name;
+    OptimizerKind kind;
+    double clip;
+    bool shard, overlap;
+  };
+  for (const Case& k : {Case{"adam", OptimizerKind::kAdam, 0.0, false, false},
+                        Case{"adamw_clip", OptimizerKind::kAdamW, 0.5, false, false},
+                        Case{"adamw_clip_overlap", OptimizerKind::kAdamW, 0.5, false, true},
+                        Case{"adamw_clip_zero2", OptimizerKind::kAdamW, 0.5, true, false}}) {
+    std::vector<torch::Tensor> sync, async;
+    Variant v;
+    v.shard_gradients = k.shard;
+    v.overlap = k.overlap;
+    v.params_out = &sync;
+    const double worst_sync = Compare(k.kind, k.clip, v);
+    v.async = true;
+    v.params_out = &async;
+    const double worst = Compare(k.kind, k.clip, v);
+    RecordProperty(std::string("async_") + k.name + "_max_rel_diff", Fmt(worst));
+    EXPECT_LE(worst, 1e-5) << k.name;
+    EXPECT_LE(worst_sync, 1e-5) << k.name;
+    ASSERT_EQ(async.size(), sync.size()) << k.name;
+    for (size_t i = 0; i < sync.size(); ++i) {
+      EXPECT_TRUE(torch::equal(async[i], sync[i])) << k.name << ": parameter " << i;
+    }
+  }
 }
 
 TEST_F(GpuShardedOptimizerTest, SgdMomentumMatchesLibTorchOnTheGpu) {

@@ -10,7 +10,8 @@
 #    copy of the same bytes;
 # 3. where Python PyTorch with CUDA is installed: torch.optim.Adam(fused=True)
 #    on the same parameter count;
-# 5. bench_gpu_step: one step on GPT-2 small shapes, ShardedOptimizer vs the
+# 5. bench_gpu_step: one step on GPT-2 small shapes, ShardedOptimizer (default
+#    and device_async_step, the target: >= 1.0x the fused Adam step) vs the
 #    bare kernel vs ATen's fused Adam (tools/bench/bench_gpu_step.cc);
 # 4. the gtests: kernels vs server/kernels/reference_optimizer.cc, NcclCommunicator
 #    (world size 1), and the real ShardedOptimizer step on the GPU through
