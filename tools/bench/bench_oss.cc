@@ -17,6 +17,9 @@
 //             4 Mi-element buckets as shardopt_train uses with it, or
 //             --zero2-bucket-cap): each rank keeps only its slices' reduced
 //             gradients;
+//   compute_only  forward and backward alone: no communication, no optimizer
+//             (not in the default rows): the ceiling any data-parallel optimizer
+//             could reach on this model and machine;
 //   shardopt_fr  the same with what shardopt_train adds for observability: every
 //             collective through the flight recorder, per-step metrics under a
 //             mutex and a thread that collects them once a second as heartbeats
@@ -49,6 +52,8 @@
 #include <stdexcept>
 #include <thread>
 
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -209,8 +214,23 @@ int RunWorker(const Flags& f) {
       if (thread->joinable()) thread->join();
     }
   } joiner{&stop_metrics, &heartbeat};
-  const bool zero2 = row == "shardopt_zero2";
-  const int64_t zero2_bucket_cap = f.Int("zero2-bucket-cap", 4 << 20).value_or(4 << 20);
+  // shardopt_zero2[:cap=N][:staging=N]: variants side by side in one run.
+  const std::vector<std::string> row_parts = absl::StrSplit(row, ':');
+  const bool zero2 = row_parts[0] == "shardopt_zero2";
+  int64_t zero2_bucket_cap = f.Int("zero2-bucket-cap", 4 << 20).value_or(4 << 20);
+  int zero2_staging = 2;
+  for (size_t i = 1; i < row_parts.size(); ++i) {
+    int64_t v = 0;
+    const std::string& part = row_parts[i];
+    const bool cap = absl::StartsWith(part, "cap=") && absl::SimpleAtoi(part.substr(4), &v) && v > 0;
+    const bool staging = absl::StartsWith(part, "staging=") && absl::SimpleAtoi(part.substr(8), &v) && v > 0;
+    if (!zero2 || (!cap && !staging)) {
+      std::fprintf(stderr, "bad row '%s' (variants: shardopt_zero2:cap=N:staging=N)\n", row.c_str());
+      return 2;
+    }
+    if (cap) zero2_bucket_cap = v;
+    if (staging) zero2_staging = static_cast<int>(v);
+  }
   const bool overlap = row == "shardopt_overlap" || zero2;
   if (row == "shardopt" || overlap || observed) {
     ShardedOptimizerOptions o;
@@ -221,6 +241,7 @@ int RunWorker(const Flags& f) {
     if (zero2) {
       o.shard_gradients = true;
       o.plan.bucket_cap_elements = zero2_bucket_cap;
+      o.grad_staging_buffers = zero2_staging;
     }
     auto s = ShardedOptimizer::Create(named, o, observed ? recording.get() : comm->get());
     if (!s.ok()) {
@@ -260,6 +281,8 @@ int RunWorker(const Flags& f) {
         (void)sink;
       });
     }
+  } else if (row == "compute_only") {
+    // Nothing to set up: autograd allocates the gradients, zeroed each step.
   } else {
     // Every rank starts from rank 0's weights, as DDP does.
     for (auto& p : params) {
@@ -330,8 +353,12 @@ int RunWorker(const Flags& f) {
     if (observed) recorder->set_step(step + 1);
     if (sharded) {
       sharded->ZeroGrad();
-    } else {
+    } else if (ddp) {
       ddp->Zero();
+    } else {  // compute_only
+      for (auto& p : params) {
+        if (p.grad().defined()) p.mutable_grad().zero_();
+      }
     }
     torch::Tensor loss = model->Loss(step, rank * batch, (rank + 1) * batch);
     loss.backward();
@@ -352,6 +379,9 @@ int RunWorker(const Flags& f) {
         metrics.comm_s = r->comm_wait_seconds;
         metrics.update_s = r->update_seconds;
       }
+    } else if (!ddp) {  // compute_only
+      t.comm = 0;
+      t.optim = 0;
     } else {
       t.comm = ddp->Finish();
       const auto t1 = Clock::now();
@@ -483,8 +513,10 @@ breakdown. --png draws the chart with tools/bench/plot_oss.py (needs python3-mat
 heartbeat metrics cost (README, "Flight recorder"); --rows=...,shardopt_overlap adds the
 all-gathers overlapping the next forward (its fwd+bwd column includes those waits, which its
 exposed-comm column counts too); shardopt_zero2 adds gradient sharding to that (the "grads"
-column: gradient buffers per rank). --ranks=4 runs 4 processes per row (on 2 cores: for the
-memory columns, not for speed).
+column: gradient buffers per rank; shardopt_zero2:cap=N:staging=N rows compare bucket caps
+and staging buffer counts side by side). --ranks=4 runs 4 processes per row (on 2 cores: for the
+memory columns, not for speed). compute_only runs forward and backward alone (no
+communication, no optimizer) and prints every row as a fraction of it: the ceiling.
 )";
 
 int RunParent(const Flags& f, const std::string& self) {
@@ -518,7 +550,7 @@ int RunParent(const Flags& f, const std::string& self) {
       }
     }
     std::printf("model %s\n", model.c_str());
-    std::printf("%-16s %20s %8s %12s %12s %12s %12s %10s %10s %10s\n", "row", "samples/s/rank",
+    std::printf("%-30s %20s %8s %12s %12s %12s %12s %10s %10s %10s\n", "row", "samples/s/rank",
                 "vs ddp", "peak RSS", "opt state", "grads", "sent/step", "fwd+bwd", "exposed",
                 "optim");
     double ddp_sps = 0;
@@ -550,10 +582,21 @@ int RunParent(const Flags& f, const std::string& self) {
       r["exposed_comm_s"] = Median(cm);
       r["optimizer_s"] = Median(op);
       all[model][row] = r;
-      std::printf("%-16s %11.2f +/- %5.2f %7.3fx %8.0f MiB %8.1f MiB %8.1f MiB %8.1f MiB %8.3f s %8.3f s %8.3f s\n",
+      std::printf("%-30s %11.2f +/- %5.2f %7.3fx %8.0f MiB %8.1f MiB %8.1f MiB %8.1f MiB %8.3f s %8.3f s %8.3f s\n",
                   row.c_str(), med, StdDev(sps), r["vs_ddp"].get<double>(), Median(rss) / 1048576,
                   state / 1048576, grads / 1048576, Median(sent) / 1048576, Median(fb), Median(cm),
                   Median(op));
+    }
+    if (all[model].contains("compute_only")) {
+      const double ceiling = all[model]["compute_only"]["samples_per_s"].get<double>();
+      std::printf("ceiling (compute_only: forward + backward, nothing else):");
+      for (const std::string& row : rows) {
+        if (row == "compute_only") continue;
+        const double sps = all[model][row]["samples_per_s"].get<double>();
+        if (sps > 0) std::printf(" %s %.3f", row.c_str(), sps / ceiling);
+        all[model][row]["vs_compute_only"] = sps / ceiling;
+      }
+      std::printf(" of it\n");
     }
     std::printf("\n");
     std::fflush(stdout);
