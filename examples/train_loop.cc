@@ -17,8 +17,10 @@
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
+#include <optional>
 #include <string>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "client/checkpoint/checkpoint.h"
 #include "client/comm/gloo_communicator.h"
@@ -41,6 +43,19 @@ std::string Flag(int argc, char** argv, const std::string& name, const std::stri
     if (a.rfind("--" + name + "=", 0) == 0) return a.substr(name.size() + 3);
   }
   return def;
+}
+
+// A whole number in [lo, hi] from a flag or the environment; nullopt (after
+// saying why) for anything else, so "--steps=abc" or "--steps=-5" cannot
+// silently become 0.
+std::optional<int> ParseInt(const std::string& what, const std::string& text, int lo, int hi) {
+  int v = 0;
+  if (!absl::SimpleAtoi(text, &v) || v < lo || v > hi) {
+    std::fprintf(stderr, "train_loop: %s must be a whole number in [%d, %d], not '%s'\n",
+                 what.c_str(), lo, hi, text.c_str());
+    return std::nullopt;
+  }
+  return v;
 }
 
 // A failure before the rank agent runs (which reports later ones).
@@ -69,11 +84,17 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  const int rank = std::atoi(Env("RANK", "0").c_str());
-  const int world = std::atoi(Env("WORLD_SIZE", "1").c_str());
+  const auto world_opt = ParseInt("WORLD_SIZE", Env("WORLD_SIZE", "1"), 1, 1 << 20);
+  const auto rank_opt = ParseInt("RANK", Env("RANK", "0"), 0, world_opt.value_or(1) - 1);
+  const auto local_rank = ParseInt("LOCAL_RANK", Env("LOCAL_RANK", "0"), 0, 1 << 16);
+  const auto steps_opt = ParseInt("--steps", Flag(argc, argv, "steps", "30"), 0, 1 << 30);
+  const auto every_opt = ParseInt("--ckpt-every", Flag(argc, argv, "ckpt-every", "10"), 1, 1 << 30);
+  if (!world_opt || !rank_opt || !local_rank || !steps_opt || !every_opt) {
+    std::fprintf(stderr, "%s", usage);
+    return 2;
+  }
+  const int rank = *rank_opt, world = *world_opt, steps = *steps_opt, every = *every_opt;
   const std::string job_id = Env("SHARDOPT_JOB_ID", "job");
-  const int steps = std::atoi(Flag(argc, argv, "steps", "30").c_str());
-  const int every = std::atoi(Flag(argc, argv, "ckpt-every", "10").c_str());
   const std::string ckpt_dir = Flag(argc, argv, "ckpt-dir", "");
   const std::string device_flag = Flag(argc, argv, "device", "cpu");
   if (device_flag != "cpu" && device_flag != "cuda") {
@@ -84,7 +105,7 @@ int main(int argc, char** argv) {
     return Fail(rank, "--device=cuda", absl::FailedPreconditionError("LibTorch sees no CUDA device"));
   }
   const torch::Device device = device_flag == "cuda"
-                                   ? torch::Device(torch::kCUDA, std::atoi(Env("LOCAL_RANK", "0").c_str()))
+                                   ? torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(*local_rank))
                                    : torch::Device(torch::kCPU);
 
   // 1. Rendezvous through the coordinator that shardrun started.

@@ -34,6 +34,11 @@ fi
 $ex --stpes=3 >"$tmp/d.log" 2>&1
 check "a misspelt flag is refused" test $? -eq 2
 check "and named" grep -q "unknown argument '--stpes=3'" "$tmp/d.log"
+$ex --steps=abc >"$tmp/e.log" 2>&1
+check "a non-number is refused" test $? -eq 2
+check "and explained" grep -q "steps must be a whole number in \[0, [0-9]*\], not 'abc'" "$tmp/e.log"
+$ex --ckpt-every=0 >"$tmp/f.log" 2>&1
+check "a checkpoint interval of 0 is refused" test $? -eq 2
 if [[ $fails -ne 0 ]]; then
   echo "--- logs"; cat "$tmp/a.log" "$tmp/b.log" "$tmp/c.log"
 fi
