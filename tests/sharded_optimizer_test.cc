@@ -753,6 +753,130 @@ TEST(DeviceAsyncStepTest, Bf16ModelWithClipping) {
             << " parameters differ (by one bf16 unit at most)\n";
 }
 
+// A communicator that claims to order a device stream after its collectives,
+// as NcclCommunicator does: OrderStreamAfter() "orders the device" by waiting
+// for the collective (what the stream would do) and returns true, so the
+// optimizer's deferral bookkeeping runs on the CPU. It counts the calls and
+// can make the k-th all-gather complete with an error after it ran (the peer
+// side of a failure the device would not tell the host about).
+class DeviceOrderingCommunicator : public Communicator {
+ public:
+  explicit DeviceOrderingCommunicator(std::unique_ptr<Communicator> inner) : inner_(std::move(inner)) {}
+  int rank() const override { return inner_->rank(); }
+  int world_size() const override { return inner_->world_size(); }
+  CommHandlePtr ReduceScatter(void* b, int64_t n, ElementType t, ReduceOp op) override {
+    return inner_->ReduceScatter(b, n, t, op);
+  }
+  CommHandlePtr AllGather(void* b, int64_t n, ElementType t) override {
+    CommHandlePtr h = inner_->AllGather(b, n, t);
+    if (++gathers_ != fail_gather_) return h;
+    (void)h->Wait(absl::Seconds(10));
+    auto failed = std::make_shared<CommHandle>();
+    failed->Complete(absl::UnavailableError("injected: the link to rank 1 went down"));
+    return failed;
+  }
+  CommHandlePtr AllReduce(void* b, int64_t n, ElementType t, ReduceOp op) override {
+    return inner_->AllReduce(b, n, t, op);
+  }
+  CommHandlePtr Broadcast(void* b, int64_t n, ElementType t, int root) override {
+    return inner_->Broadcast(b, n, t, root);
+  }
+  CommHandlePtr Barrier() override { return inner_->Barrier(); }
+  void Abort(const absl::Status& reason) override {
+    ++aborts_;
+    inner_->Abort(reason);
+  }
+  ByteCounters counters() const override { return inner_->counters(); }
+  bool OrderStreamAfter(const CommHandlePtr& handle, void* stream) override {
+    EXPECT_EQ(stream, nullptr);  // the legacy default stream, where the kernels run
+    (void)handle->Wait(absl::Seconds(10));
+    ++ordered_;
+    return true;
+  }
+  int ordered_ = 0, gathers_ = 0, fail_gather_ = -1, aborts_ = 0;
+
+ private:
+  std::unique_ptr<Communicator> inner_;
+};
+
+// With a communicator that can order the device, no collective of the step is
+// waited for on the host: every reduce-scatter, the norm's all-reduce and every
+// all-gather goes through OrderStreamAfter (2 x buckets + 1 per step), results
+// stay those of the default step, and a collective that failed after it was
+// left to the device is reported by the next Step() (and aborts the
+// communicator), or by WaitForParameters() before anything reads parameters.
+TEST(DeviceAsyncStepTest, CollectivesAreLeftToTheDeviceAndTheirFailuresStillReported) {
+  auto train = [](bool async, int fail_gather, int* ordered, std::vector<absl::Status>* steps,
+                  absl::Status* wait) {
+    InProcessWorld world(1, absl::Seconds(10));
+    DeviceOrderingCommunicator comm(world.Connect(0));
+    comm.fail_gather_ = fail_gather;
+    auto model = *MakeModel("small", 42);
+    TrainConfig c;
+    c.max_grad_norm = 0.5;
+    c.bucket_cap = 300;
+    ShardedOptimizerOptions o = OptionsFor(c);
+    o.device_async_step = async;
+    auto opt = ShardedOptimizer::Create(model->NamedParameters(), o, &comm);
+    EXPECT_TRUE(opt.ok()) << opt.status();
+    if (!opt.ok()) return std::make_pair(std::vector<float>(), 0);
+    const int nb = static_cast<int>((*opt)->layout().buckets().size());
+    const int gathers_at_start = comm.gathers_;
+    comm.fail_gather_ = fail_gather < 0 ? -1 : gathers_at_start + fail_gather;
+    for (int step = 0; step < 4; ++step) {
+      (*opt)->ZeroGrad();
+      model->Loss(step, 0, 12).backward();
+      auto r = (*opt)->Step();
+      steps->push_back(r.status());
+      if (!r.ok()) break;
+    }
+    *wait = (*opt)->WaitForParameters();
+    *ordered = comm.ordered_;
+    std::vector<float> out = FlattenParameters(*model);
+    return std::make_pair(out, nb);
+  };
+  int ordered_sync = 0, ordered_async = 0;
+  std::vector<absl::Status> steps_sync, steps_async;
+  absl::Status wait;
+  auto [sync, nb] = train(false, -1, &ordered_sync, &steps_sync, &wait);
+  auto [async, nb2] = train(true, -1, &ordered_async, &steps_async, &wait);
+  ASSERT_GE(nb, 3);
+  EXPECT_EQ(ordered_sync, 0) << "the default step waits on the host";
+  EXPECT_EQ(ordered_async, 4 * (2 * nb + 1)) << "every collective of 4 steps left to the device";
+  for (const auto& s : steps_async) EXPECT_TRUE(s.ok()) << s;
+  EXPECT_EQ(async, sync);
+
+  // The second step's first all-gather fails after it was left to the device.
+  int ordered = 0;
+  std::vector<absl::Status> steps;
+  (void)train(true, nb + 1, &ordered, &steps, &wait);
+  ASSERT_EQ(steps.size(), 3u) << "steps 1 and 2 return, step 3 reports the failure";
+  EXPECT_TRUE(steps[0].ok() && steps[1].ok());
+  EXPECT_EQ(steps[2].code(), absl::StatusCode::kUnavailable) << steps[2];
+  EXPECT_NE(steps[2].message().find("all-gather of bucket"), std::string::npos) << steps[2];
+  EXPECT_NE(steps[2].message().find("injected"), std::string::npos) << steps[2];
+
+  // Without another step, WaitForParameters() (checkpoints call it) reports it.
+  steps.clear();
+  InProcessWorld world(1, absl::Seconds(10));
+  DeviceOrderingCommunicator comm(world.Connect(0));
+  auto model = *MakeModel("small", 42);
+  TrainConfig c;
+  c.bucket_cap = 300;
+  ShardedOptimizerOptions o = OptionsFor(c);
+  o.device_async_step = true;
+  auto opt = ShardedOptimizer::Create(model->NamedParameters(), o, &comm);
+  ASSERT_TRUE(opt.ok()) << opt.status();
+  comm.fail_gather_ = comm.gathers_ + 1;
+  (*opt)->ZeroGrad();
+  model->Loss(0, 0, 12).backward();
+  ASSERT_TRUE((*opt)->Step().ok());
+  absl::Status w = (*opt)->WaitForParameters();
+  EXPECT_EQ(w.code(), absl::StatusCode::kUnavailable) << w;
+  EXPECT_EQ(comm.aborts_, 1) << "a failed collective aborts the communicator";
+  EXPECT_TRUE((*opt)->WaitForParameters().ok()) << "reported once";
+}
+
 TEST(DeviceAsyncStepTest, GradNormBeforeTheFirstStepIsAnError) {
   InProcessWorld world(1, absl::Seconds(5));
   auto comm = world.Connect(0);
