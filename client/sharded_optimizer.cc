@@ -667,15 +667,26 @@ bool ShardedOptimizer::ClipGradients(double grad_norm) {
 // all-reduced in place, and the clipping coefficient is computed with
 // clip_grad_norm_'s float arithmetic, max_norm * reciprocal(norm + 1e-6)
 // clamped to 1, and applied, all without the host reading a value.
-absl::Status ShardedOptimizer::GlobalNormOnDevice(double local_sq, bool clip,
-                                                  StepResult* result) {
+absl::Status ShardedOptimizer::LaunchNormOnDevice(double local_sq) {
   if (device_.is_cpu()) {
     norm_sq_t_.fill_(static_cast<float>(local_sq));
   } else {
     SHARDOPT_RETURN_IF_ERROR(owner_->SquaredGradNormTo(norm_sq_d_.data_ptr<double>()));
     norm_sq_t_.copy_(norm_sq_d_);
   }
-  CommHandlePtr h = comm_->AllReduce(norm_sq_t_.data_ptr(), 1, ElementType::kFloat32, ReduceOp::kSum);
+  norm_handle_ = comm_->AllReduce(norm_sq_t_.data_ptr(), 1, ElementType::kFloat32, ReduceOp::kSum);
+  return absl::OkStatus();
+}
+
+absl::Status ShardedOptimizer::GlobalNormOnDevice(double local_sq, bool clip,
+                                                  StepResult* result) {
+  SHARDOPT_RETURN_IF_ERROR(LaunchNormOnDevice(local_sq));
+  return FinishNormOnDevice(clip, result);
+}
+
+absl::Status ShardedOptimizer::FinishNormOnDevice(bool clip, StepResult* result) {
+  CommHandlePtr h = std::move(norm_handle_);
+  norm_handle_ = nullptr;
   if (!Defer(h, "gradient norm", -1)) SHARDOPT_RETURN_IF_ERROR(WaitOrAbort(h, "gradient norm", -1));
   torch::Tensor norm = norm_sq_t_.sqrt().reshape({});
   torch::Tensor coef;
@@ -694,7 +705,7 @@ void ShardedOptimizer::RecordNormReading(int64_t step, const torch::Tensor& norm
   if (device_.is_cpu()) {
     last_norm_.step = step;
     last_norm_.grad_norm = norm.item<float>();
-    last_norm_.clipped = coef.defined() && coef.item<float>() < 1.0f;
+    last_norm_.clipped = coef.defined() && !(coef.item<float>() >= 1.0f);
     result->grad_norm = last_norm_.grad_norm;
     result->clipped = last_norm_.clipped;
     return;
@@ -710,13 +721,16 @@ void ShardedOptimizer::RecordNormReading(int64_t step, const torch::Tensor& norm
 }
 
 absl::StatusOr<GradNormReading> ShardedOptimizer::LastGradNorm() {
-  if (step_ == 0) return absl::FailedPreconditionError("LastGradNorm: no step has run yet");
-  if (last_norm_.step == step_ || !async_ || device_.is_cpu()) return last_norm_;
-  const int slot = static_cast<int>(step_ & 1);
-  if (norm_step_[slot] != step_ || norm_fence_[slot] == nullptr) {
-    return absl::InternalError("LastGradNorm: the last step recorded no norm");
-  }
+  // Every collective left to the device must have succeeded for the norm to
+  // mean anything.
   SHARDOPT_RETURN_IF_ERROR(CheckDeferred(/*all=*/true));
+  if (step_ == 0 || (last_norm_.step != step_ && norm_step_[step_ & 1] != step_)) {
+    return absl::FailedPreconditionError(
+        "LastGradNorm: no step has run since the optimizer was created or restored");
+  }
+  if (last_norm_.step == step_) return last_norm_;
+  const int slot = static_cast<int>(step_ & 1);
+  if (norm_fence_[slot] == nullptr) return absl::InternalError("LastGradNorm: no fence for the norm");
   SHARDOPT_RETURN_IF_ERROR(norm_fence_[slot]->Wait(options_.timeout));
   std::optional<GradNormReading> r = ReadyGradNorm();
   if (!r.has_value() || r->step != step_) return absl::InternalError("LastGradNorm: norm not ready");
@@ -724,8 +738,14 @@ absl::StatusOr<GradNormReading> ShardedOptimizer::LastGradNorm() {
 }
 
 std::optional<GradNormReading> ShardedOptimizer::ReadyGradNorm() {
-  if (step_ == 0) return std::nullopt;
-  if (!async_ || device_.is_cpu()) return last_norm_;
+  if (step_ == 0 || (last_norm_.step == 0 && norm_step_[0] == 0 && norm_step_[1] == 0)) {
+    return std::nullopt;
+  }
+  if (DeferredFailed()) return std::nullopt;
+  if (!async_ || device_.is_cpu()) {
+    if (last_norm_.step != step_) return std::nullopt;  // restored since
+    return last_norm_;
+  }
   for (int64_t s : {step_, step_ - 1}) {
     if (s <= 0) break;
     if (last_norm_.step == s) return last_norm_;
@@ -734,7 +754,7 @@ std::optional<GradNormReading> ShardedOptimizer::ReadyGradNorm() {
     const float* v = norm_host_.select(0, slot).data_ptr<float>();
     last_norm_.step = s;
     last_norm_.grad_norm = v[0];
-    last_norm_.clipped = v[1] < 1.0f;
+    last_norm_.clipped = !(v[1] >= 1.0f);  // NaN: scaled, as ClipGradients does
     return last_norm_;
   }
   return std::nullopt;
@@ -746,18 +766,34 @@ bool ShardedOptimizer::Defer(const CommHandlePtr& handle, const char* what, int 
   return true;
 }
 
+// The first failure is reported (and the communicator aborted); the entries
+// after it are dropped: they can only fail with "communicator aborted" too.
+// Time blocked here is exposed communication of the next step.
 absl::Status ShardedOptimizer::CheckDeferred(bool all) {
-  std::vector<Deferred> still;
+  std::vector<Deferred> taken;
+  taken.swap(deferred_);
+  const int64_t before = wait_ns_;
   absl::Status first;
-  for (Deferred& d : deferred_) {
-    if (first.ok() && (all || d.step < step_ - 1 || d.handle->done())) {
+  for (Deferred& d : taken) {
+    if (!first.ok()) break;
+    const bool done = d.handle->done();  // read once: the watcher may complete it meanwhile
+    if (all || done || d.step < step_ - 1) {
       first = WaitOrAbort(d.handle, d.what, d.bucket);
-    } else if (!d.handle->done()) {
-      still.push_back(std::move(d));
+    } else {
+      deferred_.push_back(std::move(d));
     }
   }
-  deferred_ = std::move(still);
+  gather_wait_ns_ += wait_ns_ - before;
   return first;
+}
+
+// A deferred collective that has already failed (the norm it fed may be
+// garbage); reported by the next CheckDeferred.
+bool ShardedOptimizer::DeferredFailed() const {
+  for (const Deferred& d : deferred_) {
+    if (d.handle->done() && !d.handle->Wait(absl::ZeroDuration()).ok()) return true;
+  }
+  return false;
 }
 
 absl::Status ShardedOptimizer::OrderPreviousGathers() {
@@ -778,7 +814,8 @@ absl::Status ShardedOptimizer::StepOverlapped(StepResult* result, int64_t* updat
   for (int b = 0; b < nb; ++b) SHARDOPT_RETURN_IF_ERROR(FinishReduce(b, &local_sq));
   const bool clip = options_.max_grad_norm > 0.0;
   if (async_) {
-    SHARDOPT_RETURN_IF_ERROR(GlobalNormOnDevice(local_sq, clip, result));
+    SHARDOPT_RETURN_IF_ERROR(LaunchNormOnDevice(local_sq));
+    if (clip) SHARDOPT_RETURN_IF_ERROR(FinishNormOnDevice(/*clip=*/true, result));
   } else {
     SHARDOPT_RETURN_IF_ERROR(LaunchGlobalNorm(local_sq));
     if (clip) {
@@ -789,8 +826,12 @@ absl::Status ShardedOptimizer::StepOverlapped(StepResult* result, int64_t* updat
   for (int b = nb - 1; b >= 0; --b) {
     SHARDOPT_RETURN_IF_ERROR(UpdateAndGather(b, result->step, update_ns));
   }
-  if (!async_ && !clip) {
-    SHARDOPT_ASSIGN_OR_RETURN(result->grad_norm, FinishGlobalNorm());
+  if (!clip) {
+    if (async_) {
+      SHARDOPT_RETURN_IF_ERROR(FinishNormOnDevice(/*clip=*/false, result));
+    } else {
+      SHARDOPT_ASSIGN_OR_RETURN(result->grad_norm, FinishGlobalNorm());
+    }
   }
   return absl::OkStatus();
 }

@@ -109,6 +109,9 @@ struct ShardedOptimizerOptions {
   // the pool). On the CPU, and with host-memory communicators (Gloo,
   // in-process), collectives are waited for on the host as without the option
   // and the norm is known at once: results are bitwise those of the default.
+  // Precondition on a GPU: the training step runs on the legacy default
+  // stream (LibTorch's default; no CUDAStreamGuard around backward or Step()),
+  // where the CUDA kernel backend and the device waits are enqueued.
   bool device_async_step = false;
 };
 
@@ -193,11 +196,14 @@ class ShardedOptimizer {
   int64_t step_count() const { return step_; }
 
   // The last step's gradient norm and whether it was clipped; with
-  // device_async_step on a GPU it blocks until the value is on the host.
-  // Errors: no step yet; a deferred collective failed; a timeout.
+  // device_async_step on a GPU it blocks until the value is on the host (and
+  // every collective left to the device has finished).
+  // Errors: no step since creation or restore; a deferred collective failed;
+  // a timeout.
   absl::StatusOr<GradNormReading> LastGradNorm();
   // The newest of the last two steps' norms that is on the host without
-  // blocking (none before the first step, or while both are in flight).
+  // blocking (none before the first step or since a restore, while both are
+  // in flight, or once a collective left to the device has failed).
   std::optional<GradNormReading> ReadyGradNorm();
 
   // With overlap_param_gather: waits until the parameters of bucket
@@ -268,6 +274,9 @@ class ShardedOptimizer {
   bool ClipGradients(double grad_norm);
   // device_async_step: the norm and clipping as device values.
   absl::Status GlobalNormOnDevice(double local_sq, bool clip, StepResult* result);
+  absl::Status LaunchNormOnDevice(double local_sq);
+  absl::Status FinishNormOnDevice(bool clip, StepResult* result);
+  bool DeferredFailed() const;
   void RecordNormReading(int64_t step, const torch::Tensor& norm, const torch::Tensor& coef,
                          StepResult* result);
   // Orders the device after `handle` (device_async_step) and remembers it,

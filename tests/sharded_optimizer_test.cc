@@ -875,6 +875,48 @@ TEST(DeviceAsyncStepTest, CollectivesAreLeftToTheDeviceAndTheirFailuresStillRepo
   EXPECT_EQ(w.code(), absl::StatusCode::kUnavailable) << w;
   EXPECT_EQ(comm.aborts_, 1) << "a failed collective aborts the communicator";
   EXPECT_TRUE((*opt)->WaitForParameters().ok()) << "reported once";
+
+  // The norm of a step whose collectives failed is not handed out.
+  InProcessWorld world2(1, absl::Seconds(10));
+  DeviceOrderingCommunicator comm2(world2.Connect(0));
+  auto model2 = *MakeModel("small", 42);
+  auto opt2 = ShardedOptimizer::Create(model2->NamedParameters(), o, &comm2);
+  ASSERT_TRUE(opt2.ok()) << opt2.status();
+  comm2.fail_gather_ = comm2.gathers_ + 1;
+  (*opt2)->ZeroGrad();
+  model2->Loss(0, 0, 12).backward();
+  ASSERT_TRUE((*opt2)->Step().ok());
+  EXPECT_FALSE((*opt2)->ReadyGradNorm().has_value());
+  auto norm = (*opt2)->LastGradNorm();
+  EXPECT_EQ(norm.status().code(), absl::StatusCode::kUnavailable) << norm.status();
+}
+
+// Norm readings belong to steps: none after a restore until the next step,
+// and a NaN norm counts as clipped in both step modes (the gradients are
+// scaled by the NaN coefficient, as clip_grad_norm_ does).
+TEST(DeviceAsyncStepTest, NormReadingsAfterRestoreAndNaN) {
+  for (bool async : {false, true}) {
+    InProcessWorld world(1, absl::Seconds(5));
+    auto comm = world.Connect(0);
+    torch::Tensor w = torch::ones({8}).set_requires_grad(true);
+    ShardedOptimizerOptions o;
+    o.device_async_step = async;
+    o.max_grad_norm = 1.0;
+    auto opt = ShardedOptimizer::Create({{"w", w}}, o, comm.get());
+    ASSERT_TRUE(opt.ok()) << opt.status();
+    (*opt)->ZeroGrad();
+    (w * std::nanf("")).sum().backward();
+    auto r = (*opt)->Step();
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_TRUE(std::isnan(r->grad_norm)) << async;
+    EXPECT_TRUE(r->clipped) << async;
+    auto read = (*opt)->LastGradNorm();
+    ASSERT_TRUE(read.ok()) << read.status();
+    EXPECT_TRUE(read->clipped && std::isnan(read->grad_norm)) << async;
+    ASSERT_TRUE((*opt)->FinishRestore(7).ok());
+    EXPECT_EQ((*opt)->LastGradNorm().status().code(), absl::StatusCode::kFailedPrecondition) << async;
+    EXPECT_FALSE((*opt)->ReadyGradNorm().has_value()) << async;
+  }
 }
 
 TEST(DeviceAsyncStepTest, GradNormBeforeTheFirstStepIsAnError) {

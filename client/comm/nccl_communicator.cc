@@ -242,7 +242,14 @@ void NcclCommunicator::Watch() {
       absl::SleepFor(absl::Microseconds(200));
       continue;
     }
-    const cudaError_t q = cudaEventQuery(front.done);
+    cudaError_t q;
+    {
+      // Under the lock: Abort() takes the pending list under it and then
+      // destroys the events, so the one queried here is still alive.
+      absl::MutexLock l(&state_->mu);
+      if (state_->pending.empty() || state_->pending.front().handle != front.handle) continue;
+      q = cudaEventQuery(front.done);
+    }
     absl::Status status;
     bool finished = false;
     if (q == cudaSuccess) {

@@ -33,15 +33,16 @@ class KernelBackend {
   // True when slices hold device pointers.
   virtual bool on_device() const = 0;
   // One step numbered `step` (>= 1) of optimizer `kind` over `slices`, all
-  // with the hyper-parameters `hp`. On a device: enqueued on the current
-  // stream. Errors: invalid hyper-parameters or slices; nothing is modified.
+  // with the hyper-parameters `hp`. On a device: enqueued on the backend's
+  // stream (CUDA: the legacy default stream). Errors: invalid hyper-parameters
+  // or slices; nothing is modified.
   virtual absl::Status Update(OptimizerKind kind, const HyperParameters& hp, int64_t step,
                               absl::Span<const UpdateSlice> slices) = 0;
   // Sum of squares of the gradients (`grad` or `grad_bf16`) of every slice.
   virtual absl::StatusOr<double> SquaredNorm(absl::Span<const UpdateSlice> slices) = 0;
 
   // The same sum written to `*out`, which is device memory for a device
-  // backend (enqueued on the current stream; the host does not wait) and host
+  // backend (enqueued where Update runs; the host does not wait) and host
   // memory otherwise (this default: SquaredNorm, then a store).
   virtual absl::Status SquaredNormTo(absl::Span<const UpdateSlice> slices, double* out);
 
