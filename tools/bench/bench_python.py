@@ -4,6 +4,7 @@ gradient sharding, shard_gradients=True: the row shardopt_zero2).
 
     bazel build //python:shardopt
     PYTHONPATH=bazel-bin/python /usr/bin/python3 tools/bench/bench_python.py [--json out.json]
+        [--rows=ddp,ddp_zero,shardopt,shardopt_zero2,compute_only]
 
 2 ranks on this machine over gloo (torchrun's environment contract), one
 thread per rank, the allocator tuned identically for every row (glibc
@@ -28,7 +29,8 @@ import sys
 import tempfile
 import time
 
-ROWS = ("ddp", "ddp_zero", "shardopt", "shardopt_zero2")
+ROWS = ("ddp", "ddp_zero", "shardopt", "shardopt_zero2", "compute_only")
+DEFAULT_ROWS = ROWS[:4]  # compute_only (forward + backward alone: the ceiling) on request
 TUNABLES = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=1073741824:glibc.malloc.arena_max=1"
 
 
@@ -62,7 +64,16 @@ def worker(a):
         loss_fn = nn.CrossEntropyLoss()
     net = model
     sharded = a.row.startswith("shardopt")
-    if sharded:
+    if a.row == "compute_only":
+        # No communication, no optimizer: what forward + backward cost alone.
+        class NoStep:
+            def zero_grad(self):
+                model.zero_grad(set_to_none=False)
+
+            def step(self):
+                return None
+        opt = NoStep()
+    elif sharded:
         import shardopt
         # module=: the all-gathers overlap the next forward (per-layer waits).
         opt = shardopt.ShardedOptimizer(model.named_parameters(), optimizer="adam", lr=1e-4,
@@ -100,6 +111,10 @@ def worker(a):
     if sharded:
         state = opt.memory()["state_bytes"]
         grads = opt.memory()["grad_bytes"]
+    elif a.row == "compute_only":
+        state = 0
+        grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters()
+                    if p.grad is not None)
     else:
         # .grad of every parameter (DDP's own bucket copies come on top).
         grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters()
@@ -197,7 +212,9 @@ def summarize(per_round):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="mlp,resnet101")
-    p.add_argument("--rows", default=",".join(ROWS))
+    p.add_argument("--rows", default=",".join(DEFAULT_ROWS),
+                   help="of " + ",".join(ROWS) + "; compute_only runs forward and backward "
+                   "alone and every row is printed as a fraction of it (the ceiling)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
@@ -252,6 +269,13 @@ def main():
                   f"{s['step_s'] * 1e3:8.0f} {exposed:>8s} {s['state_bytes'] / 2**20:10.1f} "
                   f"{s['grad_bytes'] / 2**20:10.1f} "
                   f"{s['peak_rss_bytes'] / 2**20:13.0f}")
+        if "compute_only" in summary:
+            ceiling = summary["compute_only"]["samples_per_s"]
+            for r in rows:
+                summary[r]["vs_compute_only"] = summary[r]["samples_per_s"] / ceiling
+            print("ceiling (compute_only: forward + backward, nothing else): " +
+                  " ".join(f"{r} {summary[r]['vs_compute_only']:.3f}" for r in rows
+                           if r != "compute_only") + " of it")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(report, f, indent=1)
