@@ -102,6 +102,13 @@ absl::Status RankAgent::StartService() {
   service_ = std::make_unique<ShardOwnerService>(std::move(sources), options_.token);
   RpcServerOptions sopt;
   sopt.address = options_.host + ":0";
+  auto or_env = [](const std::string& v, const char* name) {
+    const char* e = std::getenv(name);
+    return !v.empty() || e == nullptr ? v : std::string(e);
+  };
+  sopt.tls_cert_file = or_env(options_.owner_tls_cert_file, "SHARDOPT_OWNER_TLS_CERT");
+  sopt.tls_key_file = or_env(options_.owner_tls_key_file, "SHARDOPT_OWNER_TLS_KEY");
+  sopt.tls_client_ca_file = or_env(options_.owner_tls_client_ca_file, "SHARDOPT_OWNER_TLS_CLIENT_CA");
   auto server = RpcServer::Start(sopt, {service_.get()});
   if (!server.ok()) return server.status();
   server_ = *std::move(server);

@@ -68,6 +68,13 @@ struct RankAgentOptions {
   std::string device = "cpu";  // "cpu" or "cuda:N", as the job reports it
   // Bearer token the shard-owner service requires ("" = none).
   std::string token;
+  // TLS for the shard-owner service (PEM files): certificate and key (both:
+  // TLS), and a CA whose certificates clients must present (mutual TLS).
+  // Empty: taken from SHARDOPT_OWNER_TLS_CERT / _KEY / _CLIENT_CA, which
+  // shardrun --tls-cert/--tls-key/--tls-client-ca sets for its ranks.
+  std::string owner_tls_cert_file;
+  std::string owner_tls_key_file;
+  std::string owner_tls_client_ca_file;
   // false: no shard-owner service (port 0 in the JoinRequest).
   bool serve_shard_owner = true;
 

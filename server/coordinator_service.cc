@@ -467,12 +467,18 @@ int CoordinatorService::calls_in_flight() {
   return calls_;
 }
 
+void CoordinatorService::SetOwnerCredentials(std::shared_ptr<grpc::ChannelCredentials> credentials) {
+  absl::MutexLock l(&stubs_mu_);
+  owner_credentials_ = std::move(credentials);
+  owner_stubs_.clear();
+}
+
 v1::ShardOwner::Stub* CoordinatorService::OwnerStub(const std::string& address) {
   absl::MutexLock l(&stubs_mu_);
   auto& stub = owner_stubs_[address];
   if (!stub) {
-    stub = v1::ShardOwner::NewStub(
-        grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+    stub = v1::ShardOwner::NewStub(grpc::CreateChannel(
+        address, owner_credentials_ ? owner_credentials_ : grpc::InsecureChannelCredentials()));
   }
   return stub.get();
 }

@@ -39,6 +39,10 @@ class CoordinatorService final : public v1::Coordinator::CallbackService, public
   ~CoordinatorService() override;
 
   bool RequiresToken() const override { return !token_.empty(); }
+  // How the coordinator connects to the ranks' shard-owner services (layout
+  // and memory queries): insecure by default; TLS credentials when the job
+  // serves them over TLS (shardrun --tls-cert). Call before serving.
+  void SetOwnerCredentials(std::shared_ptr<grpc::ChannelCredentials> credentials);
   // Shuts the coordinator down (waiting Join/KvGet calls end at once with
   // UNAVAILABLE "coordinator shutting down", later ones are refused so),
   // ends every session the same way and cancels GetMemory's calls to the
@@ -112,6 +116,7 @@ class CoordinatorService final : public v1::Coordinator::CallbackService, public
   std::set<FlightCall*> flight_calls_ ABSL_GUARDED_BY(calls_mu_);
   FlightRecords flight_records_;
   absl::Mutex stubs_mu_;
+  std::shared_ptr<grpc::ChannelCredentials> owner_credentials_ ABSL_GUARDED_BY(stubs_mu_);
   std::map<std::string, std::unique_ptr<v1::ShardOwner::Stub>> owner_stubs_
       ABSL_GUARDED_BY(stubs_mu_);
   // Set once; read under sessions_mu_ / calls_mu_ where registration races.

@@ -329,6 +329,43 @@ TEST(TlsTest, TlsAndMutualTls) {
   CoordinatorClient with_cert((*mserver)->address(), "", *mcreds);
   EXPECT_TRUE(with_cert.GetJob().ok()) << with_cert.GetJob().status();
 
+  // The coordinator-to-owner hop: a shard owner served over TLS (as shardrun
+  // --tls-cert makes the ranks do) answers a coordinator given TLS
+  // credentials for its owners, and not one that speaks plaintext.
+  ShardOwnerService owner(
+      [] {
+        v1::GetShardInfoResponse r;
+        r.set_state_bytes(1234);
+        return r;
+      },
+      "");
+  auto owner_server = RpcServer::Start(tls, {&owner});
+  ASSERT_TRUE(owner_server.ok()) << owner_server.status();
+  auto planned = Plan({P("w", {100, 3})}, 1);
+  ASSERT_TRUE(planned.ok()) << planned.status();
+  JoinRequestInfo info;
+  info.shard_owner_port = (*owner_server)->port();
+  for (bool with_tls : {true, false}) {
+    Coordinator c2(o);
+    CoordinatorService svc(&c2, "");
+    if (with_tls) svc.SetOwnerCredentials(*creds);
+    auto srv = RpcServer::Start(RpcServerOptions(), {&svc});
+    ASSERT_TRUE(srv.ok()) << srv.status();
+    CoordinatorClient c((*srv)->address(), "");
+    ASSERT_TRUE(c.Join(MakeJoinRequest(*planned, info), absl::Seconds(10)).ok());
+    auto mem = c.GetMemory();
+    ASSERT_TRUE(mem.ok()) << mem.status();
+    ASSERT_EQ(mem->ranks_size(), 1);
+    if (with_tls) {
+      EXPECT_EQ(mem->ranks(0).error(), "");
+      EXPECT_EQ(mem->ranks(0).state_bytes(), 1234);
+    } else {
+      EXPECT_NE(mem->ranks(0).error(), "") << "a plaintext coordinator must not reach a TLS owner";
+      EXPECT_EQ(mem->ranks(0).state_bytes(), 0);
+    }
+    (*srv)->Shutdown();
+  }
+
   RpcServerOptions bad = tls;
   bad.tls_key_file = d + "/missing.key";
   EXPECT_EQ(RpcServer::Start(bad, {&service}).status().code(), absl::StatusCode::kNotFound);

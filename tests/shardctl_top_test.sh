@@ -68,6 +68,9 @@ addr=$(cat "$tmp/addr")
 ctl=("$PWD/$B/shardctl" --coordinator="$addr" --tls-ca="$tmp/ca.pem" --token-file="$tmp/token")
 timeout 60 "${ctl[@]}" status --wait=60 >"$tmp/status.txt" 2>&1
 check "job running" grep -q 'running, 2 ranks' "$tmp/status.txt"
+# Memory is read from the ranks' shard-owner services, which serve TLS too.
+timeout 30 "${ctl[@]}" memory --json >"$tmp/mem.json" 2>&1
+check "memory through the ranks' TLS shard owners" python3 -c "import json,sys; r=json.load(open(sys.argv[1]))['ranks']; sys.exit(0 if len(r)==2 and all(not x.get('error') and int(x.get('stateBytes',0))>0 for x in r) else 1)" "$tmp/mem.json"
 sleep 1.5  # a heartbeat or two with step times
 
 # --once: one plain frame, no terminal control.

@@ -56,7 +56,9 @@ flags (a malformed or out-of-range value is refused, naming the flag; exit statu
   --tls-key=PEM          ... and key
   --tls-client-ca=PEM    mutual TLS: clients must present a certificate signed by this CA
                          (ranks and shardctl read SHARDOPT_TLS_CA, SHARDOPT_TLS_CERT and
-                         SHARDOPT_TLS_KEY from the environment, which shardrun passes on)
+                         SHARDOPT_TLS_KEY from the environment, which shardrun passes on);
+                         the ranks' shard-owner services use the same certificate, key
+                         and client CA (on other nodes: pass that node's own)
   --master-port=P        MASTER_PORT for torch.distributed in the ranks, 1..65535 (default:
                          node 0 picks a free port and other nodes learn it from the
                          coordinator; it is never the coordinator's own port)
@@ -263,6 +265,19 @@ int Main(int argc, char** argv) {
     };
     coordinator = std::make_unique<Coordinator>(copt);
     service = std::make_unique<CoordinatorService>(coordinator.get(), token);
+    if (!tls_cert->empty()) {
+      // The ranks serve their shard owners over TLS too (below): reach them so,
+      // trusting the CA the ranks use for us (or our own certificate), with
+      // the client certificate of mutual TLS when there is one.
+      ClientTls owner_tls;
+      const char* ca = std::getenv("SHARDOPT_TLS_CA");
+      owner_tls.ca_file = ca != nullptr && *ca != '\0' ? ca : *tls_cert;
+      if (const char* v = std::getenv("SHARDOPT_TLS_CERT")) owner_tls.cert_file = v;
+      if (const char* v = std::getenv("SHARDOPT_TLS_KEY")) owner_tls.key_file = v;
+      auto owner_creds = MakeChannelCredentials(owner_tls);
+      if (!owner_creds.ok()) return Fail(owner_creds.status().ToString());
+      service->SetOwnerCredentials(*owner_creds);
+    }
     RpcServerOptions sopt;
     sopt.address = absl::StrCat(*bind, ":", *port);
     sopt.tls_cert_file = *tls_cert;
@@ -331,6 +346,11 @@ int Main(int argc, char** argv) {
         "MASTER_ADDR=" + master_addr, "MASTER_PORT=" + master_port,
         "SHARDOPT_COORDINATOR=" + address, "SHARDOPT_JOB_ID=" + job_id};
     if (!token_file.empty()) env.push_back("SHARDOPT_TOKEN_FILE=" + token_file);
+    if (!tls_cert->empty()) {  // the ranks' shard-owner services use TLS as the coordinator does
+      env.push_back("SHARDOPT_OWNER_TLS_CERT=" + *tls_cert);
+      env.push_back("SHARDOPT_OWNER_TLS_KEY=" + *tls_key);
+      if (!tls_client_ca->empty()) env.push_back("SHARDOPT_OWNER_TLS_CLIENT_CA=" + *tls_client_ca);
+    }
     std::vector<std::string> args = flags->rest();
     const pid_t parent = getpid();
     pid_t pid = fork();
