@@ -494,6 +494,20 @@ TEST(ApiTest, Bf16GradientCommunicationHalvesReduceScatterBytes) {
 // parameters, bit for bit, as with full gradient buffers, with clipping, bf16
 // gradients, overlap, SGD, cut tensors, one staging buffer (backward waits for
 // reductions) and 2 and 3 ranks.
+// The small model for 6 steps in several buckets, tensors cut across ranks.
+TrainConfig SmallCase(OptimizerKind kind, double clip, bool grad_bf16, bool overlap) {
+  TrainConfig c;
+  c.model = "small";
+  c.kind = kind;
+  c.max_grad_norm = clip;
+  c.grad_bf16 = grad_bf16;
+  c.overlap = overlap;
+  c.lr = kind == OptimizerKind::kSgd ? 0.05 : 1e-2;
+  c.steps = 6;
+  c.bucket_cap = 300;
+  return c;
+}
+
 TEST(ShardGradientsTest, SameParametersBitForBitAsFullGradients) {
   struct Case {
     const char* name;
@@ -508,15 +522,7 @@ TEST(ShardGradientsTest, SameParametersBitForBitAsFullGradients) {
                         Case{"sgd_bf16_grads", OptimizerKind::kSgd, 0.0, true, false, 2},
                         Case{"adamw_clip_overlap", OptimizerKind::kAdamW, 0.5, false, true, 1}}) {
     for (int n : {2, 3}) {
-      TrainConfig c;
-      c.model = "small";
-      c.kind = k.kind;
-      c.max_grad_norm = k.clip;
-      c.grad_bf16 = k.bf16;
-      c.overlap = k.overlap;
-      c.lr = k.kind == OptimizerKind::kSgd ? 0.05 : 1e-2;
-      c.steps = 6;
-      c.bucket_cap = 300;  // several buckets, tensors cut across ranks
+      TrainConfig c = SmallCase(k.kind, k.clip, k.bf16, k.overlap);
       std::vector<float> full = TrainInProcess(c, n);
       if (k.overlap) {  // overlap itself changes nothing either
         c.overlap = false;
@@ -679,16 +685,8 @@ TEST(DeviceAsyncStepTest, SameParametersNormsAndClippingAsTheDefaultStep) {
                         Case{"sgd_clip_bf16_grads", OptimizerKind::kSgd, 0.5, true, false, false},
                         Case{"adamw_clip_zero2_overlap", OptimizerKind::kAdamW, 0.5, false, true, true}}) {
     for (int n : {1, 2, 3}) {
-      TrainConfig c;
-      c.model = "small";
-      c.kind = k.kind;
-      c.max_grad_norm = k.clip;
-      c.grad_bf16 = k.bf16;
-      c.overlap = k.overlap;
+      TrainConfig c = SmallCase(k.kind, k.clip, k.bf16, k.overlap);
       c.shard_gradients = k.shard;
-      c.lr = k.kind == OptimizerKind::kSgd ? 0.05 : 1e-2;
-      c.steps = 6;
-      c.bucket_cap = 300;
       int clipped_sync = 0, clipped_async = 0;
       std::vector<double> norms_sync, norms_async;
       std::vector<float> sync = TrainInProcess(c, n, nullptr, nullptr, &clipped_sync, &norms_sync);

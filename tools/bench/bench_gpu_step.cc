@@ -26,6 +26,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -60,6 +61,44 @@ void Backward(Model& m) {
   loss.backward();
 }
 
+// ZeroGrad + backward and Step() of one ShardedOptimizer on its own model and
+// NCCL communicator (world size 1); `async`: device_async_step.
+struct ShardoptRun {
+  Model model;
+  InMemoryKeyValueStore store;
+  std::unique_ptr<NcclCommunicator> comm;
+  std::unique_ptr<ShardedOptimizer> opt;
+  bool async = false;
+
+  absl::Status Build(const ModelShapes& shapes, const torch::Device& gpu, bool device_async) {
+    async = device_async;
+    model = Make(shapes, gpu);
+    auto c = NcclCommunicator::Create(&store, 0, 1, NcclOptions());
+    if (!c.ok()) return c.status();
+    comm = std::move(*c);
+    std::vector<std::pair<std::string, torch::Tensor>> named;
+    for (size_t i = 0; i < model.params.size(); ++i) named.emplace_back(shapes.params[i].name, model.params[i]);
+    ShardedOptimizerOptions o;
+    o.kernel_backend = MakeCudaKernelBackend();
+    o.device_async_step = async;
+    auto so = ShardedOptimizer::Create(named, o, comm.get());
+    if (!so.ok()) return so.status();
+    opt = std::move(*so);
+    return absl::OkStatus();
+  }
+  void Backward() {
+    opt->ZeroGrad();
+    ::Backward(model);
+  }
+  void Step() {
+    auto r = opt->Step();
+    if (!r.ok()) {
+      std::fprintf(stderr, "%s step: %s\n", async ? "async" : "default", r.status().ToString().c_str());
+      std::exit(1);
+    }
+  }
+};
+
 double Median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
@@ -92,64 +131,22 @@ int main(int argc, char** argv) {
   }
   const torch::Device gpu(torch::kCUDA, 0);
 
-  // shardopt
-  Model a = Make(*shapes, gpu);
-  InMemoryKeyValueStore store;
-  auto comm = NcclCommunicator::Create(&store, 0, 1, NcclOptions());
-  if (!comm.ok()) {
-    std::fprintf(stderr, "NCCL: %s\n", comm.status().ToString().c_str());
-    return 1;
-  }
-  std::vector<std::pair<std::string, torch::Tensor>> named;
-  for (size_t i = 0; i < a.params.size(); ++i) named.emplace_back(shapes->params[i].name, a.params[i]);
-  ShardedOptimizerOptions opt;
-  opt.kernel_backend = MakeCudaKernelBackend();
-  auto so = ShardedOptimizer::Create(named, opt, comm->get());
-  if (!so.ok()) {
-    std::fprintf(stderr, "ShardedOptimizer: %s\n", so.status().ToString().c_str());
-    return 1;
-  }
-  // shardopt_async: its own model, communicator and optimizer.
-  Model a2 = Make(*shapes, gpu);
-  InMemoryKeyValueStore store2;
-  auto comm2 = NcclCommunicator::Create(&store2, 0, 1, NcclOptions());
-  if (!comm2.ok()) {
-    std::fprintf(stderr, "NCCL: %s\n", comm2.status().ToString().c_str());
-    return 1;
-  }
-  std::vector<std::pair<std::string, torch::Tensor>> named2;
-  for (size_t i = 0; i < a2.params.size(); ++i) named2.emplace_back(shapes->params[i].name, a2.params[i]);
-  ShardedOptimizerOptions opt2 = opt;
-  opt2.device_async_step = true;
-  auto so2 = ShardedOptimizer::Create(named2, opt2, comm2->get());
-  if (!so2.ok()) {
-    std::fprintf(stderr, "ShardedOptimizer (async): %s\n", so2.status().ToString().c_str());
-    return 1;
-  }
-  auto async_backward = [&]() {
-    (*so2)->ZeroGrad();
-    Backward(a2);
-  };
-  auto async_step = [&]() {
-    auto r = (*so2)->Step();
-    if (!r.ok()) {
-      std::fprintf(stderr, "async step: %s\n", r.status().ToString().c_str());
-      std::exit(1);
+  // shardopt and shardopt_async: each its own model, communicator and optimizer.
+  ShardoptRun sync_run, async_run;
+  for (auto [run, async] : {std::pair{&sync_run, false}, std::pair{&async_run, true}}) {
+    if (absl::Status st = run->Build(*shapes, gpu, async); !st.ok()) {
+      std::fprintf(stderr, "%s\n", st.ToString().c_str());
+      return 1;
     }
-  };
+  }
+  Model& a = sync_run.model;
+  ShardedOptimizer* so = sync_run.opt.get();
+  auto shardopt_backward = [&]() { sync_run.Backward(); };
+  auto shardopt_step = [&]() { sync_run.Step(); };
+  auto async_backward = [&]() { async_run.Backward(); };
+  auto async_step = [&]() { async_run.Step(); };
   int64_t nparams = 0;
   for (auto& p : a.params) nparams += p.numel();
-  auto shardopt_backward = [&]() {
-    (*so)->ZeroGrad();
-    Backward(a);
-  };
-  auto shardopt_step = [&]() {
-    auto r = (*so)->Step();
-    if (!r.ok()) {
-      std::fprintf(stderr, "step: %s\n", r.status().ToString().c_str());
-      std::exit(1);
-    }
-  };
 
   // bare: our kernel on the same tensors, no optimizer around it
   Model b = Make(*shapes, gpu);
@@ -238,7 +235,7 @@ int main(int argc, char** argv) {
     if (have_torch) time_steps(torch_backward, torch_step, &tt);
   }
   // The async step's norm, read after the timing, must be a real one.
-  auto norm = (*so2)->LastGradNorm();
+  auto norm = async_run.opt->LastGradNorm();
   if (!norm.ok() || !(norm->grad_norm > 0)) {
     std::fprintf(stderr, "async step: no gradient norm (%s)\n",
                  norm.ok() ? "zero" : norm.status().ToString().c_str());
@@ -250,7 +247,7 @@ int main(int argc, char** argv) {
   std::printf("bench_gpu_step: %lld parameters in %zu tensors, %zu buckets; one step, synchronized before "
               "and after (median of %d):\n  shardopt ShardedOptimizer::Step() %.3f ms (%.0f GB/s of Adam traffic)\n"
               "  bare kernel (one multi-tensor CUDA Adam call) %.3f ms (%.0f GB/s)\n",
-              static_cast<long long>(nparams), a.params.size(), (*so)->layout().buckets().size(),
+              static_cast<long long>(nparams), a.params.size(), so->layout().buckets().size(),
               rounds * iters, s_ms, bytes / s_ms / 1e6, b_ms, bytes / b_ms / 1e6);
   std::printf("  shardopt_async (device_async_step) %.3f ms (%.0f GB/s); %.2fx the default step's speed\n",
               a_ms, bytes / a_ms / 1e6, s_ms / a_ms);
@@ -271,7 +268,7 @@ int main(int argc, char** argv) {
                  "\"shardopt_step_ms\": %.4f, \"shardopt_async_step_ms\": %.4f, "
                  "\"bare_kernel_step_ms\": %.4f, \"torch_fused_step_ms\": %s, "
                  "\"shardopt_vs_torch_fused\": %s, \"shardopt_async_vs_torch_fused\": %s}\n",
-                 static_cast<long long>(nparams), a.params.size(), (*so)->layout().buckets().size(),
+                 static_cast<long long>(nparams), a.params.size(), so->layout().buckets().size(),
                  rounds * iters, s_ms, a_ms, b_ms, have_torch ? std::to_string(t_ms).c_str() : "null",
                  have_torch ? std::to_string(t_ms / s_ms).c_str() : "null",
                  have_torch ? std::to_string(t_ms / a_ms).c_str() : "null");
