@@ -10,6 +10,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
+#include <stdexcept>
+#include <string>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -26,6 +28,14 @@
 
 namespace shardopt {
 namespace {
+
+// An all-gather that failed while a layer waited for its parameters
+// (overlap_param_gather), thrown out of the model's forward.
+struct GatherFailure : std::runtime_error {
+  explicit GatherFailure(absl::Status s)
+      : std::runtime_error(std::string(s.message())), status(std::move(s)) {}
+  absl::Status status;
+};
 
 constexpr char kUsage[] = R"(usage: shardopt_train [flags]
 
@@ -338,6 +348,11 @@ int TrainLoop(const Config& c, TrainModel& model, int64_t batch, ShardedOptimize
     try {
       loss = model.Loss(step, c.rank * batch, (c.rank + 1) * batch);
       loss.backward();
+    } catch (const GatherFailure& e) {
+      // A peer's death seen first by a layer waiting for its parameters: the
+      // coordinator's verdict names the rank, as for failures in Step().
+      const std::string msg = agent->Diagnose(e.status);
+      return agent->Fail(absl::StrCat("step ", step + 1, " failed: ", msg), msg);
     } catch (const std::exception& e) {  // c10::Error: e.g. out of memory
       std::string what = e.what();
       what = what.substr(0, what.find('\n'));
@@ -454,7 +469,7 @@ int Main(int argc, char** argv) {
     // previous Step()) just before its forward.
     (*model)->set_layer_gate([o](torch::nn::Module& layer) {
       absl::Status s = o->WaitForParameters(layer);
-      if (!s.ok()) throw std::runtime_error(std::string(s.message()));
+      if (!s.ok()) throw GatherFailure(std::move(s));
     });
   }
   auto agent = RankAgent::Start(&client, o, AgentOptions(c, batch));
