@@ -356,7 +356,7 @@ class PyOptimizer {
         if (!s.ok()) break;
       }
     }
-    Check(s);
+    CheckWait(s);
   }
   void WaitAll() {
     absl::Status s;
@@ -364,7 +364,13 @@ class PyOptimizer {
       py::gil_scoped_release release;
       s = opt_->WaitForParameters();
     }
-    Check(s);
+    CheckWait(s);
+  }
+  // A failed all-gather seen by a forward pre-hook: under shardrun, the
+  // coordinator's verdict names the rank at fault, as for a failed step.
+  void CheckWait(const absl::Status& s) {
+    if (s.ok() || !agent_) return Check(s);
+    FailWith(absl::StrCat("step ", opt_->step_count() + 1, " failed: ", DiagnoseReleased(s)));
   }
   std::vector<int> BucketsOf(const std::vector<torch::Tensor>& params) const {
     return opt_->BucketsOf(params);
