@@ -702,12 +702,9 @@ absl::Status ShardedOptimizer::FinishNormOnDevice(bool clip, StepResult* result)
 // copied into a pinned slot behind a fence, read by LastGradNorm().
 void ShardedOptimizer::RecordNormReading(int64_t step, const torch::Tensor& norm,
                                          const torch::Tensor& coef, StepResult* result) {
-  if (device_.is_cpu()) {
-    last_norm_.step = step;
-    last_norm_.grad_norm = norm.item<float>();
-    last_norm_.clipped = coef.defined() && !(coef.item<float>() >= 1.0f);
-    result->grad_norm = last_norm_.grad_norm;
-    result->clipped = last_norm_.clipped;
+  if (device_.is_cpu()) {  // Step() records it as last_norm_, as without the option
+    result->grad_norm = norm.item<float>();
+    result->clipped = coef.defined() && !(coef.item<float>() >= 1.0f);
     return;
   }
   const int slot = static_cast<int>(step & 1);
@@ -738,10 +735,7 @@ absl::StatusOr<GradNormReading> ShardedOptimizer::LastGradNorm() {
 }
 
 std::optional<GradNormReading> ShardedOptimizer::ReadyGradNorm() {
-  if (step_ == 0 || (last_norm_.step == 0 && norm_step_[0] == 0 && norm_step_[1] == 0)) {
-    return std::nullopt;
-  }
-  if (DeferredFailed()) return std::nullopt;
+  if (step_ == 0 || DeferredFailed()) return std::nullopt;
   if (!async_ || device_.is_cpu()) {
     if (last_norm_.step != step_) return std::nullopt;  // restored since
     return last_norm_;

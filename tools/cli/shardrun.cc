@@ -137,6 +137,16 @@ absl::StatusOr<int> FreePort() {
 
 // MASTER_PORT for the ranks: --master-port, else on node 0 a free port it
 // publishes in its coordinator's store; other nodes read it from there.
+// What the ranks and shardctl use to reach a TLS coordinator
+// (SHARDOPT_TLS_CA, SHARDOPT_TLS_CERT, SHARDOPT_TLS_KEY).
+ClientTls ClientTlsFromEnv() {
+  ClientTls tls;
+  if (const char* v = std::getenv("SHARDOPT_TLS_CA")) tls.ca_file = v;
+  if (const char* v = std::getenv("SHARDOPT_TLS_CERT")) tls.cert_file = v;
+  if (const char* v = std::getenv("SHARDOPT_TLS_KEY")) tls.key_file = v;
+  return tls;
+}
+
 absl::StatusOr<int> MasterPort(Coordinator* own, const std::string& address,
                                const std::string& token, const std::string& job_id, int flag) {
   const std::string key = absl::StrCat("shardrun/", job_id, "/master_port");
@@ -151,11 +161,7 @@ absl::StatusOr<int> MasterPort(Coordinator* own, const std::string& address,
     return port;
   }
   if (flag != 0) return flag;
-  ClientTls tls;
-  if (const char* v = std::getenv("SHARDOPT_TLS_CA")) tls.ca_file = v;
-  if (const char* v = std::getenv("SHARDOPT_TLS_CERT")) tls.cert_file = v;
-  if (const char* v = std::getenv("SHARDOPT_TLS_KEY")) tls.key_file = v;
-  auto creds = MakeChannelCredentials(tls);
+  auto creds = MakeChannelCredentials(ClientTlsFromEnv());
   if (!creds.ok()) return creds.status();
   CoordinatorClient client(address, token, *creds);
   auto v = client.KvGet(key, absl::Seconds(120));
@@ -269,11 +275,8 @@ int Main(int argc, char** argv) {
       // The ranks serve their shard owners over TLS too (below): reach them so,
       // trusting the CA the ranks use for us (or our own certificate), with
       // the client certificate of mutual TLS when there is one.
-      ClientTls owner_tls;
-      const char* ca = std::getenv("SHARDOPT_TLS_CA");
-      owner_tls.ca_file = ca != nullptr && *ca != '\0' ? ca : *tls_cert;
-      if (const char* v = std::getenv("SHARDOPT_TLS_CERT")) owner_tls.cert_file = v;
-      if (const char* v = std::getenv("SHARDOPT_TLS_KEY")) owner_tls.key_file = v;
+      ClientTls owner_tls = ClientTlsFromEnv();
+      if (owner_tls.ca_file.empty()) owner_tls.ca_file = *tls_cert;
       auto owner_creds = MakeChannelCredentials(owner_tls);
       if (!owner_creds.ok()) return Fail(owner_creds.status().ToString());
       service->SetOwnerCredentials(*owner_creds);

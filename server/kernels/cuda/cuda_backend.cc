@@ -83,7 +83,7 @@ class CudaKernelBackend : public KernelBackend {
         e != cudaSuccess) {
       return absl::InternalError(absl::StrCat("cudaMallocAsync: ", cudaGetErrorString(e)));
     }
-    absl::Status st = cuda::SquaredNorm(ToDevice(slices), out, nullptr);
+    absl::Status st = SquaredNormTo(slices, out);
     double host = 0.0;
     if (st.ok()) {
       if (cudaError_t e = cudaMemcpy(&host, out, sizeof(double), cudaMemcpyDeviceToHost);
