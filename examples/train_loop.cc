@@ -23,7 +23,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "client/checkpoint/checkpoint.h"
-#include "client/comm/gloo_communicator.h"
+#include "client/comm/host_communicator.h"
 #include "client/comm/nccl_communicator.h"
 #include "client/coordinator_client.h"
 #include "client/rank_agent.h"
@@ -120,7 +120,8 @@ int main(int argc, char** argv) {
   std::vector<std::pair<std::string, torch::Tensor>> params;
   for (const auto& p : net->named_parameters()) params.emplace_back(p.key(), p.value());
 
-  // 3. A communicator: Gloo over TCP on CPU, NCCL on GPU.
+  // 3. A communicator: NCCL on GPU; on CPU shared memory when every rank is on
+  // this host, else Gloo over TCP (CpuTransport::kAuto).
   std::unique_ptr<Communicator> comm;
   if (device.is_cuda()) {
     NcclOptions o;
@@ -129,9 +130,9 @@ int main(int argc, char** argv) {
     if (!c.ok()) return Fail(rank, "NCCL", c.status());
     comm = std::move(*c);
   } else {
-    auto c = GlooCommunicator::Create(&job_kv, rank, world, GlooOptions());
-    if (!c.ok()) return Fail(rank, "Gloo", c.status());
-    comm = std::move(*c);
+    auto c = CreateCpuCommunicator(&job_kv, rank, world, CpuCommOptions());
+    if (!c.ok()) return Fail(rank, "communicator", c.status());
+    comm = std::move(c->comm);
   }
 
   // 4. The sharded optimizer: this rank keeps 1/N of AdamW's state. Parameters

@@ -20,7 +20,7 @@
 #include "client/checkpoint/checkpoint.h"
 #include "client/checkpoint/torch_interop.h"
 #include "client/comm/flight_recorder.h"
-#include "client/comm/gloo_communicator.h"
+#include "client/comm/host_communicator.h"
 #include "client/coordinator_client.h"
 #include "client/rank_agent.h"
 #include "client/comm/in_process_communicator.h"
@@ -90,27 +90,35 @@ struct PyCommunicator {
   std::unique_ptr<InProcessWorld> world;  // world size 1 without a launcher
   std::unique_ptr<CoordinatorClient> client;  // under shardrun: the control plane
   std::string job_id;
+  std::string transport = "none";  // the one in use: shm, gloo (or none: one rank, no launcher)
   std::unique_ptr<Communicator> comm;
 };
 
-// Gloo over `store` (with the GIL released: a Python store takes it back).
-std::unique_ptr<GlooCommunicator> ConnectGloo(KeyValueStore* store, int rank, int world,
-                                              const std::string& prefix, double timeout_s,
-                                              const std::string& hostname) {
+// Shared memory or Gloo over `store` (with the GIL released: a Python store
+// takes it back); `transport` is auto, gloo or shm.
+std::unique_ptr<Communicator> ConnectHost(KeyValueStore* store, int rank, int world,
+                                          const std::string& prefix, double timeout_s,
+                                          const std::string& hostname,
+                                          const std::string& transport, std::string* chosen) {
   if (world < 1 || rank < 0 || rank >= world) {
     throw py::value_error(absl::StrCat("rank ", rank, " is outside a world of ", world));
   }
   if (!(timeout_s > 0)) throw py::value_error("timeout must be > 0 seconds");
-  GlooOptions o;
+  auto t = ParseCpuTransport(transport);
+  if (!t.ok()) throw py::value_error(std::string(t.status().message()));
+  CpuCommOptions o;
+  o.transport = *t;
   o.hostname = hostname;
   o.timeout = absl::Seconds(timeout_s);
   o.store_prefix = prefix;
-  absl::StatusOr<std::unique_ptr<GlooCommunicator>> gloo;
+  absl::StatusOr<CpuComm> comm;
   {
     py::gil_scoped_release release;
-    gloo = GlooCommunicator::Create(store, rank, world, o);
+    comm = CreateCpuCommunicator(store, rank, world, o);
   }
-  return Take(std::move(gloo));
+  if (!comm.ok()) Raise(comm.status());
+  *chosen = CpuTransportName(comm->transport);
+  return std::move(comm->comm);
 }
 
 // Under shardrun: rendezvous through the coordinator's key-value store, every
@@ -119,7 +127,7 @@ std::shared_ptr<PyCommunicator> MakeCoordinatorCommunicator(
     int rank, int world, const std::string& address, const std::string& token,
     const std::string& job_id, const std::string& prefix, double timeout_s,
     const std::string& hostname, const std::string& tls_ca, const std::string& tls_cert,
-    const std::string& tls_key) {
+    const std::string& tls_key, const std::string& transport) {
   auto creds = MakeChannelCredentials(ClientTls{tls_ca, tls_cert, tls_key});
   if (!creds.ok()) Raise(creds.status());
   auto out = std::make_shared<PyCommunicator>();
@@ -128,14 +136,15 @@ std::shared_ptr<PyCommunicator> MakeCoordinatorCommunicator(
   GrpcKeyValueStore kv(out->client.get());
   PrefixKeyValueStore job_kv(&kv, job_id);
   out->comm = std::make_unique<FlightRecordingCommunicator>(
-      ConnectGloo(&job_kv, rank, world, prefix, timeout_s, hostname),
+      ConnectHost(&job_kv, rank, world, prefix, timeout_s, hostname, transport, &out->transport),
       std::make_shared<FlightRecorder>());
   return out;
 }
 
 std::shared_ptr<PyCommunicator> MakeCommunicator(int rank, int world, py::object store,
                                                  const std::string& prefix, double timeout_s,
-                                                 const std::string& hostname) {
+                                                 const std::string& hostname,
+                                                 const std::string& transport) {
   auto out = std::make_shared<PyCommunicator>();
   if (store.is_none()) {
     if (world != 1) throw py::value_error("several ranks need a store for their rendezvous");
@@ -145,7 +154,8 @@ std::shared_ptr<PyCommunicator> MakeCommunicator(int rank, int world, py::object
     return out;
   }
   PythonStore py_store(store);
-  out->comm = ConnectGloo(&py_store, rank, world, prefix, timeout_s, hostname);
+  out->comm = ConnectHost(&py_store, rank, world, prefix, timeout_s, hostname, transport,
+                          &out->transport);
   return out;
 }
 
@@ -519,13 +529,15 @@ PYBIND11_MODULE(_C, m) {
   py::class_<PyCommunicator, std::shared_ptr<PyCommunicator>>(m, "Communicator")
       .def_property_readonly("rank", [](const PyCommunicator& c) { return c.comm->rank(); })
       .def_property_readonly("world_size",
-                             [](const PyCommunicator& c) { return c.comm->world_size(); });
+                             [](const PyCommunicator& c) { return c.comm->world_size(); })
+      .def_property_readonly("transport", [](const PyCommunicator& c) { return c.transport; });
   m.def("make_coordinator_communicator", &MakeCoordinatorCommunicator, py::arg("rank"),
         py::arg("world_size"), py::arg("address"), py::arg("token"), py::arg("job_id"),
         py::arg("prefix"), py::arg("timeout_s"), py::arg("hostname"), py::arg("tls_ca"),
-        py::arg("tls_cert"), py::arg("tls_key"));
+        py::arg("tls_cert"), py::arg("tls_key"), py::arg("transport") = "auto");
   m.def("make_communicator", &MakeCommunicator, py::arg("rank"), py::arg("world_size"),
-        py::arg("store"), py::arg("prefix"), py::arg("timeout_s"), py::arg("hostname"));
+        py::arg("store"), py::arg("prefix"), py::arg("timeout_s"), py::arg("hostname"),
+        py::arg("transport") = "auto");
   py::class_<PyOptimizer>(m, "Optimizer")
       .def(py::init<std::shared_ptr<PyCommunicator>, const std::vector<std::string>&,
                     const std::vector<torch::Tensor>&, const std::vector<int>&, const std::string&,

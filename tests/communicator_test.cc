@@ -1,8 +1,16 @@
-// Collectives of GlooCommunicator (TCP on 127.0.0.1, ranks as threads) and the
-// in-process communicator against reference computations; timeouts, abort,
-// injected faults, byte counters.
+// Collectives of GlooCommunicator (TCP on 127.0.0.1, ranks as threads),
+// ShmCommunicator (shared memory; ranks as threads, and as processes for a
+// peer's death) and the in-process communicator against reference
+// computations; timeouts, abort, injected faults, byte counters, mismatches.
+#include <dirent.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <cstdlib>
 #include <functional>
 #include <memory>
 #include <thread>
@@ -10,6 +18,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/comm/gloo_communicator.h"
+#include "client/comm/host_communicator.h"
+#include "client/comm/shm_communicator.h"
 #include "client/comm/in_process_communicator.h"
 #include "client/comm/kv_store.h"
 #include "gtest/gtest.h"
@@ -18,7 +28,11 @@
 namespace shardopt {
 namespace {
 
-enum class Impl { kGloo, kInProcess };
+enum class Impl { kGloo, kShm, kInProcess };
+
+const char* ImplName(Impl impl) {
+  return impl == Impl::kGloo ? "gloo" : impl == Impl::kShm ? "shm" : "inprocess";
+}
 
 // A job of `n` ranks; Gloo ranks connect concurrently over loopback.
 struct Job {
@@ -40,16 +54,24 @@ struct Job {
     GlooOptions opt;
     opt.timeout = timeout;
     opt.segment_bytes = segment_bytes;
+    ShmOptions sopt;
+    sopt.timeout = timeout;
+    sopt.slot_bytes = std::max<int64_t>(64, segment_bytes / 64 * 64);
     std::vector<std::thread> threads;
     std::vector<absl::Status> errors(n);
     for (int r = 0; r < n; ++r) {
       threads.emplace_back([&, r] {
-        auto c = GlooCommunicator::Create(&store, r, n, opt);
-        if (c.ok()) {
-          comms[r] = std::move(*c);
+        absl::Status status;
+        if (impl == Impl::kShm) {
+          auto c = ShmCommunicator::Create(&store, r, n, sopt);
+          if (c.ok()) comms[r] = std::move(*c);
+          status = c.status();
         } else {
-          errors[r] = c.status();
+          auto c = GlooCommunicator::Create(&store, r, n, opt);
+          if (c.ok()) comms[r] = std::move(*c);
+          status = c.status();
         }
+        errors[r] = status;
       });
     }
     for (auto& t : threads) t.join();
@@ -211,11 +233,11 @@ TEST_P(CollectiveTest, ByteCountersMatchTheRing) {
 
 INSTANTIATE_TEST_SUITE_P(
     All, CollectiveTest,
-    ::testing::Combine(::testing::Values(Impl::kGloo, Impl::kInProcess),
+    ::testing::Combine(::testing::Values(Impl::kGloo, Impl::kShm, Impl::kInProcess),
                        ::testing::Values(1, 2, 3, 4),
                        ::testing::Values(ElementType::kFloat32, ElementType::kBFloat16)),
     [](const auto& info) {
-      return absl::StrCat(std::get<0>(info.param) == Impl::kGloo ? "gloo" : "inprocess", "_",
+      return absl::StrCat(ImplName(std::get<0>(info.param)), "_",
                           std::get<1>(info.param), "ranks_",
                           ElementTypeName(std::get<2>(info.param)));
     });
@@ -268,10 +290,9 @@ TEST_P(FailureTest, BadArgumentsAreErrors) {
             absl::StatusCode::kInvalidArgument);
 }
 
-INSTANTIATE_TEST_SUITE_P(Both, FailureTest, ::testing::Values(Impl::kGloo, Impl::kInProcess),
-                         [](const auto& info) {
-                           return info.param == Impl::kGloo ? "gloo" : "inprocess";
-                         });
+INSTANTIATE_TEST_SUITE_P(All, FailureTest,
+                         ::testing::Values(Impl::kGloo, Impl::kShm, Impl::kInProcess),
+                         [](const auto& info) { return ImplName(info.param); });
 
 TEST(InProcessFaultsTest, InjectedFailureAndStallNameTheRank) {
   std::vector<InProcessFaults> faults(3);
@@ -311,6 +332,243 @@ TEST(InProcessFaultsTest, MismatchedCollectivesAreAnError) {
   });
   EXPECT_EQ(st[0].code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(st[1].message().find("collective mismatch"), absl::string_view::npos) << st[1];
+}
+
+// Names this process left in /dev/shm.
+std::vector<std::string> OurShmFiles() {
+  std::vector<std::string> out;
+  const std::string prefix = absl::StrCat("shardopt-", getpid(), "-");
+  if (DIR* d = opendir("/dev/shm")) {
+    while (dirent* e = readdir(d)) {
+      if (std::string(e->d_name).rfind(prefix, 0) == 0) out.push_back(e->d_name);
+    }
+    closedir(d);
+  }
+  return out;
+}
+
+TEST(ShmTest, MismatchedCollectivesAreAnErrorOnBothRanks) {
+  Job job(Impl::kShm, 2, absl::Seconds(10));
+  std::vector<float> a(8, 1.0f), b(8, 1.0f);
+  std::vector<absl::Status> st(2);
+  job.Parallel([&](int r) {
+    st[r] = r == 0 ? job.comms[0]->AllReduce(a.data(), 8, ElementType::kFloat32, ReduceOp::kSum)
+                         ->Wait(absl::Seconds(10))
+                   : job.comms[1]->Broadcast(b.data(), 8, ElementType::kFloat32, 0)
+                         ->Wait(absl::Seconds(10));
+  });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_FALSE(st[r].ok());
+    EXPECT_NE(st[r].message().find("collective mismatch"), absl::string_view::npos) << st[r];
+  }
+  // Sizes are checked too.
+  Job job2(Impl::kShm, 2, absl::Seconds(10));
+  job2.Parallel([&](int r) {
+    st[r] = job2.comms[r]->AllGather(a.data(), r == 0 ? 4 : 2, ElementType::kFloat32)
+                ->Wait(absl::Seconds(10));
+  });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_NE(st[r].message().find("collective mismatch"), absl::string_view::npos) << st[r];
+  }
+}
+
+TEST(ShmTest, APeerThatAbortsFailsItsNeighboursPromptlyWithItsReason) {
+  Job job(Impl::kShm, 3, absl::Seconds(60));
+  std::vector<std::vector<float>> bufs(3, std::vector<float>(3000, 1.0f));
+  std::vector<CommHandlePtr> h(3);
+  for (int r : {0, 1}) {
+    h[r] = job.comms[r]->AllReduce(bufs[r].data(), 3000, ElementType::kFloat32, ReduceOp::kSum);
+  }
+  const absl::Time start = absl::Now();
+  job.comms[2]->Abort(absl::UnavailableError("rank 2 ran out of memory"));
+  for (int r : {0, 1}) {
+    absl::Status s = h[r]->Wait(absl::Seconds(20));
+    EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+    EXPECT_NE(s.message().find("rank 2 ran out of memory"), absl::string_view::npos) << s;
+  }
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+}
+
+TEST(ShmTest, ANeighbourThatFinishedAndClosedIsNoFailure) {
+  // Broadcast from rank 2 along 2 -> 0 -> 1: rank 2 is done once its data is
+  // in rank 0's slots and closes its communicator, while rank 1 still waits
+  // for rank 0 (late); rank 1's other neighbour being closed must not fail it.
+  Job job(Impl::kShm, 3, absl::Seconds(20));
+  std::vector<std::vector<float>> bufs(3, std::vector<float>(100, 0.0f));
+  bufs[2].assign(100, 5.0f);
+  CommHandlePtr h1 = job.comms[1]->Broadcast(bufs[1].data(), 100, ElementType::kFloat32, 2);
+  ASSERT_TRUE(job.comms[2]->Broadcast(bufs[2].data(), 100, ElementType::kFloat32, 2)
+                  ->Wait(absl::Seconds(10)).ok());
+  job.comms[2].reset();
+  absl::SleepFor(absl::Milliseconds(300));  // rank 1 polls its neighbours meanwhile
+  EXPECT_FALSE(h1->done());
+  EXPECT_TRUE(job.comms[0]->Broadcast(bufs[0].data(), 100, ElementType::kFloat32, 2)
+                  ->Wait(absl::Seconds(10)).ok());
+  absl::Status s = h1->Wait(absl::Seconds(10));
+  EXPECT_TRUE(s.ok()) << s;
+  EXPECT_EQ(bufs[1], std::vector<float>(100, 5.0f));
+  EXPECT_EQ(bufs[0], bufs[1]);
+}
+
+TEST(ShmTest, APeerKilledMidJobIsNoticedInMillisecondsNotAtTheTimeout) {
+  char dir[] = "/tmp/shm_test_XXXXXX";
+  ASSERT_NE(mkdtemp(dir), nullptr);
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    FileKeyValueStore store(dir);
+    ShmOptions o;
+    o.timeout = absl::Seconds(30);
+    auto c = ShmCommunicator::Create(&store, 1, 2, o);
+    if (!c.ok()) _exit(3);
+    std::vector<float> buf(4, 1.0f);
+    if (!(*c)->AllReduce(buf.data(), 4, ElementType::kFloat32, ReduceOp::kSum)
+             ->Wait(absl::Seconds(30)).ok()) {
+      _exit(4);
+    }
+    absl::SleepFor(absl::Milliseconds(300));
+    raise(SIGKILL);  // in the middle of the job, with no chance to say so
+  }
+  FileKeyValueStore store(dir);
+  ShmOptions o;
+  o.timeout = absl::Seconds(30);
+  auto c = ShmCommunicator::Create(&store, 0, 2, o);
+  ASSERT_TRUE(c.ok()) << c.status();
+  std::vector<float> buf(1 << 20, 1.0f);
+  ASSERT_TRUE((*c)->AllReduce(buf.data(), 4, ElementType::kFloat32, ReduceOp::kSum)
+                  ->Wait(absl::Seconds(30)).ok());
+  EXPECT_EQ(buf[0], 2.0f);
+  // Rank 1 never joins this one: it is killed while rank 0 waits.
+  const absl::Time start = absl::Now();
+  absl::Status s = (*c)->AllReduce(buf.data(), 1 << 20, ElementType::kFloat32, ReduceOp::kSum)
+                       ->Wait(absl::Seconds(30));
+  int wstatus = 0;
+  waitpid(child, &wstatus, 0);
+  EXPECT_TRUE(WIFSIGNALED(wstatus) && WTERMSIG(wstatus) == SIGKILL) << wstatus;
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+  EXPECT_NE(s.message().find("rank 1 (pid " + std::to_string(child) + ") exited"),
+            absl::string_view::npos) << s;
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+  // Nothing of either rank is left in /dev/shm.
+  EXPECT_TRUE(OurShmFiles().empty());
+  std::system(absl::StrCat("rm -rf ", dir).c_str());
+}
+
+TEST(ShmTest, RegionsAreUnlinkedOnceMappedAndAfterAFailedRendezvous) {
+  {
+    Job job(Impl::kShm, 3);
+    EXPECT_TRUE(OurShmFiles().empty());
+  }
+  InMemoryKeyValueStore store;
+  ShmOptions o;
+  o.timeout = absl::Milliseconds(300);
+  auto c = ShmCommunicator::Create(&store, 0, 2, o);  // rank 1 never comes
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kDeadlineExceeded) << c.status();
+  EXPECT_NE(c.status().message().find("shared-memory rendezvous of rank 0 of 2"),
+            absl::string_view::npos) << c.status();
+  EXPECT_TRUE(OurShmFiles().empty());
+}
+
+TEST(ShmTest, BadOptionsAndMismatchedSlotsAreErrors) {
+  InMemoryKeyValueStore store;
+  ShmOptions o;
+  o.slot_bytes = 100;
+  EXPECT_EQ(ShmCommunicator::Create(&store, 0, 2, o).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  o = ShmOptions();
+  o.slots = 1;
+  EXPECT_EQ(ShmCommunicator::Create(&store, 0, 2, o).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ShmCommunicator::Create(&store, 2, 2, ShmOptions()).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  // Ranks that disagree on the channel size fail at rendezvous, not later.
+  std::vector<absl::Status> st(2);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      ShmOptions so;
+      so.timeout = absl::Seconds(2);
+      so.slots = r == 0 ? 4 : 8;
+      st[r] = ShmCommunicator::Create(&store, r, 2, so).status();
+    });
+  }
+  for (auto& t : threads) t.join();
+  // Both fail; the first to look names the cause (the other may find the
+  // region already gone).
+  int named = 0;
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_FALSE(st[r].ok());
+    if (st[r].message().find("same slots and slot_bytes") != absl::string_view::npos) ++named;
+  }
+  EXPECT_GE(named, 1) << st[0] << " / " << st[1];
+}
+
+TEST(ShmTest, LargeBuffersAtTheDefaultSlotSize) {
+  for (int n : {2, 3}) {
+    InMemoryKeyValueStore store;
+    std::vector<std::unique_ptr<Communicator>> comms(n);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < n; ++r) {
+      threads.emplace_back([&, r] {
+        auto c = ShmCommunicator::Create(&store, r, n, ShmOptions());
+        ASSERT_TRUE(c.ok()) << c.status();
+        comms[r] = std::move(*c);
+      });
+    }
+    for (auto& t : threads) t.join();
+    const int64_t count = (5 << 20) + 3;  // 20 MiB of floats: many slot wraps, a ragged end
+    std::vector<std::vector<float>> bufs(n, std::vector<float>(count));
+    for (int r = 0; r < n; ++r) {
+      for (int64_t i = 0; i < count; ++i) bufs[r][i] = Value(r, i);
+    }
+    threads.clear();
+    for (int r = 0; r < n; ++r) {
+      threads.emplace_back([&, r] {
+        EXPECT_TRUE(comms[r]->AllReduce(bufs[r].data(), count, ElementType::kFloat32,
+                                        ReduceOp::kSum)->Wait(absl::Seconds(60)).ok());
+      });
+    }
+    for (auto& t : threads) t.join();
+    for (int r = 0; r < n; ++r) {
+      for (int64_t i = 0; i < count; i += 997) {
+        float want = 0;
+        for (int q = 0; q < n; ++q) want += Value(q, i);
+        ASSERT_EQ(bufs[r][i], want) << "n " << n << " rank " << r << " i " << i;
+      }
+      ASSERT_EQ(bufs[r][count - 1], [&] { float w = 0; for (int q = 0; q < n; ++q) w += Value(q, count - 1); return w; }());
+    }
+  }
+}
+
+TEST(CpuTransportTest, AutoPicksSharedMemoryOnOneHostAndNamesAreParsed) {
+  InMemoryKeyValueStore store;
+  std::vector<absl::StatusOr<CpuComm>> comms(2);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] { comms[r] = CreateCpuCommunicator(&store, r, 2, CpuCommOptions()); });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_TRUE(comms[r].ok()) << comms[r].status();
+    EXPECT_EQ(comms[r]->transport, CpuTransport::kShm);
+  }
+  std::vector<float> a(5, 1.0f), b(5, 2.0f);
+  threads.clear();
+  threads.emplace_back([&] {
+    EXPECT_TRUE(comms[0]->comm->AllReduce(a.data(), 5, ElementType::kFloat32, ReduceOp::kSum)
+                    ->Wait(absl::Seconds(10)).ok());
+  });
+  EXPECT_TRUE(comms[1]->comm->AllReduce(b.data(), 5, ElementType::kFloat32, ReduceOp::kSum)
+                  ->Wait(absl::Seconds(10)).ok());
+  threads[0].join();
+  EXPECT_EQ(a, std::vector<float>(5, 3.0f));
+  EXPECT_EQ(b, a);
+  EXPECT_EQ(*ParseCpuTransport("gloo"), CpuTransport::kGloo);
+  EXPECT_EQ(*ParseCpuTransport("shm"), CpuTransport::kShm);
+  EXPECT_EQ(*ParseCpuTransport("auto"), CpuTransport::kAuto);
+  absl::Status bad = ParseCpuTransport("tcp").status();
+  EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.message().find("auto"), absl::string_view::npos) << bad;
 }
 
 TEST(KeyValueStoreTest, GetWaitsAndTimesOut) {

@@ -16,6 +16,10 @@ rc=$?
 check "job completes" test $rc -eq 0
 check "output prefixed by rank" grep -q '^\[rank 0\] \[####################\] step 5/5' "$tmp/ok.log"
 check "shardrun reports success" grep -q 'shardrun: all 2 ranks finished' "$tmp/ok.log"
+check "auto transport is shared memory on one host" grep -q 'shardopt_train: transport shm (auto: every rank on this host)' "$tmp/ok.log"
+timeout 120 $B/shardrun --nproc 2 -- $B/shardopt_train --model=tiny --steps=3 --transport=gloo >"$tmp/gloo.log" 2>&1
+check "--transport=gloo runs over Gloo" grep -q 'shardopt_train: transport gloo$' "$tmp/gloo.log"
+check "--transport=gloo completes" grep -q 'shardrun: all 2 ranks finished' "$tmp/gloo.log"
 
 # 2. A failing rank stops the job within seconds, with a one-line reason.
 cat >"$tmp/flaky.sh" <<SH

@@ -57,6 +57,7 @@ run_job() {  # run_job NPROC_PER_HOST STEPS LOG [trainer flags...]
 
 run_job 1 6 "$tmp/first" --ckpt-dir="$tmp/ck" --ckpt-every=3 --batch=6
 check "job across two hosts trains" test $? -eq 0
+check "auto transport is gloo across hosts" grep -q "transport gloo (auto: ranks on several hosts)" "$tmp/first.0"
 check "coordinator on host 1 at $net.1" grep -q "coordinator listening on $net.1:" "$tmp/first.0"
 check "checkpoint committed" grep -q "checkpoint $tmp/ck/step-6 written" "$tmp/first.0"
 check "host 2's rank ran" grep -q 'shardrun: all 1 ranks finished' "$tmp/first.1"

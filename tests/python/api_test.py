@@ -22,7 +22,7 @@ def free_port():
         return s.getsockname()[1]
 
 
-def launch(world, *args, timeout=300):
+def launch(world, *args, timeout=300, env_extra=None):
     """Runs the worker on `world` ranks; returns rank 0's JSON result."""
     tmp = tempfile.mkdtemp()
     out = os.path.join(tmp, "result.json")
@@ -30,7 +30,8 @@ def launch(world, *args, timeout=300):
     procs = []
     for r in range(world):
         env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1")
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1",
+                   **(env_extra or {}))
         procs.append(subprocess.Popen([sys.executable, WORKER, "--out", out, *args], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     logs = []
@@ -86,6 +87,20 @@ class ParityTest(unittest.TestCase):
         print(f"resnet18 adamw+groups+onecycle, 3 ranks: max rel diff {r['max_rel_diff']:.2e}; "
               f"DDP against DDP with the slices permuted: {r['torch_floor']:.2e}")
         self.assertLess(r["max_rel_diff"], max(TOL, 10 * r["torch_floor"]))
+
+    def test_transports(self):
+        # Ranks on one host use shared memory unless told otherwise; both
+        # transports give DDP's results.
+        for env, want in (({}, "shm"), ({"SHARDOPT_TRANSPORT": "gloo"}, "gloo"),
+                          ({"SHARDOPT_TRANSPORT": "shm"}, "shm")):
+            r = launch(2, "--scenario=parity", "--model=mlp", "--clip=1.0", env_extra=env)
+            print(f"transport {env or 'default'}: {r['transport']}, max rel diff "
+                  f"{r['max_rel_diff']:.2e}")
+            self.assertEqual(r["transport"], want)
+            self.assertLess(r["max_rel_diff"], TOL)
+        with self.assertRaises(AssertionError) as cm:
+            launch(2, "--scenario=parity", "--model=mlp", env_extra={"SHARDOPT_TRANSPORT": "tcp"})
+        self.assertIn("SHARDOPT_TRANSPORT='tcp' is not one of auto, gloo, shm", str(cm.exception))
 
     def test_overlapped_parameter_gather(self):
         # module=: step() returns with the all-gathers in flight; forward

@@ -115,6 +115,7 @@ def scenario_parity(a, res):
     assert isinstance(opt, torch.optim.Optimizer)
     train(model, opt, schedule(opt, a), a, a.steps, accumulate=a.accumulate)
     res["max_rel_diff"] = max_rel_diff(model, ref)
+    res["transport"] = opt.transport
     mem = opt.memory()
     res["grad_bytes"], res["param_bytes"] = mem["grad_bytes"], mem["param_bytes"]
     # With shard_gradients backward leaves no .grad behind.

@@ -3,6 +3,8 @@
 // followed by all-gather against stock Gloo's all-reduce (gloo::allreduce,
 // ring) of the same buffer, interleaved in one run, and reports the ratio.
 // A reduce-scatter plus an all-gather move the bytes of one all-reduce.
+// The same reduce-scatter + all-gather over the shared-memory transport
+// (ShmCommunicator, default slots) is timed in the same rounds.
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -19,6 +21,7 @@
 #include "absl/strings/str_split.h"
 #include "client/comm/gloo_communicator.h"
 #include "client/comm/kv_store.h"
+#include "client/comm/shm_communicator.h"
 #include "gloo/allreduce.h"
 #include "gloo/math.h"
 #include "gloo/rendezvous/context.h"
@@ -42,8 +45,10 @@ void Usage() {
       "                  [--reps=N]\n\n"
       "2 ranks (processes) over Gloo TCP on 127.0.0.1. For each buffer size, the median of N\n"
       "interleaved runs of: stock gloo::allreduce (ring), and shardopt's reduce-scatter +\n"
-      "all-gather with each ring segment size. rs_ag_vs_allreduce uses the default segment\n"
-      "size (GlooOptions::segment_bytes = 4096 KiB).\n");
+      "all-gather with each ring segment size, and the same over shared memory\n"
+      "(ShmCommunicator, 4 x 1 MiB slots). rs_ag_vs_allreduce uses the default segment\n"
+      "size (GlooOptions::segment_bytes = 4096 KiB); shm_vs_gloo is shm's reduce-scatter +\n"
+      "all-gather time over Gloo's at that segment size.\n");
 }
 
 bool Parse(int argc, char** argv, Flags* f) {
@@ -103,6 +108,13 @@ int RunRank(int rank, const Flags& flags, const std::string& dir) {
     }
     comms[seg] = std::move(*c);
   }
+  ShmOptions sopt;
+  sopt.timeout = absl::Seconds(120);
+  auto shm = ShmCommunicator::Create(&store, rank, 2, sopt);
+  if (!shm.ok()) {
+    std::fprintf(stderr, "rank %d: %s\n", rank, shm.status().ToString().c_str());
+    return 1;
+  }
   // Stock Gloo, for the baseline.
   gloo::transport::tcp::attr attr;
   attr.hostname = "127.0.0.1";
@@ -118,7 +130,7 @@ int RunRank(int rank, const Flags& flags, const std::string& dir) {
   if (rank == 0) {
     std::printf("%10s %14s", "size", "gloo_allreduce");
     for (int64_t seg : flags.segments_kb) std::printf("  rs+ag seg=%-5lldK", (long long)seg);
-    std::printf("  ratio(default)\n");
+    std::printf("  ratio(default)  shm rs+ag  shm_vs_gloo\n");
   }
   uint32_t tag = 0;
   for (int64_t mb : flags.sizes_mb) {
@@ -151,6 +163,18 @@ int RunRank(int rank, const Flags& flags, const std::string& dir) {
         t = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
         if (rep > 0) times[absl::StrCat("seg", seg)].push_back(t);
       }
+      barrier();
+      t0 = std::chrono::steady_clock::now();
+      absl::Status s = (*shm)->ReduceScatter(buf.data(), count / 2, ElementType::kFloat32,
+                                             ReduceOp::kSum)->Wait(absl::Seconds(120));
+      if (s.ok()) s = (*shm)->AllGather(buf.data(), count / 2, ElementType::kFloat32)
+                          ->Wait(absl::Seconds(120));
+      if (!s.ok()) {
+        std::fprintf(stderr, "rank %d: shm: %s\n", rank, s.ToString().c_str());
+        return 1;
+      }
+      t = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      if (rep > 0) times["shm"].push_back(t);
     }
     if (rank == 0) {
       const double g = Median(times["gloo"]);
@@ -165,15 +189,20 @@ int RunRank(int rank, const Flags& flags, const std::string& dir) {
         row[absl::StrCat("ratio_seg", seg, "k")] = t / g;
       }
       const double ratio = Median(times[absl::StrCat("seg", flags.default_segment_kb)]) / g;
-      std::printf("  %.2f\n", ratio);
+      const double shm_t = Median(times["shm"]);
+      const double shm_ratio = shm_t / Median(times[absl::StrCat("seg", flags.default_segment_kb)]);
+      std::printf("  %13.2f  %8.2f ms  %10.2fx\n", ratio, shm_t * 1e3, shm_ratio);
       row["rs_ag_vs_allreduce"] = ratio;
+      row["shm_rs_ag_s"] = shm_t;
+      row["shm_vs_gloo"] = shm_ratio;
+      out["shm_vs_gloo"][absl::StrCat(mb, "MB")] = shm_ratio;
       out["sizes"].push_back(row);
       out["rs_ag_vs_allreduce"][absl::StrCat(mb, "MB")] = ratio;
     }
   }
   if (rank == 0) {
     out["ranks"] = 2;
-    out["transport"] = "gloo tcp 127.0.0.1";
+    out["transport"] = "gloo tcp 127.0.0.1; shm: ShmCommunicator, 4 x 1 MiB slots";
     out["default_segment_kb"] = flags.default_segment_kb;
     if (!flags.json.empty()) {
       std::ofstream f(flags.json);
@@ -196,7 +225,7 @@ int main(int argc, char** argv) {
     std::perror("mkdtemp");
     return 1;
   }
-  std::printf("bench_comm: 2 ranks (processes), Gloo TCP on 127.0.0.1, median of %d runs\n",
+  std::printf("bench_comm: 2 ranks (processes), Gloo TCP on 127.0.0.1 and shared memory, median of %d runs\n",
               flags.reps);
   std::fflush(stdout);
   pid_t child = fork();

@@ -24,6 +24,10 @@
 //             collective through the flight recorder, per-step metrics under a
 //             mutex and a thread that collects them once a second as heartbeats
 //             do (not in the default rows; for measuring that overhead).
+// Transport: every row runs over Gloo (TCP loopback) unless --transport says
+// otherwise; a row named ROW@shm (or ROW@gloo) runs over that transport, so
+// e.g. ddp,shardopt,ddp@shm,shardopt@shm compares both algorithms on both
+// transports in one run (ShmCommunicator: client/comm/shm_communicator.h).
 // Every row reports its gradient bytes per rank (buffers held across the
 // step; autograd's transient gradients are not counted, in any row).
 // Each (row, round) is a fresh pair of processes, so peak RSS is per row; rows
@@ -59,7 +63,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "client/comm/flight_recorder.h"
-#include "client/comm/gloo_communicator.h"
+#include "client/comm/host_communicator.h"
 #include "client/comm/kv_store.h"
 #include "client/models.h"
 #include "client/sharded_optimizer.h"
@@ -165,10 +169,20 @@ int RunWorker(const Flags& f) {
   at::set_num_threads(1);
   (void)LimitBlasThreads(1);  // OMP_NUM_THREADS=1 is set by the parent too
   FileKeyValueStore store(f.Str("store", "/tmp"));
-  GlooOptions go;
-  go.store_prefix = row;
-  go.timeout = absl::Seconds(300);
-  auto comm = GlooCommunicator::Create(&store, rank, world, go);
+  auto transport = ParseCpuTransport(f.Str("transport", "gloo"));
+  if (!transport.ok()) {
+    std::fprintf(stderr, "%s\n", transport.status().ToString().c_str());
+    return 2;
+  }
+  CpuCommOptions co;
+  co.transport = *transport;
+  co.store_prefix = row;
+  co.timeout = absl::Seconds(300);
+  absl::StatusOr<std::unique_ptr<Communicator>> comm = [&]() -> absl::StatusOr<std::unique_ptr<Communicator>> {
+    auto c = CreateCpuCommunicator(&store, rank, world, co);
+    if (!c.ok()) return c.status();
+    return std::move(c->comm);
+  }();
   if (!comm.ok()) {
     std::fprintf(stderr, "%s\n", comm.status().ToString().c_str());
     return 1;
@@ -448,8 +462,12 @@ double StdDev(const std::vector<double>& v) {
 
 // Runs one (model, row) pair of ranks; returns their JSON reports.
 std::vector<nlohmann::json> RunPair(const std::string& self, const std::string& model,
-                                    const std::string& row, int steps, int warmup, int world,
-                                    int64_t zero2_bucket_cap) {
+                                    const std::string& row_name, int steps, int warmup, int world,
+                                    int64_t zero2_bucket_cap, const std::string& transport) {
+  // ROW@TRANSPORT runs ROW over that transport.
+  const size_t at = row_name.find('@');
+  const std::string row = row_name.substr(0, at);
+  const std::string row_transport = at == std::string::npos ? transport : row_name.substr(at + 1);
   char tmpl[] = "/tmp/bench_oss.XXXXXX";
   const std::string dir = mkdtemp(tmpl);
   std::vector<pid_t> pids;
@@ -460,6 +478,7 @@ std::vector<nlohmann::json> RunPair(const std::string& self, const std::string& 
                                       "--steps=" + std::to_string(steps),
                                       "--warmup=" + std::to_string(warmup), "--store=" + dir,
                                       absl::StrCat("--zero2-bucket-cap=", zero2_bucket_cap),
+                                      "--transport=" + row_transport,
                                       absl::StrCat("--out=", dir, "/out", r, ".json")};
     pid_t pid = fork();
     if (pid == 0) {
@@ -493,7 +512,7 @@ std::vector<nlohmann::json> RunPair(const std::string& self, const std::string& 
   }
   (void)std::system(("rm -rf " + dir).c_str());
   if (!ok) {
-    std::fprintf(stderr, "bench_oss: %s/%s failed\n", model.c_str(), row.c_str());
+    std::fprintf(stderr, "bench_oss: %s/%s failed\n", model.c_str(), row_name.c_str());
     std::exit(1);
   }
   return out;
@@ -501,7 +520,7 @@ std::vector<nlohmann::json> RunPair(const std::string& self, const std::string& 
 
 constexpr char kUsage[] = R"(usage: bench_oss [--models=mlp,resnet101] [--rows=ddp,ddp_fused,oss_ddp,shardopt]
                  [--rounds=3] [--steps=5] [--warmup=2] [--ranks=2] [--zero2-bucket-cap=N]
-                 [--json=PATH] [--png=PATH]
+                 [--transport=gloo|shm] [--json=PATH] [--png=PATH]
 
 fairscale's OSS benchmark table on CPU: 2 ranks (processes, Gloo over 127.0.0.1,
 1 compute thread each, tuned malloc), rows interleaved round by round, each
@@ -517,6 +536,9 @@ column: gradient buffers per rank; shardopt_zero2:cap=N:staging=N rows compare b
 and staging buffer counts side by side). --ranks=4 runs 4 processes per row (on 2 cores: for the
 memory columns, not for speed). compute_only runs forward and backward alone (no
 communication, no optimizer) and prints every row as a fraction of it: the ceiling.
+Transport: --transport (default gloo) for every row; ROW@shm or ROW@gloo runs one row over
+that transport (e.g. --rows=ddp,shardopt,ddp@shm,shardopt@shm); "vs ddp" is against the
+plain ddp row, and the JSON's vs_ddp_same_transport against ddp@TRANSPORT when it ran.
 )";
 
 int RunParent(const Flags& f, const std::string& self) {
@@ -528,12 +550,22 @@ int RunParent(const Flags& f, const std::string& self) {
   const int warmup = static_cast<int>(f.Int("warmup", 2).value_or(2));
   const int ranks = static_cast<int>(f.Int("ranks", 2).value_or(2));
   const int64_t zero2_cap = f.Int("zero2-bucket-cap", 4 << 20).value_or(4 << 20);
+  const std::string transport = f.Str("transport", "gloo");
+  for (const std::string& row : rows) {
+    const size_t at = row.find('@');
+    const std::string t = at == std::string::npos ? transport : row.substr(at + 1);
+    if (!ParseCpuTransport(t).ok() || t == "auto") {
+      std::fprintf(stderr, "bench_oss: row %s: transport must be gloo or shm\n", row.c_str());
+      return 2;
+    }
+  }
   if (rounds < 1 || steps < 1 || warmup < 0 || ranks < 1 || ranks > 16 || zero2_cap < 1) {
     std::fprintf(stderr,
                  "bench_oss: need --rounds >= 1, --steps >= 1, --warmup >= 0, 1 <= --ranks <= 16\n");
     return 2;
   }
-  std::printf("bench_oss: %d ranks, Gloo over 127.0.0.1, 1 thread per rank, %s\n", ranks,
+  std::printf("bench_oss: %d ranks, %s (rows without @TRANSPORT), 1 thread per rank, %s\n", ranks,
+              transport == "shm" ? "shared memory" : "Gloo over 127.0.0.1",
               DescribeMallocMode(MallocMode::kTuned).c_str());
   std::printf("%d rounds x (%d warm-up + %d timed steps) per row, rows interleaved\n\n", rounds,
               warmup, steps);
@@ -544,7 +576,7 @@ int RunParent(const Flags& f, const std::string& self) {
       for (const std::string& row : rows) {
         std::fprintf(stderr, "  %s round %d/%d: %s...\n", model.c_str(), round + 1, rounds,
                      row.c_str());
-        for (auto& j : RunPair(self, model, row, steps, warmup, ranks, zero2_cap)) {
+        for (auto& j : RunPair(self, model, row, steps, warmup, ranks, zero2_cap, transport)) {
           runs[row].push_back(j);
         }
       }
@@ -581,6 +613,13 @@ int RunParent(const Flags& f, const std::string& self) {
       r["fwd_bwd_s"] = Median(fb);
       r["exposed_comm_s"] = Median(cm);
       r["optimizer_s"] = Median(op);
+      const size_t at = row.find('@');
+      const std::string same_ddp = at == std::string::npos ? "ddp" : "ddp" + row.substr(at);
+      if (all[model].contains(same_ddp)) {
+        r["vs_ddp_same_transport"] = med / all[model][same_ddp]["samples_per_s"].get<double>();
+      } else if (row == same_ddp) {
+        r["vs_ddp_same_transport"] = 1.0;
+      }
       all[model][row] = r;
       std::printf("%-30s %11.2f +/- %5.2f %7.3fx %8.0f MiB %8.1f MiB %8.1f MiB %8.1f MiB %8.3f s %8.3f s %8.3f s\n",
                   row.c_str(), med, StdDev(sps), r["vs_ddp"].get<double>(), Median(rss) / 1048576,
@@ -601,7 +640,7 @@ int RunParent(const Flags& f, const std::string& self) {
     std::printf("\n");
     std::fflush(stdout);
   }
-  all["setup"] = {{"ranks", ranks}, {"omp_num_threads", 1}, {"zero2_bucket_cap", zero2_cap}, {"threads_per_rank", 1}, {"transport", "gloo tcp 127.0.0.1"},
+  all["setup"] = {{"ranks", ranks}, {"omp_num_threads", 1}, {"zero2_bucket_cap", zero2_cap}, {"threads_per_rank", 1}, {"transport", transport == "shm" ? "shm (ShmCommunicator); rows @gloo: gloo tcp 127.0.0.1" : "gloo tcp 127.0.0.1; rows @shm: ShmCommunicator"},
                   {"malloc", DescribeMallocMode(MallocMode::kTuned)}, {"rounds", rounds},
                   {"steps", steps}, {"warmup", warmup}, {"optimizer", "adam lr 1e-4 fp32"}};
   const std::string json = f.Str("json", "");
@@ -632,7 +671,7 @@ int main(int argc, char** argv) {
   using namespace shardopt;
   auto f = Flags::Parse(argc, argv, {"worker", "rank", "world", "row", "model", "steps", "warmup",
                                      "store", "out", "models", "rows", "rounds", "json", "png", "ranks", "zero2-bucket-cap",
-                                     "help"});
+                                     "transport", "help"});
   if (!f.ok()) {
     std::fprintf(stderr, "bench_oss: %s\n", std::string(f.status().message()).c_str());
     return 2;

@@ -4,7 +4,7 @@ gradient sharding, shard_gradients=True: the row shardopt_zero2).
 
     bazel build //python:shardopt
     PYTHONPATH=bazel-bin/python /usr/bin/python3 tools/bench/bench_python.py [--json out.json]
-        [--rows=ddp,ddp_zero,shardopt,shardopt_zero2,compute_only]
+        [--rows=ddp,ddp_zero,shardopt,shardopt_zero2,compute_only,shardopt@gloo]
 
 2 ranks on this machine over gloo (torchrun's environment contract), one
 thread per rank, the allocator tuned identically for every row (glibc
@@ -17,6 +17,10 @@ bytes per rank, and where a step's time goes (forward; backward, which for
 DDP includes the all-reduce it cannot overlap; optimizer step, which for
 ZeRO includes the parameter broadcast and for shardopt the exposed
 reduce-scatter/all-gather waits, reported separately).
+
+shardopt rows use shardopt's default transport (auto: shared memory, since
+every rank is on this host); shardopt@gloo and shardopt_zero2@gloo run them
+over Gloo/TCP as DDP and ZeRO do (shardopt@shm forces shared memory).
 """
 import argparse
 import json
@@ -63,8 +67,9 @@ def worker(a):
         y = torch.randint(0, 1000, (batch,), generator=g)
         loss_fn = nn.CrossEntropyLoss()
     net = model
-    sharded = a.row.startswith("shardopt")
-    if a.row == "compute_only":
+    row, _, transport = a.row.partition("@")
+    sharded = row.startswith("shardopt")
+    if row == "compute_only":
         # No communication, no optimizer: what forward + backward cost alone.
         class NoStep:
             def zero_grad(self):
@@ -75,13 +80,14 @@ def worker(a):
         opt = NoStep()
     elif sharded:
         import shardopt
+        shardopt.init(transport=transport or None)
         # module=: the all-gathers overlap the next forward (per-layer waits).
         opt = shardopt.ShardedOptimizer(model.named_parameters(), optimizer="adam", lr=1e-4,
                                         module=model,
-                                        shard_gradients=a.row == "shardopt_zero2")
+                                        shard_gradients=row == "shardopt_zero2")
     else:
         net = torch.nn.parallel.DistributedDataParallel(model)
-        if a.row == "ddp":
+        if row == "ddp":
             opt = torch.optim.Adam(model.parameters(), lr=1e-4)
         else:
             from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -111,7 +117,7 @@ def worker(a):
     if sharded:
         state = opt.memory()["state_bytes"]
         grads = opt.memory()["grad_bytes"]
-    elif a.row == "compute_only":
+    elif row == "compute_only":
         state = 0
         grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters()
                     if p.grad is not None)
@@ -232,8 +238,11 @@ def main():
         return worker(a)
     rows = a.rows.split(",")
     for r in rows:
-        if r not in ROWS:
+        base, at, transport = r.partition("@")
+        if base not in ROWS:
             p.error(f"unknown row {r!r} (rows: {', '.join(ROWS)})")
+        if at and (not base.startswith("shardopt") or transport not in ("gloo", "shm")):
+            p.error(f"row {r!r}: only shardopt rows take @gloo or @shm")
     report = {"world_size": a.world, "rounds": a.rounds, "steps": a.steps, "models": {}}
     for model in a.models.split(","):
         per_row = {r: [] for r in rows}
@@ -249,13 +258,13 @@ def main():
                     if res is None:
                         raise SystemExit(f"bench_python: {model}/{row} hung twice")
                 per_row[row].append(res)
-                print(f"[{model} round {rnd + 1}/{a.rounds}] {row:14s} "
+                print(f"[{model} round {rnd + 1}/{a.rounds}] {row:19s} "
                       f"{sum(r['samples_per_s'] for r in res) / len(res):7.1f} samples/s/rank "
                       f"({time.time() - t:.0f} s)", file=sys.stderr, flush=True)
         summary = {r: summarize(per_row[r]) for r in rows}
         report["models"][model] = summary
         print(f"\n{model}, {a.world} ranks, median of {a.rounds} rounds x {a.steps} steps:")
-        print(f"{'row':14s} {'samples/s/rank':>22s} {'vs ddp':>7s} {'vs zero':>8s} "
+        print(f"{'row':19s} {'samples/s/rank':>22s} {'vs ddp':>7s} {'vs zero':>8s} "
               f"{'fwd ms':>7s} {'bwd ms':>7s} {'step ms':>8s} {'exposed':>8s} "
               f"{'state MiB':>10s} {'grads MiB':>10s} {'peak RSS MiB':>13s}")
         for r in rows:
@@ -263,7 +272,7 @@ def main():
             vs = lambda other: (f"{s['samples_per_s'] / summary[other]['samples_per_s']:.2f}x"
                                 if other in summary else "-")
             exposed = f"{s['exposed_comm_s'] * 1e3:.0f} ms" if s["exposed_comm_s"] is not None else "-"
-            print(f"{r:14s} {s['samples_per_s']:8.1f} ({s['samples_per_s_min']:.1f}-"
+            print(f"{r:19s} {s['samples_per_s']:8.1f} ({s['samples_per_s_min']:.1f}-"
                   f"{s['samples_per_s_max']:.1f})  {vs('ddp'):>7s} {vs('ddp_zero'):>8s} "
                   f"{s['forward_s'] * 1e3:7.0f} {s['backward_s'] * 1e3:7.0f} "
                   f"{s['step_s'] * 1e3:8.0f} {exposed:>8s} {s['state_bytes'] / 2**20:10.1f} "

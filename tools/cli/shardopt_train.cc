@@ -18,7 +18,7 @@
 #include "absl/strings/str_format.h"
 #include "client/checkpoint/torch_interop.h"
 #include "client/comm/flight_recorder.h"
-#include "client/comm/gloo_communicator.h"
+#include "client/comm/host_communicator.h"
 #include "client/coordinator_client.h"
 #include "client/models.h"
 #include "client/rank_agent.h"
@@ -67,6 +67,10 @@ flags (a malformed or out-of-range value is refused, naming the flag; exit statu
   --job-id=ID          job id (default $SHARDOPT_JOB_ID or "job")
   --token-file=PATH    bearer token for the control plane (default $SHARDOPT_TOKEN_FILE)
   --bind=HOST          address for this rank's shard-owner service and Gloo (default 127.0.0.1)
+  --transport=auto|gloo|shm
+                       how gradients and parameters move between ranks: shm (shared memory,
+                       every rank on this host), gloo (TCP, any hosts) or auto: shm when every
+                       rank is on one host, else gloo (default $SHARDOPT_TRANSPORT or auto)
   --tls-ca=PEM         TLS to the coordinator, verified against this CA (default $SHARDOPT_TLS_CA)
   --tls-cert=PEM       client certificate for mutual TLS (default $SHARDOPT_TLS_CERT)
   --tls-key=PEM        its key (default $SHARDOPT_TLS_KEY)
@@ -152,6 +156,7 @@ std::string EnvStr(const char* name, const std::string& def) {
 struct Config {
   int world = 1, rank = 0;
   std::string model_name, kind, coordinator, job_id, bind, ckpt_dir, resume, token;
+  CpuTransport transport = CpuTransport::kAuto;
   ClientTls tls;
   int64_t steps = 0, batch_flag = 0, bucket_cap = 0, threads = 1, log_every = 1;
   int64_t ckpt_every = 0, ckpt_keep = 0;
@@ -187,6 +192,16 @@ absl::Status ReadConfig(const Flags& flags, Config* c) {
   c->job_id = Take(flags.NonEmpty("job-id", EnvStr("SHARDOPT_JOB_ID", "job")), &bad);
   const std::string token_file = Take(flags.NonEmpty("token-file", EnvStr("SHARDOPT_TOKEN_FILE", "")), &bad);
   c->bind = Take(flags.NonEmpty("bind", "127.0.0.1"), &bad);
+  {
+    auto t = ParseCpuTransport(Take(flags.Choice("transport", EnvStr("SHARDOPT_TRANSPORT", "auto"),
+                                                 {"auto", "gloo", "shm"}),
+                                    &bad));
+    if (t.ok()) {
+      c->transport = *t;
+    } else if (bad.ok()) {
+      bad = absl::InvalidArgumentError(absl::StrCat("$SHARDOPT_TRANSPORT: ", t.status().message()));
+    }
+  }
   c->tls.ca_file = Take(flags.NonEmpty("tls-ca", EnvStr("SHARDOPT_TLS_CA", "")), &bad);
   c->tls.cert_file = Take(flags.NonEmpty("tls-cert", EnvStr("SHARDOPT_TLS_CERT", "")), &bad);
   c->tls.key_file = Take(flags.NonEmpty("tls-key", EnvStr("SHARDOPT_TLS_KEY", "")), &bad);
@@ -223,7 +238,7 @@ absl::Status ReadConfig(const Flags& flags, Config* c) {
 int ParseConfig(int argc, char** argv, Config* c) {
   auto flags = Flags::Parse(argc, argv,
                             {"model", "steps", "lr", "optimizer", "batch", "clip", "bucket-cap",
-                             "threads", "malloc", "overlap", "shard-gradients", "coordinator", "job-id", "token-file", "bind",
+                             "threads", "malloc", "overlap", "shard-gradients", "coordinator", "job-id", "token-file", "bind", "transport",
                              "log-every", "tls-ca", "tls-cert", "tls-key", "ckpt-dir", "ckpt-every",
                              "resume", "ckpt-keep", "collective-timeout", "debug-stall-rank", "debug-stall-step",
                              "debug-nan-rank", "debug-nan-step", "debug-slow-rank", "debug-slow-ms",
@@ -279,19 +294,28 @@ RankAgentOptions AgentOptions(const Config& c, int64_t batch) {
   return a;
 }
 
-// The communicator: Gloo, rendezvous through the coordinator's key-value
-// store, every collective through the flight recorder (README, "Flight
-// recorder").
+// The communicator: shared memory or Gloo (--transport), rendezvous through
+// the coordinator's key-value store, every collective through the flight
+// recorder (README, "Flight recorder").
 absl::StatusOr<std::unique_ptr<Communicator>> Connect(const Config& c, CoordinatorClient* client) {
   GrpcKeyValueStore kv(client);
   PrefixKeyValueStore job_kv(&kv, c.job_id);
-  GlooOptions gopt;
-  gopt.hostname = c.bind;
-  gopt.timeout = c.collective_timeout;
-  auto gloo = GlooCommunicator::Create(&job_kv, c.rank, c.world, gopt);
-  if (!gloo.ok()) return gloo.status();
-  return std::unique_ptr<Communicator>(
-      std::make_unique<FlightRecordingCommunicator>(*std::move(gloo), std::make_shared<FlightRecorder>()));
+  CpuCommOptions copt;
+  copt.transport = c.transport;
+  copt.hostname = c.bind;
+  copt.timeout = c.collective_timeout;
+  copt.store_prefix = "gloo";
+  auto comm = CreateCpuCommunicator(&job_kv, c.rank, c.world, copt);
+  if (!comm.ok()) return comm.status();
+  if (c.rank == 0 && c.world > 1) {
+    std::printf("shardopt_train: transport %s%s\n", CpuTransportName(comm->transport),
+                c.transport != CpuTransport::kAuto ? ""
+                : comm->transport == CpuTransport::kShm ? " (auto: every rank on this host)"
+                                                        : " (auto: ranks on several hosts)");
+    std::fflush(stdout);
+  }
+  return std::unique_ptr<Communicator>(std::make_unique<FlightRecordingCommunicator>(
+      std::move(comm->comm), std::make_shared<FlightRecorder>()));
 }
 
 // --resume: a checkpoint directory or root, a consolidated .safetensors file,

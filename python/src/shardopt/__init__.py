@@ -44,6 +44,9 @@ class Context:
     launcher: str  # "shardrun", "torchrun" or "single"
     control_plane: bool
     job_id: str = ""
+    # How ranks exchange gradients and parameters: "auto" (shared memory when
+    # every rank is on one host, else Gloo over TCP), "gloo" or "shm".
+    transport: str = "auto"
     _prefixes: int = field(repr=False, default=0)
     _agent_taken: bool = field(repr=False, default=False)
 
@@ -56,11 +59,12 @@ class Context:
             return _C.make_coordinator_communicator(
                 self.rank, self.world_size, env["SHARDOPT_COORDINATOR"], _token(), self.job_id,
                 prefix, timeout, _hostname(), env.get("SHARDOPT_TLS_CA", ""),
-                env.get("SHARDOPT_TLS_CERT", ""), env.get("SHARDOPT_TLS_KEY", ""))
+                env.get("SHARDOPT_TLS_CERT", ""), env.get("SHARDOPT_TLS_KEY", ""),
+                self.transport)
         if self.world_size == 1:
             return _C.make_communicator(0, 1, None, "", timeout, "127.0.0.1")
         return _C.make_communicator(self.rank, self.world_size, _default_store(), prefix, timeout,
-                                    _hostname())
+                                    _hostname(), self.transport)
 
 
 _context: Optional[Context] = None
@@ -100,8 +104,17 @@ def _default_store():
     return c10d._get_default_store()
 
 
-def init(timeout: float = 300.0) -> Context:
+_TRANSPORTS = ("auto", "gloo", "shm")
+
+
+def init(timeout: float = 300.0, transport: Optional[str] = None) -> Context:
     """Joins the job this process was launched into, once per process.
+
+    transport: how ranks exchange gradients and parameters: "shm" (shared
+    memory; every rank on this host), "gloo" (TCP, any hosts) or "auto"
+    (shm when every rank is on one host, else gloo). Default:
+    $SHARDOPT_TRANSPORT, else "auto". ShardedOptimizer.transport says which
+    one a job uses.
 
     Under shardrun (SHARDOPT_COORDINATOR set): ranks meet through the job's
     coordinator, and the first ShardedOptimizer joins its control plane
@@ -119,6 +132,12 @@ def init(timeout: float = 300.0) -> Context:
         return _context
     if not (timeout > 0):
         raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+    if transport is None:
+        transport = os.environ.get("SHARDOPT_TRANSPORT", "") or "auto"
+        if transport not in _TRANSPORTS:
+            raise ValueError(f"SHARDOPT_TRANSPORT={transport!r} is not one of {', '.join(_TRANSPORTS)}")
+    elif transport not in _TRANSPORTS:
+        raise ValueError(f"transport {transport!r} is not one of {', '.join(_TRANSPORTS)}")
     world = _env_int("WORLD_SIZE", 1)
     rank = _env_int("RANK", 0)
     local_rank = _env_int("LOCAL_RANK", rank)
@@ -129,7 +148,7 @@ def init(timeout: float = 300.0) -> Context:
         launcher = "shardrun" if os.environ.get("SHARDOPT_COORDINATOR") else "torchrun"
     if launcher == "shardrun":
         job_id = os.environ.get("SHARDOPT_JOB_ID", "job")
-        _context = Context(rank, world, local_rank, launcher, True, job_id)
+        _context = Context(rank, world, local_rank, launcher, True, job_id, transport)
         return _context
     if world > 1:
         import datetime
@@ -148,7 +167,7 @@ def init(timeout: float = 300.0) -> Context:
     if launcher == "torchrun" and rank == 0:
         print("shardopt: no shardopt coordinator in this job (not launched by shardrun): "
               "the control plane (shardctl, heartbeats, set-lr) is off", file=sys.stderr)
-    _context = Context(rank, world, local_rank, launcher, control_plane)
+    _context = Context(rank, world, local_rank, launcher, control_plane, transport=transport)
     return _context
 
 
@@ -320,6 +339,7 @@ class ShardedOptimizer(Optimizer):
                 raise ValueError(f"parameter {missing[0]!r} is not in `module` ({len(missing)} "
                                  "are not): pass the module that uses the parameters")
         comm = self._context._new_communicator(timeout)
+        self._transport = comm.transport
         self._core = _C.Optimizer(
             comm, names, tensors, param_group, optimizer,
             [self._hyper(g) for g in self.param_groups], float(max_grad_norm),
@@ -566,6 +586,11 @@ class ShardedOptimizer(Optimizer):
     @property
     def world_size(self) -> int:
         return self._core.world_size
+
+    @property
+    def transport(self) -> str:
+        """The transport in use: "shm", "gloo", or "none" (one rank, no launcher)."""
+        return self._transport
 
     def __repr__(self) -> str:
         return (f"shardopt.ShardedOptimizer({self._kind}, {len(self._names)} parameters, "

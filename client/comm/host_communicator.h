@@ -1,0 +1,47 @@
+// The CPU communicator a trainer should use: shared memory when every rank is
+// on one host, Gloo over TCP otherwise (or either, on request).
+#ifndef SHARDOPT_CLIENT_HOST_COMMUNICATOR_H_
+#define SHARDOPT_CLIENT_HOST_COMMUNICATOR_H_
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "client/comm/communicator.h"
+#include "client/comm/kv_store.h"
+
+namespace shardopt {
+
+enum class CpuTransport {
+  kAuto,  // shm when every rank is on this host, else gloo (decided alike on every rank)
+  kGloo,  // GlooCommunicator: TCP, any hosts
+  kShm,   // ShmCommunicator: shared memory, one host only
+};
+// "auto", "gloo", "shm"; anything else is InvalidArgument naming the choices.
+absl::StatusOr<CpuTransport> ParseCpuTransport(absl::string_view name);
+const char* CpuTransportName(CpuTransport transport);
+
+struct CpuCommOptions {
+  CpuTransport transport = CpuTransport::kAuto;
+  // Address Gloo listens on (port chosen by the OS).
+  std::string hostname = "127.0.0.1";
+  // Bound on rendezvous and on every wait inside a collective.
+  absl::Duration timeout = absl::Seconds(60);
+  // Keys in the store are prefixed with this.
+  std::string store_prefix = "comm";
+};
+
+struct CpuComm {
+  std::unique_ptr<Communicator> comm;
+  CpuTransport transport;  // the one chosen (never kAuto)
+};
+
+// Every rank of the job must call it with the same transport and prefix.
+absl::StatusOr<CpuComm> CreateCpuCommunicator(KeyValueStore* store, int rank, int world_size,
+                                              const CpuCommOptions& options);
+
+}  // namespace shardopt
+
+#endif  // SHARDOPT_CLIENT_HOST_COMMUNICATOR_H_

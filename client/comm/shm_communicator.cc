@@ -1,0 +1,592 @@
+#include "client/comm/shm_communicator.h"
+
+#include <fcntl.h>
+#include <linux/futex.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <climits>
+#include <cstring>
+#include <fstream>
+#include <new>
+#include <random>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/string_view.h"
+#include "client/comm/reduce_ops.h"
+
+namespace shardopt {
+
+namespace {
+
+constexpr uint64_t kMagic = 0x74706f6472616873ULL;  // "shardopt"
+constexpr uint32_t kVersion = 1;
+constexpr int kMaxSlots = 64;
+constexpr size_t kPage = 4096;
+// How often a waiting rank checks its neighbours' liveness.
+constexpr absl::Duration kWaitSlice = absl::Milliseconds(50);
+
+struct SlotMeta {
+  uint64_t seq;    // the sender's collective number
+  uint64_t bytes;  // the collective's chunk size
+  uint32_t code;   // kind, phase, root
+  uint32_t segment_bytes;
+};
+
+// Start of every region. The channel carries messages from the owner's left
+// neighbour: `head` counts the messages it published, `tail` those the owner
+// consumed. `doorbell` is bumped by whoever changes something the owner may
+// be waiting for (a message published to it, a slot freed by its right
+// neighbour, an abort), and futex-woken when `waiting` is set.
+struct Header {
+  uint64_t magic;
+  uint32_t version;
+  uint32_t slots;
+  uint64_t slot_bytes;
+  int32_t owner_pid;
+  int32_t owner_rank;
+  alignas(64) std::atomic<uint32_t> doorbell;
+  std::atomic<uint32_t> waiting;
+  alignas(64) std::atomic<uint64_t> head;
+  alignas(64) std::atomic<uint64_t> tail;
+  alignas(64) std::atomic<uint32_t> closed;  // the owner aborted or closed its communicator
+  char reason[500];
+  alignas(64) SlotMeta meta[kMaxSlots];
+};
+static_assert(std::atomic<uint32_t>::is_always_lock_free, "futex words must be lock-free");
+static_assert(std::atomic<uint64_t>::is_always_lock_free, "counters must be lock-free");
+
+size_t DataOffset() { return (sizeof(Header) + kPage - 1) / kPage * kPage; }
+size_t RegionBytes(const ShmOptions& o) {
+  return DataOffset() + static_cast<size_t>(o.slots) * static_cast<size_t>(o.slot_bytes);
+}
+
+void FutexWait(std::atomic<uint32_t>* word, uint32_t expected, absl::Duration timeout) {
+  timespec ts = absl::ToTimespec(std::max(timeout, absl::Microseconds(100)));
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT, expected, &ts, nullptr, 0);
+}
+
+void FutexWake(std::atomic<uint32_t>* word) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+}
+
+void RingBell(Header* h, bool always_wake = false) {
+  h->doorbell.fetch_add(1, std::memory_order_seq_cst);
+  if (always_wake || h->waiting.load(std::memory_order_seq_cst) != 0) FutexWake(&h->doorbell);
+}
+
+absl::Status Errno(const std::string& what) {
+  return absl::UnavailableError(absl::StrCat(what, ": ", std::strerror(errno)));
+}
+
+// Collective descriptors: kind, phase (0 reduce-scatter, 1 all-gather,
+// 2 broadcast) and the broadcast root.
+uint32_t Code(CollectiveKind kind, int phase, int root) {
+  return (static_cast<uint32_t>(kind) << 28) | (static_cast<uint32_t>(phase) << 24) |
+         (static_cast<uint32_t>(root) & 0xffffff);
+}
+
+int OpenPidfd(int pid) {
+#ifdef SYS_pidfd_open
+  return static_cast<int>(syscall(SYS_pidfd_open, pid, 0));
+#else
+  (void)pid;
+  return -1;
+#endif
+}
+
+}  // namespace
+
+std::string ShmHostIdentity() {
+  char host[256] = {0};
+  gethostname(host, sizeof(host) - 1);
+  std::string boot;
+  std::ifstream in("/proc/sys/kernel/random/boot_id");
+  std::getline(in, boot);
+  struct stat st {};
+  std::string shm = stat("/dev/shm", &st) == 0
+                        ? absl::StrCat(st.st_dev, ":", st.st_ino)
+                        : std::string("no-dev-shm");
+  // The network namespace too: ranks that see different networks are treated
+  // as different hosts (as tests that simulate hosts with namespaces expect;
+  // Gloo works across them, whatever they share).
+  char net[128] = {0};
+  const ssize_t n = readlink("/proc/self/ns/net", net, sizeof(net) - 1);
+  return absl::StrCat(host, " boot ", boot, " shm ", shm, " ", n > 0 ? net : "net:?");
+}
+
+struct ShmCommunicator::Region {
+  std::string name;
+  void* base = nullptr;
+  size_t size = 0;
+  bool owner = false;
+  bool linked = false;  // the name still exists in /dev/shm
+
+  Header* h() const { return static_cast<Header*>(base); }
+  char* slot(uint64_t i) const {
+    return static_cast<char*>(base) + DataOffset() + i * h()->slot_bytes;
+  }
+  ~Region() {
+    if (owner && linked) shm_unlink(name.c_str());
+    if (base != nullptr) munmap(base, size);
+  }
+};
+
+absl::StatusOr<std::unique_ptr<ShmCommunicator>> ShmCommunicator::Create(
+    KeyValueStore* store, int rank, int world_size, const ShmOptions& options) {
+  if (world_size < 1 || rank < 0 || rank >= world_size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rank ", rank, " / world size ", world_size, " out of range"));
+  }
+  if (options.slot_bytes < 64 || options.slot_bytes % 64 != 0 ||
+      options.slot_bytes > (int64_t{1} << 30)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "slot_bytes must be a multiple of 64 in [64, 1 GiB], not ", options.slot_bytes));
+  }
+  if (options.slots < 2 || options.slots > kMaxSlots) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("slots must be in [2, ", kMaxSlots, "], not ", options.slots));
+  }
+  if (store == nullptr) return absl::InvalidArgumentError("no rendezvous store");
+  std::unique_ptr<ShmCommunicator> comm(new ShmCommunicator(rank, world_size, options));
+  if (world_size == 1) {
+    comm->Start();
+    return comm;
+  }
+  PrefixKeyValueStore kv(store, options.store_prefix);
+  const std::string where = absl::StrCat("shared-memory rendezvous of rank ", rank, " of ", world_size);
+  auto fail = [&](const absl::Status& s) {
+    return absl::Status(s.code(), absl::StrCat(where, ": ", s.message()));
+  };
+
+  // Every rank must be on this host.
+  const std::string identity = ShmHostIdentity();
+  absl::Status s = kv.Set(absl::StrCat("host/", rank), identity);
+  if (!s.ok()) return fail(s);
+  for (int p = 0; p < world_size; ++p) {
+    if (p == rank) continue;
+    auto other = kv.Get(absl::StrCat("host/", p), options.timeout);
+    if (!other.ok()) return fail(other.status());
+    if (*other != identity) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          where, ": rank ", p, " is on another host (", *other, "; this one: ", identity,
+          "): the shared-memory transport needs every rank on one host; use the gloo transport"));
+    }
+  }
+
+  // This rank's region.
+  auto own = std::make_unique<Region>();
+  {
+    std::random_device rd;
+    own->name = absl::StrCat("/shardopt-", getpid(), "-r", rank, "-",
+                             absl::Hex((static_cast<uint64_t>(rd()) << 32) | rd(),
+                                       absl::kZeroPad16));
+    const int fd = shm_open(own->name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+    if (fd < 0) return fail(Errno(absl::StrCat("shm_open ", own->name)));
+    own->owner = true;
+    own->linked = true;
+    own->size = RegionBytes(options);
+    // posix_fallocate: a full /dev/shm is an error here, not a SIGBUS later.
+    const int err = posix_fallocate(fd, 0, static_cast<off_t>(own->size));
+    if (err != 0) {
+      close(fd);
+      return fail(absl::ResourceExhaustedError(absl::StrCat(
+          "cannot allocate ", own->size, " bytes in /dev/shm for ", own->name, ": ",
+          std::strerror(err))));
+    }
+    own->base = mmap(nullptr, own->size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    if (own->base == MAP_FAILED) {
+      own->base = nullptr;
+      return fail(Errno("mmap"));
+    }
+    Header* h = new (own->base) Header();
+    h->magic = kMagic;
+    h->version = kVersion;
+    h->slots = static_cast<uint32_t>(options.slots);
+    h->slot_bytes = static_cast<uint64_t>(options.slot_bytes);
+    h->owner_pid = getpid();
+    h->owner_rank = rank;
+  }
+  s = kv.Set(absl::StrCat("region/", rank), absl::StrCat(own->name, " ", getpid()));
+  if (!s.ok()) return fail(s);
+
+  // The neighbours' regions.
+  const int left = (rank + world_size - 1) % world_size, right = (rank + 1) % world_size;
+  auto map_peer = [&](int peer, int* pid) -> absl::StatusOr<std::unique_ptr<Region>> {
+    auto value = kv.Get(absl::StrCat("region/", peer), options.timeout);
+    if (!value.ok()) return value.status();
+    std::vector<std::string> parts = absl::StrSplit(*value, ' ');
+    if (parts.size() != 2 || !absl::SimpleAtoi(parts[1], pid)) {
+      return absl::InternalError(absl::StrCat("bad region record of rank ", peer, ": ", *value));
+    }
+    auto region = std::make_unique<Region>();
+    region->name = parts[0];
+    const int fd = shm_open(region->name.c_str(), O_RDWR, 0);
+    if (fd < 0) {
+      return Errno(absl::StrCat("cannot open rank ", peer, "'s region ", region->name,
+                                " (did its own rendezvous fail? is its /dev/shm another one?)"));
+    }
+    struct stat st {};
+    if (fstat(fd, &st) != 0 || static_cast<size_t>(st.st_size) != RegionBytes(options)) {
+      close(fd);
+      return absl::InvalidArgumentError(absl::StrCat(
+          "rank ", peer, "'s region is ", st.st_size, " bytes, this rank expects ",
+          RegionBytes(options), ": every rank must use the same slots and slot_bytes"));
+    }
+    region->size = RegionBytes(options);
+    region->base = mmap(nullptr, region->size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    if (region->base == MAP_FAILED) {
+      region->base = nullptr;
+      return Errno("mmap");
+    }
+    const Header* h = region->h();
+    if (h->magic != kMagic || h->version != kVersion || h->owner_rank != peer ||
+        h->slots != static_cast<uint32_t>(options.slots) ||
+        h->slot_bytes != static_cast<uint64_t>(options.slot_bytes)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "rank ", peer, "'s region (", region->name, ") does not match this rank's options"));
+    }
+    return region;
+  };
+  auto right_region = map_peer(right, &comm->right_pid_);
+  if (!right_region.ok()) return fail(right_region.status());
+  comm->right_region_ = std::move(*right_region);
+  if (left == right) {
+    comm->left_pid_ = comm->right_pid_;
+  } else {
+    auto left_region = map_peer(left, &comm->left_pid_);
+    if (!left_region.ok()) return fail(left_region.status());
+    comm->left_region_ = std::move(*left_region);
+  }
+  comm->left_ = left;
+  comm->right_ = right;
+  comm->left_pidfd_ = OpenPidfd(comm->left_pid_);
+  comm->right_pidfd_ = left == right ? -1 : OpenPidfd(comm->right_pid_);
+
+  // Both neighbours map this rank's region; then its name can go, so nothing
+  // is left in /dev/shm whatever happens to the processes later.
+  s = kv.Set(absl::StrCat("mapped/", rank), "1");
+  if (!s.ok()) return fail(s);
+  for (int peer : {left, right}) {
+    auto v = kv.Get(absl::StrCat("mapped/", peer), options.timeout);
+    if (!v.ok()) return fail(v.status());
+  }
+  shm_unlink(own->name.c_str());
+  own->linked = false;
+  comm->own_ = std::move(own);
+  comm->Start();
+  return comm;
+}
+
+ShmCommunicator::ShmCommunicator(int rank, int world_size, const ShmOptions& options)
+    : QueuedCommunicator(rank, world_size), options_(options) {}
+
+ShmCommunicator::~ShmCommunicator() {
+  Stop();  // the worker finishes (or fails) what is queued; waits are bounded
+  if (own_ != nullptr && !aborted()) {
+    Header* h = own_->h();
+    std::snprintf(h->reason, sizeof(h->reason), "rank %d closed its communicator", rank());
+    h->closed.store(1, std::memory_order_release);
+    RingBell(right_region_->h(), true);
+    if (left_region_ != nullptr) RingBell(left_region_->h(), true);
+  }
+  if (left_pidfd_ >= 0) close(left_pidfd_);
+  if (right_pidfd_ >= 0) close(right_pidfd_);
+}
+
+void ShmCommunicator::Interrupt() {
+  if (own_ == nullptr) return;
+  Header* h = own_->h();
+  if (h->closed.load(std::memory_order_acquire) == 0) {
+    std::snprintf(h->reason, sizeof(h->reason), "%s", abort_status().ToString().c_str());
+    h->closed.store(1, std::memory_order_release);
+  }
+  RingBell(h, true);
+  RingBell(right_region_->h(), true);
+  if (left_region_ != nullptr) RingBell(left_region_->h(), true);
+}
+
+absl::Status ShmCommunicator::Fail(absl::Status status) {
+  Abort(status);
+  return status;
+}
+
+absl::Status ShmCommunicator::PeerFailure(int peer) const {
+  const Region* region = peer == right_ || left_region_ == nullptr ? right_region_.get()
+                                                                     : left_region_.get();
+  const Header* h = region->h();
+  if (h->closed.load(std::memory_order_acquire) != 0) {
+    return absl::UnavailableError(
+        absl::StrCat("rank ", rank(), ": rank ", peer, " left the collective: ",
+                     std::string(h->reason, strnlen(h->reason, sizeof(h->reason)))));
+  }
+  const int pidfd = peer == left_ ? left_pidfd_ : right_pidfd_ >= 0 ? right_pidfd_ : left_pidfd_;
+  const int pid = peer == left_ ? left_pid_ : right_pid_;
+  bool exited = false;
+  if (pidfd >= 0) {
+    pollfd p{pidfd, POLLIN, 0};
+    exited = poll(&p, 1, 0) > 0;
+  } else {
+    exited = kill(pid, 0) != 0 && errno == ESRCH;
+  }
+  if (exited) {
+    return absl::UnavailableError(absl::StrCat("rank ", rank(), ": rank ", peer, " (pid ", pid,
+                                               ") exited in the middle of a collective"));
+  }
+  return absl::OkStatus();
+}
+
+std::string ShmCommunicator::Describe(uint32_t code, uint64_t bytes) const {
+  const int kind = static_cast<int>(code >> 28);
+  const int phase = static_cast<int>((code >> 24) & 0xf);
+  const char* name =
+      kind < kNumCollectiveKinds ? CollectiveKindName(static_cast<CollectiveKind>(kind)) : "?";
+  const char* phases[] = {"reduce-scatter", "all-gather", "broadcast"};
+  std::string out = absl::StrCat(name);
+  if (phase < 3 && std::string(name) != phases[phase]) {
+    absl::StrAppend(&out, " (", phases[phase], " phase)");
+  }
+  if (phase == 2) absl::StrAppend(&out, " from root ", code & 0xffffff);
+  absl::StrAppend(&out, " of ", bytes, " bytes per chunk");
+  return out;
+}
+
+absl::Status ShmCommunicator::Exchange(const OpDesc& desc, std::deque<Send> sends,
+                                       int64_t num_recvs,
+                                       const std::function<Recv(int64_t)>& recv, ElementType type,
+                                       ReduceOp op) {
+  Header* in = own_->h();
+  Header* out = right_region_->h();
+  Header* back = (left_region_ != nullptr ? left_region_ : right_region_)->h();
+  const uint64_t slots = static_cast<uint64_t>(options_.slots);
+  const int elem = ElementSize(type);
+  int64_t next = 0;
+  absl::Time last_progress = absl::Now();
+  bool rechecked = false;
+  while (!sends.empty() || next < num_recvs) {
+    if (aborted()) return abort_status();
+    const uint32_t bell = in->doorbell.load(std::memory_order_seq_cst);
+    bool progress = false;
+    while (!sends.empty() && sent_ - out->tail.load(std::memory_order_acquire) < slots) {
+      const uint64_t i = sent_ % slots;
+      const Send& m = sends.front();
+      std::memcpy(right_region_->slot(i), m.data, static_cast<size_t>(m.bytes));
+      out->meta[i] = SlotMeta{desc.seq, desc.bytes, desc.code, static_cast<uint32_t>(m.bytes)};
+      out->head.store(++sent_, std::memory_order_release);
+      RingBell(out);
+      CountSent(static_cast<CollectiveKind>(desc.code >> 28), m.bytes);
+      sends.pop_front();
+      progress = true;
+    }
+    while (next < num_recvs && in->head.load(std::memory_order_acquire) > consumed_) {
+      const uint64_t i = consumed_ % slots;
+      const SlotMeta meta = in->meta[i];
+      const Recv r = recv(next);
+      if (meta.seq != desc.seq || meta.code != desc.code || meta.bytes != desc.bytes ||
+          meta.segment_bytes != static_cast<uint64_t>(r.bytes)) {
+        return Fail(absl::InvalidArgumentError(absl::StrCat(
+            "collective mismatch: rank ", left_, " sent a segment of its collective #", meta.seq,
+            ", a ", Describe(meta.code, meta.bytes), ", while rank ", rank(),
+            " runs its collective #", desc.seq, ", a ", Describe(desc.code, desc.bytes),
+            ": every rank must issue the same collectives in the same order")));
+      }
+      const char* src = own_->slot(i);
+      if (r.reduce) {
+        ReduceInto(r.dst, src, r.bytes / elem, type, op);
+      } else {
+        std::memcpy(r.dst, src, static_cast<size_t>(r.bytes));
+      }
+      in->tail.store(++consumed_, std::memory_order_release);
+      RingBell(back);
+      CountReceived(static_cast<CollectiveKind>(desc.code >> 28), r.bytes);
+      if (r.forward) sends.push_back(Send{r.dst, r.bytes});
+      ++next;
+      progress = true;
+    }
+    if (progress) {
+      last_progress = absl::Now();
+      rechecked = false;
+      continue;
+    }
+    // Nothing to do until a neighbour acts. Only the neighbours this rank
+    // still needs are checked: one that finished its part and closed its
+    // communicator (or exited) is no failure of this collective. A failure
+    // further along the ring reaches this rank hop by hop: each rank that
+    // fails closes its channel, and its neighbours see that.
+    const bool want_data = next < num_recvs;
+    const int waited_for = want_data ? left_ : right_;
+    absl::Status peer = PeerFailure(waited_for);
+    if (peer.ok() && want_data && !sends.empty() && left_ != right_) peer = PeerFailure(right_);
+    if (!peer.ok()) {
+      // What a neighbour published before it left is still usable: look once more.
+      if (!rechecked) {
+        rechecked = true;
+        continue;
+      }
+      return Fail(peer);
+    }
+    const absl::Duration waited = absl::Now() - last_progress;
+    if (waited >= options_.timeout) {
+      return Fail(absl::DeadlineExceededError(absl::StrCat(
+          "rank ", rank(), ": ", Describe(desc.code, desc.bytes), " timed out after ",
+          absl::FormatDuration(options_.timeout), " without progress, waiting for rank ",
+          waited_for, want_data ? " to send" : " to take its messages")));
+    }
+    in->waiting.store(1, std::memory_order_seq_cst);
+    if (in->doorbell.load(std::memory_order_seq_cst) == bell) {
+      FutexWait(&in->doorbell, bell, std::min(kWaitSlice, options_.timeout - waited));
+    }
+    in->waiting.store(0, std::memory_order_seq_cst);
+  }
+  return absl::OkStatus();
+}
+
+// Ring reduce-scatter (as GlooCommunicator's): this rank first sends chunk
+// (r-1) mod N; the s-th incoming chunk, (r-s-2) mod N, is reduced into place
+// straight from the slot and forwarded while s < N-2. Chunk r ends complete.
+absl::Status ShmCommunicator::RingReduceScatter(char* buffer, int64_t chunk_bytes,
+                                                ElementType type, ReduceOp op,
+                                                CollectiveKind kind) {
+  const int n = world_size(), r = rank();
+  if (n == 1 || chunk_bytes == 0) return absl::OkStatus();
+  const int elem = ElementSize(type);
+  const int64_t seg = std::max<int64_t>(elem, options_.slot_bytes / elem * elem);
+  const int64_t nseg = (chunk_bytes + seg - 1) / seg;
+  auto seg_len = [&](int64_t k) { return std::min(seg, chunk_bytes - k * seg); };
+  auto chunk = [&](int s, int shift) { return ((r - s - shift) % n + 2 * n) % n; };
+  std::deque<Send> sends;
+  for (int64_t k = 0; k < nseg; ++k) {
+    sends.push_back(Send{buffer + chunk(0, 1) * chunk_bytes + k * seg, seg_len(k)});
+  }
+  const OpDesc desc{++op_seq_, Code(kind, 0, 0), static_cast<uint64_t>(chunk_bytes)};
+  return Exchange(
+      desc, std::move(sends), (n - 1) * nseg,
+      [&](int64_t j) {
+        const int s = static_cast<int>(j / nseg);
+        const int64_t k = j % nseg;
+        return Recv{buffer + chunk(s, 2) * chunk_bytes + k * seg, seg_len(k), true, s + 1 < n - 1};
+      },
+      type, op);
+}
+
+// Ring all-gather: this rank sends its chunk; the s-th incoming chunk,
+// (r-s-1) mod N, is copied into place and forwarded while s < N-2.
+absl::Status ShmCommunicator::RingAllGather(char* buffer, int64_t chunk_bytes,
+                                            CollectiveKind kind) {
+  const int n = world_size(), r = rank();
+  if (n == 1 || chunk_bytes == 0) return absl::OkStatus();
+  const int64_t seg = options_.slot_bytes;
+  const int64_t nseg = (chunk_bytes + seg - 1) / seg;
+  auto seg_len = [&](int64_t k) { return std::min(seg, chunk_bytes - k * seg); };
+  std::deque<Send> sends;
+  for (int64_t k = 0; k < nseg; ++k) sends.push_back(Send{buffer + r * chunk_bytes + k * seg, seg_len(k)});
+  const OpDesc desc{++op_seq_, Code(kind, 1, 0), static_cast<uint64_t>(chunk_bytes)};
+  return Exchange(
+      desc, std::move(sends), (n - 1) * nseg,
+      [&](int64_t j) {
+        const int s = static_cast<int>(j / nseg);
+        const int64_t k = j % nseg;
+        const int c = ((r - s - 1) % n + 2 * n) % n;
+        return Recv{buffer + c * chunk_bytes + k * seg, seg_len(k), false, s + 1 < n - 1};
+      },
+      ElementType::kByte, ReduceOp::kSum);
+}
+
+absl::Status ShmCommunicator::RunReduceScatter(void* buffer, int64_t count, ElementType type,
+                                               ReduceOp op) {
+  const int elem = ElementSize(type);
+  absl::Status s = RingReduceScatter(static_cast<char*>(buffer), count * elem, type, op,
+                                     CollectiveKind::kReduceScatter);
+  if (!s.ok()) return s;
+  if (op == ReduceOp::kAverage && world_size() > 1) {
+    Scale(static_cast<char*>(buffer) + rank() * count * elem, count, type, 1.0f / world_size());
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ShmCommunicator::RunAllGather(void* buffer, int64_t count, ElementType type) {
+  return RingAllGather(static_cast<char*>(buffer), count * ElementSize(type),
+                       CollectiveKind::kAllGather);
+}
+
+// As GlooCommunicator's: reduce-scatter, average this rank's chunk and
+// all-gather, in place over the largest multiple of N elements; the < N
+// elements left go through a small padded buffer.
+absl::Status ShmCommunicator::RunAllReduce(void* buffer, int64_t count, ElementType type,
+                                           ReduceOp op) {
+  const int n = world_size();
+  const int elem = ElementSize(type);
+  if (n == 1 || count == 0) return absl::OkStatus();
+  const int64_t per_rank = count / n;
+  char* base = static_cast<char*>(buffer);
+  if (per_rank > 0) {
+    absl::Status s = RingReduceScatter(base, per_rank * elem, type, op, CollectiveKind::kAllReduce);
+    if (!s.ok()) return s;
+    if (op == ReduceOp::kAverage) Scale(base + rank() * per_rank * elem, per_rank, type, 1.0f / n);
+    s = RingAllGather(base, per_rank * elem, CollectiveKind::kAllReduce);
+    if (!s.ok()) return s;
+  }
+  const int64_t rest = count - per_rank * n;
+  if (rest == 0) return absl::OkStatus();
+  std::vector<char> padded(static_cast<size_t>(n * elem), 0);
+  std::memcpy(padded.data(), base + per_rank * n * elem, rest * elem);
+  absl::Status s = RingReduceScatter(padded.data(), elem, type, op, CollectiveKind::kAllReduce);
+  if (s.ok()) s = RingAllGather(padded.data(), elem, CollectiveKind::kAllReduce);
+  if (!s.ok()) return s;
+  if (op == ReduceOp::kAverage) Scale(padded.data(), rest, type, 1.0f / n);
+  std::memcpy(base + per_rank * n * elem, padded.data(), rest * elem);
+  return absl::OkStatus();
+}
+
+// A chain root -> root+1 -> ... -> root-1 around the ring, every segment
+// forwarded as it arrives.
+absl::Status ShmCommunicator::RunBroadcast(void* buffer, int64_t count, ElementType type,
+                                           int root) {
+  const int n = world_size(), r = rank();
+  const int64_t bytes = count * ElementSize(type);
+  if (n == 1 || bytes == 0) return absl::OkStatus();
+  const int64_t seg = options_.slot_bytes;
+  const int64_t nseg = (bytes + seg - 1) / seg;
+  auto seg_len = [&](int64_t k) { return std::min(seg, bytes - k * seg); };
+  const int pos = (r - root + n) % n;
+  char* buf = static_cast<char*>(buffer);
+  std::deque<Send> sends;
+  if (pos == 0) {
+    for (int64_t k = 0; k < nseg; ++k) sends.push_back(Send{buf + k * seg, seg_len(k)});
+  }
+  const OpDesc desc{++op_seq_, Code(CollectiveKind::kBroadcast, 2, root),
+                    static_cast<uint64_t>(bytes)};
+  return Exchange(
+      desc, std::move(sends), pos == 0 ? 0 : nseg,
+      [&](int64_t k) { return Recv{buf + k * seg, seg_len(k), false, pos < n - 1}; },
+      ElementType::kByte, ReduceOp::kSum);
+}
+
+absl::Status ShmCommunicator::RunBarrier() {
+  const int n = world_size();
+  if (n == 1) return absl::OkStatus();
+  std::vector<float> padded(n, 0.0f);
+  padded[0] = 1.0f;
+  absl::Status s = RingReduceScatter(reinterpret_cast<char*>(padded.data()), sizeof(float),
+                                     ElementType::kFloat32, ReduceOp::kSum,
+                                     CollectiveKind::kBarrier);
+  if (s.ok()) {
+    s = RingAllGather(reinterpret_cast<char*>(padded.data()), sizeof(float),
+                      CollectiveKind::kBarrier);
+  }
+  return s;
+}
+
+}  // namespace shardopt
