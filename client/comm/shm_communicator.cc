@@ -38,9 +38,11 @@ constexpr absl::Duration kWaitSlice = absl::Milliseconds(50);
 
 struct SlotMeta {
   uint64_t seq;    // the sender's collective number
-  uint64_t bytes;  // the collective's chunk size
+  uint64_t bytes;  // the sub-operation's chunk size
   uint32_t code;   // kind, phase, root
   uint32_t segment_bytes;
+  uint32_t sub;      // sub-operation within the collective
+  uint32_t type_op;  // element type and reduce op
 };
 
 // Start of every region. The channel carries messages from the owner's left
@@ -120,9 +122,12 @@ std::string ShmHostIdentity() {
   // The network namespace too: ranks that see different networks are treated
   // as different hosts (as tests that simulate hosts with namespaces expect;
   // Gloo works across them, whatever they share).
-  char net[128] = {0};
+  // And the pid namespace: a neighbour's liveness is checked through its pid.
+  char net[128] = {0}, pid[128] = {0};
   const ssize_t n = readlink("/proc/self/ns/net", net, sizeof(net) - 1);
-  return absl::StrCat(host, " boot ", boot, " shm ", shm, " ", n > 0 ? net : "net:?");
+  const ssize_t m = readlink("/proc/self/ns/pid", pid, sizeof(pid) - 1);
+  return absl::StrCat(host, " boot ", boot, " shm ", shm, " ", n > 0 ? net : "net:?", " ",
+                      m > 0 ? pid : "pid:?");
 }
 
 struct ShmCommunicator::Region {
@@ -157,6 +162,9 @@ absl::StatusOr<std::unique_ptr<ShmCommunicator>> ShmCommunicator::Create(
     return absl::InvalidArgumentError(
         absl::StrCat("slots must be in [2, ", kMaxSlots, "], not ", options.slots));
   }
+  if (options.timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("timeout must be positive");
+  }
   if (store == nullptr) return absl::InvalidArgumentError("no rendezvous store");
   std::unique_ptr<ShmCommunicator> comm(new ShmCommunicator(rank, world_size, options));
   if (world_size == 1) {
@@ -165,8 +173,28 @@ absl::StatusOr<std::unique_ptr<ShmCommunicator>> ShmCommunicator::Create(
   }
   PrefixKeyValueStore kv(store, options.store_prefix);
   const std::string where = absl::StrCat("shared-memory rendezvous of rank ", rank, " of ", world_size);
+  // A rank that fails says so where its neighbours wait for it, so they fail
+  // at once naming the cause instead of at their timeout.
+  bool region_published = false, mapped_published = false;
   auto fail = [&](const absl::Status& s) {
-    return absl::Status(s.code(), absl::StrCat(where, ": ", s.message()));
+    absl::Status out(s.code(), absl::StrCat(where, ": ", s.message()));
+    const std::string record = absl::StrCat("!", out.message());
+    if (!region_published) (void)kv.Set(absl::StrCat("region/", rank), record);
+    if (!mapped_published) (void)kv.Set(absl::StrCat("mapped/", rank), record);
+    return out;
+  };
+  // A neighbour's record, or its failure.
+  auto get = [&](const std::string& key, int peer) -> absl::StatusOr<std::string> {
+    auto v = kv.Get(absl::StrCat(key, "/", peer), options.timeout);
+    if (!v.ok()) {
+      return absl::Status(v.status().code(), absl::StrCat("waiting for rank ", peer, ": ",
+                                                          v.status().message()));
+    }
+    if (!v->empty() && (*v)[0] == '!') {
+      return absl::FailedPreconditionError(
+          absl::StrCat("rank ", peer, " failed: ", v->substr(1)));
+    }
+    return v;
   };
 
   // Every rank must be on this host.
@@ -220,11 +248,12 @@ absl::StatusOr<std::unique_ptr<ShmCommunicator>> ShmCommunicator::Create(
   }
   s = kv.Set(absl::StrCat("region/", rank), absl::StrCat(own->name, " ", getpid()));
   if (!s.ok()) return fail(s);
+  region_published = true;
 
   // The neighbours' regions.
   const int left = (rank + world_size - 1) % world_size, right = (rank + 1) % world_size;
   auto map_peer = [&](int peer, int* pid) -> absl::StatusOr<std::unique_ptr<Region>> {
-    auto value = kv.Get(absl::StrCat("region/", peer), options.timeout);
+    auto value = get("region", peer);
     if (!value.ok()) return value.status();
     std::vector<std::string> parts = absl::StrSplit(*value, ' ');
     if (parts.size() != 2 || !absl::SimpleAtoi(parts[1], pid)) {
@@ -234,6 +263,22 @@ absl::StatusOr<std::unique_ptr<ShmCommunicator>> ShmCommunicator::Create(
     region->name = parts[0];
     const int fd = shm_open(region->name.c_str(), O_RDWR, 0);
     if (fd < 0) {
+      if (errno == EACCES) {
+        return absl::PermissionDeniedError(absl::StrCat(
+            "cannot open rank ", peer, "'s region ", region->name,
+            ": permission denied (regions are private to their user: run every rank as one user)"));
+      }
+      const int err = errno;
+      if (err == ENOENT) {
+        // Gone already: the rank failed its rendezvous (and says why), or
+        // its /dev/shm is another one.
+        auto record = kv.Get(absl::StrCat("mapped/", peer), absl::Seconds(2));
+        if (record.ok() && !record->empty() && (*record)[0] == '!') {
+          return absl::FailedPreconditionError(
+              absl::StrCat("rank ", peer, " failed: ", record->substr(1)));
+        }
+      }
+      errno = err;
       return Errno(absl::StrCat("cannot open rank ", peer, "'s region ", region->name,
                                 " (did its own rendezvous fail? is its /dev/shm another one?)"));
     }
@@ -279,8 +324,9 @@ absl::StatusOr<std::unique_ptr<ShmCommunicator>> ShmCommunicator::Create(
   // is left in /dev/shm whatever happens to the processes later.
   s = kv.Set(absl::StrCat("mapped/", rank), "1");
   if (!s.ok()) return fail(s);
+  mapped_published = true;
   for (int peer : {left, right}) {
-    auto v = kv.Get(absl::StrCat("mapped/", peer), options.timeout);
+    auto v = get("mapped", peer);
     if (!v.ok()) return fail(v.status());
   }
   shm_unlink(own->name.c_str());
@@ -295,22 +341,31 @@ ShmCommunicator::ShmCommunicator(int rank, int world_size, const ShmOptions& opt
 
 ShmCommunicator::~ShmCommunicator() {
   Stop();  // the worker finishes (or fails) what is queued; waits are bounded
-  if (own_ != nullptr && !aborted()) {
-    Header* h = own_->h();
-    std::snprintf(h->reason, sizeof(h->reason), "rank %d closed its communicator", rank());
-    h->closed.store(1, std::memory_order_release);
-    RingBell(right_region_->h(), true);
-    if (left_region_ != nullptr) RingBell(left_region_->h(), true);
+  {
+    absl::MutexLock lock(&close_mu_);
+    if (own_ != nullptr) {
+      Header* h = own_->h();
+      if (h->closed.load(std::memory_order_acquire) == 0) {
+        std::snprintf(h->reason, sizeof(h->reason), "rank %d closed its communicator", rank());
+        h->closed.store(1, std::memory_order_release);
+      }
+      RingBell(right_region_->h(), true);
+      if (left_region_ != nullptr) RingBell(left_region_->h(), true);
+    }
+    released_ = true;  // a late Interrupt() touches nothing now
   }
   if (left_pidfd_ >= 0) close(left_pidfd_);
   if (right_pidfd_ >= 0) close(right_pidfd_);
 }
 
 void ShmCommunicator::Interrupt() {
-  if (own_ == nullptr) return;
+  absl::MutexLock lock(&close_mu_);
+  if (own_ == nullptr || released_) return;
   Header* h = own_->h();
   if (h->closed.load(std::memory_order_acquire) == 0) {
-    std::snprintf(h->reason, sizeof(h->reason), "%s", abort_status().ToString().c_str());
+    // The first cause travels on unchanged (a neighbour's, if that is why).
+    const std::string why = !relayed_.empty() ? relayed_ : abort_status().ToString();
+    std::snprintf(h->reason, sizeof(h->reason), "%s", why.c_str());
     h->closed.store(1, std::memory_order_release);
   }
   RingBell(h, true);
@@ -323,17 +378,18 @@ absl::Status ShmCommunicator::Fail(absl::Status status) {
   return status;
 }
 
-absl::Status ShmCommunicator::PeerFailure(int peer) const {
-  const Region* region = peer == right_ || left_region_ == nullptr ? right_region_.get()
-                                                                     : left_region_.get();
+absl::Status ShmCommunicator::PeerFailure(int peer, std::string* origin) const {
+  const bool is_left = peer == left_;
+  const Region* region = !is_left || left_region_ == nullptr ? right_region_.get()
+                                                             : left_region_.get();
   const Header* h = region->h();
   if (h->closed.load(std::memory_order_acquire) != 0) {
+    *origin = std::string(h->reason, strnlen(h->reason, sizeof(h->reason)));
     return absl::UnavailableError(
-        absl::StrCat("rank ", rank(), ": rank ", peer, " left the collective: ",
-                     std::string(h->reason, strnlen(h->reason, sizeof(h->reason)))));
+        absl::StrCat("rank ", rank(), ": rank ", peer, " left the collective: ", *origin));
   }
-  const int pidfd = peer == left_ ? left_pidfd_ : right_pidfd_ >= 0 ? right_pidfd_ : left_pidfd_;
-  const int pid = peer == left_ ? left_pid_ : right_pid_;
+  const int pidfd = is_left || left_ == right_ ? left_pidfd_ : right_pidfd_;
+  const int pid = is_left ? left_pid_ : right_pid_;
   bool exited = false;
   if (pidfd >= 0) {
     pollfd p{pidfd, POLLIN, 0};
@@ -348,19 +404,27 @@ absl::Status ShmCommunicator::PeerFailure(int peer) const {
   return absl::OkStatus();
 }
 
-std::string ShmCommunicator::Describe(uint32_t code, uint64_t bytes) const {
-  const int kind = static_cast<int>(code >> 28);
-  const int phase = static_cast<int>((code >> 24) & 0xf);
-  const char* name =
-      kind < kNumCollectiveKinds ? CollectiveKindName(static_cast<CollectiveKind>(kind)) : "?";
-  const char* phases[] = {"reduce-scatter", "all-gather", "broadcast"};
-  std::string out = absl::StrCat(name);
-  if (phase < 3 && std::string(name) != phases[phase]) {
-    absl::StrAppend(&out, " (", phases[phase], " phase)");
-  }
+std::string ShmCommunicator::Describe(uint32_t code, uint32_t type_op, uint64_t bytes) const {
+  static const char* const kKinds[] = {"reduce-scatter", "all-gather", "all-reduce", "broadcast",
+                                       "barrier"};
+  static const char* const kPhases[] = {"reduce-scatter", "all-gather", "broadcast"};
+  static const char* const kTypes[] = {"fp32", "bf16", "bytes"};
+  static const char* const kOps[] = {"sum", "average", "max"};
+  const uint32_t kind = code >> 28, phase = (code >> 24) & 0xf;
+  const uint32_t type = type_op >> 4, op = type_op & 0xf;
+  std::string out = kind < 5 ? kKinds[kind] : "?";
+  if (phase < 3 && out != kPhases[phase]) absl::StrAppend(&out, " (", kPhases[phase], " phase)");
   if (phase == 2) absl::StrAppend(&out, " from root ", code & 0xffffff);
-  absl::StrAppend(&out, " of ", bytes, " bytes per chunk");
+  absl::StrAppend(&out, " of ", bytes, " bytes per chunk, ", type < 3 ? kTypes[type] : "?");
+  if (phase == 0) absl::StrAppend(&out, " ", op < 3 ? kOps[op] : "?");
   return out;
+}
+
+ShmCommunicator::OpDesc ShmCommunicator::NextDesc(CollectiveKind kind, int phase, int root,
+                                                  ElementType type, ReduceOp op, int64_t bytes) {
+  return OpDesc{op_seq_, sub_++, Code(kind, phase, root),
+                (static_cast<uint32_t>(type) << 4) | static_cast<uint32_t>(op),
+                static_cast<uint64_t>(bytes)};
 }
 
 absl::Status ShmCommunicator::Exchange(const OpDesc& desc, std::deque<Send> sends,
@@ -376,14 +440,16 @@ absl::Status ShmCommunicator::Exchange(const OpDesc& desc, std::deque<Send> send
   absl::Time last_progress = absl::Now();
   bool rechecked = false;
   while (!sends.empty() || next < num_recvs) {
-    if (aborted()) return abort_status();
+    // The doorbell before the abort flag: an Abort() after this read rings it.
     const uint32_t bell = in->doorbell.load(std::memory_order_seq_cst);
+    if (aborted()) return abort_status();
     bool progress = false;
     while (!sends.empty() && sent_ - out->tail.load(std::memory_order_acquire) < slots) {
       const uint64_t i = sent_ % slots;
       const Send& m = sends.front();
       std::memcpy(right_region_->slot(i), m.data, static_cast<size_t>(m.bytes));
-      out->meta[i] = SlotMeta{desc.seq, desc.bytes, desc.code, static_cast<uint32_t>(m.bytes)};
+      out->meta[i] = SlotMeta{desc.seq, desc.bytes, desc.code, static_cast<uint32_t>(m.bytes),
+                              desc.sub, desc.type_op};
       out->head.store(++sent_, std::memory_order_release);
       RingBell(out);
       CountSent(static_cast<CollectiveKind>(desc.code >> 28), m.bytes);
@@ -394,12 +460,14 @@ absl::Status ShmCommunicator::Exchange(const OpDesc& desc, std::deque<Send> send
       const uint64_t i = consumed_ % slots;
       const SlotMeta meta = in->meta[i];
       const Recv r = recv(next);
-      if (meta.seq != desc.seq || meta.code != desc.code || meta.bytes != desc.bytes ||
+      if (meta.seq != desc.seq || meta.sub != desc.sub || meta.code != desc.code ||
+          meta.bytes != desc.bytes || meta.type_op != desc.type_op ||
           meta.segment_bytes != static_cast<uint64_t>(r.bytes)) {
         return Fail(absl::InvalidArgumentError(absl::StrCat(
             "collective mismatch: rank ", left_, " sent a segment of its collective #", meta.seq,
-            ", a ", Describe(meta.code, meta.bytes), ", while rank ", rank(),
-            " runs its collective #", desc.seq, ", a ", Describe(desc.code, desc.bytes),
+            " (", Describe(meta.code, meta.type_op, meta.bytes), ") while rank ", rank(),
+            " runs its collective #", desc.seq, " (",
+            Describe(desc.code, desc.type_op, desc.bytes), ")",
             ": every rank must issue the same collectives in the same order")));
       }
       const char* src = own_->slot(i);
@@ -426,23 +494,32 @@ absl::Status ShmCommunicator::Exchange(const OpDesc& desc, std::deque<Send> send
     // further along the ring reaches this rank hop by hop: each rank that
     // fails closes its channel, and its neighbours see that.
     const bool want_data = next < num_recvs;
-    const int waited_for = want_data ? left_ : right_;
-    absl::Status peer = PeerFailure(waited_for);
-    if (peer.ok() && want_data && !sends.empty() && left_ != right_) peer = PeerFailure(right_);
+    const bool want_slots = !sends.empty();
+    std::string origin;
+    absl::Status peer = PeerFailure(want_data ? left_ : right_, &origin);
+    if (peer.ok() && want_data && want_slots && left_ != right_) {
+      peer = PeerFailure(right_, &origin);
+    }
     if (!peer.ok()) {
       // What a neighbour published before it left is still usable: look once more.
       if (!rechecked) {
         rechecked = true;
         continue;
       }
+      if (!origin.empty()) {
+        absl::MutexLock lock(&close_mu_);
+        relayed_ = origin;
+      }
       return Fail(peer);
     }
     const absl::Duration waited = absl::Now() - last_progress;
     if (waited >= options_.timeout) {
+      std::string whom =
+          want_data ? absl::StrCat("rank ", left_, " to send") : absl::StrCat("rank ", right_, " to take its messages");
+      if (want_data && want_slots) absl::StrAppend(&whom, " and rank ", right_, " to take its messages");
       return Fail(absl::DeadlineExceededError(absl::StrCat(
-          "rank ", rank(), ": ", Describe(desc.code, desc.bytes), " timed out after ",
-          absl::FormatDuration(options_.timeout), " without progress, waiting for rank ",
-          waited_for, want_data ? " to send" : " to take its messages")));
+          "rank ", rank(), ": ", Describe(desc.code, desc.type_op, desc.bytes), " timed out after ",
+          absl::FormatDuration(options_.timeout), " without progress, waiting for ", whom)));
     }
     in->waiting.store(1, std::memory_order_seq_cst);
     if (in->doorbell.load(std::memory_order_seq_cst) == bell) {
@@ -470,7 +547,7 @@ absl::Status ShmCommunicator::RingReduceScatter(char* buffer, int64_t chunk_byte
   for (int64_t k = 0; k < nseg; ++k) {
     sends.push_back(Send{buffer + chunk(0, 1) * chunk_bytes + k * seg, seg_len(k)});
   }
-  const OpDesc desc{++op_seq_, Code(kind, 0, 0), static_cast<uint64_t>(chunk_bytes)};
+  const OpDesc desc = NextDesc(kind, 0, 0, type, op, chunk_bytes);
   return Exchange(
       desc, std::move(sends), (n - 1) * nseg,
       [&](int64_t j) {
@@ -483,7 +560,7 @@ absl::Status ShmCommunicator::RingReduceScatter(char* buffer, int64_t chunk_byte
 
 // Ring all-gather: this rank sends its chunk; the s-th incoming chunk,
 // (r-s-1) mod N, is copied into place and forwarded while s < N-2.
-absl::Status ShmCommunicator::RingAllGather(char* buffer, int64_t chunk_bytes,
+absl::Status ShmCommunicator::RingAllGather(char* buffer, int64_t chunk_bytes, ElementType type,
                                             CollectiveKind kind) {
   const int n = world_size(), r = rank();
   if (n == 1 || chunk_bytes == 0) return absl::OkStatus();
@@ -492,7 +569,7 @@ absl::Status ShmCommunicator::RingAllGather(char* buffer, int64_t chunk_bytes,
   auto seg_len = [&](int64_t k) { return std::min(seg, chunk_bytes - k * seg); };
   std::deque<Send> sends;
   for (int64_t k = 0; k < nseg; ++k) sends.push_back(Send{buffer + r * chunk_bytes + k * seg, seg_len(k)});
-  const OpDesc desc{++op_seq_, Code(kind, 1, 0), static_cast<uint64_t>(chunk_bytes)};
+  const OpDesc desc = NextDesc(kind, 1, 0, type, ReduceOp::kSum, chunk_bytes);
   return Exchange(
       desc, std::move(sends), (n - 1) * nseg,
       [&](int64_t j) {
@@ -506,6 +583,7 @@ absl::Status ShmCommunicator::RingAllGather(char* buffer, int64_t chunk_bytes,
 
 absl::Status ShmCommunicator::RunReduceScatter(void* buffer, int64_t count, ElementType type,
                                                ReduceOp op) {
+  BeginCollective();
   const int elem = ElementSize(type);
   absl::Status s = RingReduceScatter(static_cast<char*>(buffer), count * elem, type, op,
                                      CollectiveKind::kReduceScatter);
@@ -517,7 +595,8 @@ absl::Status ShmCommunicator::RunReduceScatter(void* buffer, int64_t count, Elem
 }
 
 absl::Status ShmCommunicator::RunAllGather(void* buffer, int64_t count, ElementType type) {
-  return RingAllGather(static_cast<char*>(buffer), count * ElementSize(type),
+  BeginCollective();
+  return RingAllGather(static_cast<char*>(buffer), count * ElementSize(type), type,
                        CollectiveKind::kAllGather);
 }
 
@@ -526,6 +605,7 @@ absl::Status ShmCommunicator::RunAllGather(void* buffer, int64_t count, ElementT
 // elements left go through a small padded buffer.
 absl::Status ShmCommunicator::RunAllReduce(void* buffer, int64_t count, ElementType type,
                                            ReduceOp op) {
+  BeginCollective();
   const int n = world_size();
   const int elem = ElementSize(type);
   if (n == 1 || count == 0) return absl::OkStatus();
@@ -535,7 +615,7 @@ absl::Status ShmCommunicator::RunAllReduce(void* buffer, int64_t count, ElementT
     absl::Status s = RingReduceScatter(base, per_rank * elem, type, op, CollectiveKind::kAllReduce);
     if (!s.ok()) return s;
     if (op == ReduceOp::kAverage) Scale(base + rank() * per_rank * elem, per_rank, type, 1.0f / n);
-    s = RingAllGather(base, per_rank * elem, CollectiveKind::kAllReduce);
+    s = RingAllGather(base, per_rank * elem, type, CollectiveKind::kAllReduce);
     if (!s.ok()) return s;
   }
   const int64_t rest = count - per_rank * n;
@@ -543,7 +623,7 @@ absl::Status ShmCommunicator::RunAllReduce(void* buffer, int64_t count, ElementT
   std::vector<char> padded(static_cast<size_t>(n * elem), 0);
   std::memcpy(padded.data(), base + per_rank * n * elem, rest * elem);
   absl::Status s = RingReduceScatter(padded.data(), elem, type, op, CollectiveKind::kAllReduce);
-  if (s.ok()) s = RingAllGather(padded.data(), elem, CollectiveKind::kAllReduce);
+  if (s.ok()) s = RingAllGather(padded.data(), elem, type, CollectiveKind::kAllReduce);
   if (!s.ok()) return s;
   if (op == ReduceOp::kAverage) Scale(padded.data(), rest, type, 1.0f / n);
   std::memcpy(base + per_rank * n * elem, padded.data(), rest * elem);
@@ -554,6 +634,7 @@ absl::Status ShmCommunicator::RunAllReduce(void* buffer, int64_t count, ElementT
 // forwarded as it arrives.
 absl::Status ShmCommunicator::RunBroadcast(void* buffer, int64_t count, ElementType type,
                                            int root) {
+  BeginCollective();
   const int n = world_size(), r = rank();
   const int64_t bytes = count * ElementSize(type);
   if (n == 1 || bytes == 0) return absl::OkStatus();
@@ -566,8 +647,7 @@ absl::Status ShmCommunicator::RunBroadcast(void* buffer, int64_t count, ElementT
   if (pos == 0) {
     for (int64_t k = 0; k < nseg; ++k) sends.push_back(Send{buf + k * seg, seg_len(k)});
   }
-  const OpDesc desc{++op_seq_, Code(CollectiveKind::kBroadcast, 2, root),
-                    static_cast<uint64_t>(bytes)};
+  const OpDesc desc = NextDesc(CollectiveKind::kBroadcast, 2, root, type, ReduceOp::kSum, bytes);
   return Exchange(
       desc, std::move(sends), pos == 0 ? 0 : nseg,
       [&](int64_t k) { return Recv{buf + k * seg, seg_len(k), false, pos < n - 1}; },
@@ -575,6 +655,7 @@ absl::Status ShmCommunicator::RunBroadcast(void* buffer, int64_t count, ElementT
 }
 
 absl::Status ShmCommunicator::RunBarrier() {
+  BeginCollective();
   const int n = world_size();
   if (n == 1) return absl::OkStatus();
   std::vector<float> padded(n, 0.0f);
@@ -584,7 +665,7 @@ absl::Status ShmCommunicator::RunBarrier() {
                                      CollectiveKind::kBarrier);
   if (s.ok()) {
     s = RingAllGather(reinterpret_cast<char*>(padded.data()), sizeof(float),
-                      CollectiveKind::kBarrier);
+                      ElementType::kFloat32, CollectiveKind::kBarrier);
   }
   return s;
 }

@@ -29,7 +29,9 @@
 #include <memory>
 #include <string>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "client/comm/communicator.h"
 #include "client/comm/kv_store.h"
@@ -91,19 +93,29 @@ class ShmCommunicator : public QueuedCommunicator {
     bool forward;  // then send dst onward to the right neighbour
   };
   struct OpDesc {
-    uint64_t seq;
-    uint32_t code;  // collective kind, phase and root
-    uint64_t bytes;
+    uint64_t seq;      // the collective's number
+    uint32_t sub;      // sub-operation within it
+    uint32_t code;     // collective kind, phase and root
+    uint32_t type_op;  // element type and reduce op
+    uint64_t bytes;    // chunk size
   };
+  OpDesc NextDesc(CollectiveKind kind, int phase, int root, ElementType type, ReduceOp op,
+                  int64_t bytes);
+  void BeginCollective() {
+    ++op_seq_;
+    sub_ = 0;
+  }
   absl::Status Exchange(const OpDesc& desc, std::deque<Send> sends, int64_t num_recvs,
                         const std::function<Recv(int64_t)>& recv, ElementType type, ReduceOp op);
   absl::Status RingReduceScatter(char* buffer, int64_t chunk_bytes, ElementType type, ReduceOp op,
                                  CollectiveKind kind);
-  absl::Status RingAllGather(char* buffer, int64_t chunk_bytes, CollectiveKind kind);
+  absl::Status RingAllGather(char* buffer, int64_t chunk_bytes, ElementType type,
+                             CollectiveKind kind);
   absl::Status Fail(absl::Status status);
-  // Why a wait cannot succeed (a neighbour exited or aborted), or OK.
-  absl::Status PeerFailure(int peer) const;
-  std::string Describe(uint32_t code, uint64_t bytes) const;
+  // Why a wait cannot succeed (a neighbour exited or aborted), or OK. For a
+  // neighbour that aborted, *origin gets the reason it passed on.
+  absl::Status PeerFailure(int peer, std::string* origin) const;
+  std::string Describe(uint32_t code, uint32_t type_op, uint64_t bytes) const;
 
   const ShmOptions options_;
   int left_ = 0, right_ = 0;
@@ -116,6 +128,13 @@ class ShmCommunicator : public QueuedCommunicator {
   uint64_t sent_ = 0;      // messages published to the right neighbour
   uint64_t consumed_ = 0;  // messages consumed from the left neighbour
   uint64_t op_seq_ = 0;
+  uint32_t sub_ = 0;
+
+  // Interrupt() (any thread) against the destructor; the reason this rank
+  // passes on to its neighbours when it aborts because one of them did.
+  absl::Mutex close_mu_;
+  bool released_ ABSL_GUARDED_BY(close_mu_) = false;
+  std::string relayed_ ABSL_GUARDED_BY(close_mu_);
 };
 
 }  // namespace shardopt
