@@ -328,37 +328,13 @@ absl::Status GlooCommunicator::RunAllGather(void* buffer, int64_t count, Element
 
 absl::Status GlooCommunicator::RunAllReduce(void* buffer, int64_t count, ElementType type,
                                             ReduceOp op) {
-  const int n = world_size();
-  const int elem = ElementSize(type);
-  if (n == 1 || count == 0) return absl::OkStatus();
-  // The ring all-reduce: reduce-scatter, average this rank's chunk, all-gather.
-  // In place over the largest multiple of N elements (no copies); the < N
-  // elements left go through a small padded buffer.
-  const int64_t per_rank = count / n;
-  char* base = static_cast<char*>(buffer);
-  if (per_rank > 0) {
-    absl::Status s =
-        RingReduceScatter(base, per_rank * elem, type, op, CollectiveKind::kAllReduce);
-    if (!s.ok()) return s;
-    if (op == ReduceOp::kAverage) {
-      Scale(base + rank() * per_rank * elem, per_rank, type, 1.0f / n);
-    }
-    s = RingAllGather(base, per_rank * elem, CollectiveKind::kAllReduce);
-    if (!s.ok()) return s;
-  }
-  const int64_t rest = count - per_rank * n;
-  if (rest == 0) return absl::OkStatus();
-  std::vector<char> padded(static_cast<size_t>(n * elem), 0);
-  std::memcpy(padded.data(), base + per_rank * n * elem, rest * elem);
-  absl::Status s = RingReduceScatter(padded.data(), elem, type, op, CollectiveKind::kAllReduce);
-  if (s.ok()) s = RingAllGather(padded.data(), elem, CollectiveKind::kAllReduce);
-  if (!s.ok()) {
-    scratch_graveyard_.push_back(std::make_unique<std::vector<char>>(std::move(padded)));
-    return s;
-  }
-  if (op == ReduceOp::kAverage) Scale(padded.data(), rest, type, 1.0f / n);
-  std::memcpy(base + per_rank * n * elem, padded.data(), rest * elem);
-  return absl::OkStatus();
+  return AllReduceFromHalves(
+      buffer, count, type, op, rank(), world_size(),
+      [&](char* b, int64_t chunk) {
+        return RingReduceScatter(b, chunk, type, op, CollectiveKind::kAllReduce);
+      },
+      [&](char* b, int64_t chunk) { return RingAllGather(b, chunk, CollectiveKind::kAllReduce); },
+      &scratch_graveyard_);
 }
 
 // Pipelined chain root -> root+1 -> ... -> root-1, forwarding each segment as
@@ -403,19 +379,14 @@ absl::Status GlooCommunicator::RunBroadcast(void* buffer, int64_t count, Element
 }
 
 absl::Status GlooCommunicator::RunBarrier() {
-  float token = 1.0f;
-  const int n = world_size();
-  if (n == 1) return absl::OkStatus();
-  std::vector<float> padded(n, 0.0f);
-  padded[0] = token;
-  absl::Status s = RingReduceScatter(reinterpret_cast<char*>(padded.data()), sizeof(float),
-                                     ElementType::kFloat32, ReduceOp::kSum,
-                                     CollectiveKind::kBarrier);
-  if (s.ok()) {
-    s = RingAllGather(reinterpret_cast<char*>(padded.data()), sizeof(float),
-                      CollectiveKind::kBarrier);
-  }
-  return s;
+  return BarrierFromHalves(
+      world_size(),
+      [&](char* b, int64_t chunk) {
+        return RingReduceScatter(b, chunk, ElementType::kFloat32, ReduceOp::kSum,
+                                 CollectiveKind::kBarrier);
+      },
+      [&](char* b, int64_t chunk) { return RingAllGather(b, chunk, CollectiveKind::kBarrier); },
+      &scratch_graveyard_);
 }
 
 }  // namespace shardopt

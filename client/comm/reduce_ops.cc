@@ -1,6 +1,7 @@
 #include "client/comm/reduce_ops.h"
 
 #include <algorithm>
+#include <cstring>
 
 #include "server/kernels/update_slice.h"
 
@@ -34,6 +35,50 @@ void Scale(void* buffer, int64_t count, ElementType type, float factor) {
   }
   uint16_t* b = static_cast<uint16_t*>(buffer);
   for (int64_t i = 0; i < count; ++i) b[i] = FloatToBf16(Bf16ToFloat(b[i]) * factor);
+}
+
+absl::Status AllReduceFromHalves(void* buffer, int64_t count, ElementType type, ReduceOp op,
+                                 int rank, int world_size, const RingHalf& reduce_scatter,
+                                 const RingHalf& all_gather,
+                                 std::vector<std::unique_ptr<std::vector<char>>>* keep_on_failure) {
+  const int n = world_size;
+  const int elem = ElementSize(type);
+  if (n == 1 || count == 0) return absl::OkStatus();
+  const int64_t per_rank = count / n;
+  char* base = static_cast<char*>(buffer);
+  if (per_rank > 0) {
+    absl::Status s = reduce_scatter(base, per_rank * elem);
+    if (!s.ok()) return s;
+    if (op == ReduceOp::kAverage) Scale(base + rank * per_rank * elem, per_rank, type, 1.0f / n);
+    s = all_gather(base, per_rank * elem);
+    if (!s.ok()) return s;
+  }
+  const int64_t rest = count - per_rank * n;
+  if (rest == 0) return absl::OkStatus();
+  auto padded = std::make_unique<std::vector<char>>(static_cast<size_t>(n * elem), 0);
+  std::memcpy(padded->data(), base + per_rank * n * elem, rest * elem);
+  absl::Status s = reduce_scatter(padded->data(), elem);
+  if (s.ok()) s = all_gather(padded->data(), elem);
+  if (!s.ok()) {
+    keep_on_failure->push_back(std::move(padded));
+    return s;
+  }
+  if (op == ReduceOp::kAverage) Scale(padded->data(), rest, type, 1.0f / n);
+  std::memcpy(base + per_rank * n * elem, padded->data(), rest * elem);
+  return absl::OkStatus();
+}
+
+absl::Status BarrierFromHalves(int world_size, const RingHalf& reduce_scatter,
+                               const RingHalf& all_gather,
+                               std::vector<std::unique_ptr<std::vector<char>>>* keep_on_failure) {
+  if (world_size == 1) return absl::OkStatus();
+  auto padded = std::make_unique<std::vector<char>>(world_size * sizeof(float), 0);
+  const float token = 1.0f;
+  std::memcpy(padded->data(), &token, sizeof(float));
+  absl::Status s = reduce_scatter(padded->data(), sizeof(float));
+  if (s.ok()) s = all_gather(padded->data(), sizeof(float));
+  if (!s.ok()) keep_on_failure->push_back(std::move(padded));
+  return s;
 }
 
 }  // namespace shardopt

@@ -3,6 +3,11 @@
 #define SHARDOPT_CLIENT_REDUCE_OPS_H_
 
 #include <cstdint>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "absl/status/status.h"
 
 #include "client/comm/communicator.h"
 
@@ -14,6 +19,25 @@ void ReduceInto(void* dst, const void* src, int64_t count, ElementType type, Red
 
 // buffer[i] *= factor.
 void Scale(void* buffer, int64_t count, ElementType type, float factor);
+
+// For ring implementations (Gloo, shared memory): one reduce-scatter or
+// all-gather of chunks of `chunk_bytes` over `buffer` (world size chunks).
+using RingHalf = std::function<absl::Status(char* buffer, int64_t chunk_bytes)>;
+
+// All-reduce as a reduce-scatter, this rank's chunk averaged for kAverage,
+// and an all-gather: in place over the largest multiple of N elements (no
+// copies); the < N elements left go through a small padded buffer, handed to
+// *keep_on_failure if a half fails (a transport may still write into it).
+absl::Status AllReduceFromHalves(void* buffer, int64_t count, ElementType type, ReduceOp op,
+                                 int rank, int world_size, const RingHalf& reduce_scatter,
+                                 const RingHalf& all_gather,
+                                 std::vector<std::unique_ptr<std::vector<char>>>* keep_on_failure);
+
+// A barrier as the smallest reduce-scatter + all-gather (one float per rank);
+// the halves are given fp32 sums.
+absl::Status BarrierFromHalves(int world_size, const RingHalf& reduce_scatter,
+                               const RingHalf& all_gather,
+                               std::vector<std::unique_ptr<std::vector<char>>>* keep_on_failure);
 
 }  // namespace shardopt
 

@@ -600,34 +600,18 @@ absl::Status ShmCommunicator::RunAllGather(void* buffer, int64_t count, ElementT
                        CollectiveKind::kAllGather);
 }
 
-// As GlooCommunicator's: reduce-scatter, average this rank's chunk and
-// all-gather, in place over the largest multiple of N elements; the < N
-// elements left go through a small padded buffer.
 absl::Status ShmCommunicator::RunAllReduce(void* buffer, int64_t count, ElementType type,
                                            ReduceOp op) {
   BeginCollective();
-  const int n = world_size();
-  const int elem = ElementSize(type);
-  if (n == 1 || count == 0) return absl::OkStatus();
-  const int64_t per_rank = count / n;
-  char* base = static_cast<char*>(buffer);
-  if (per_rank > 0) {
-    absl::Status s = RingReduceScatter(base, per_rank * elem, type, op, CollectiveKind::kAllReduce);
-    if (!s.ok()) return s;
-    if (op == ReduceOp::kAverage) Scale(base + rank() * per_rank * elem, per_rank, type, 1.0f / n);
-    s = RingAllGather(base, per_rank * elem, type, CollectiveKind::kAllReduce);
-    if (!s.ok()) return s;
-  }
-  const int64_t rest = count - per_rank * n;
-  if (rest == 0) return absl::OkStatus();
-  std::vector<char> padded(static_cast<size_t>(n * elem), 0);
-  std::memcpy(padded.data(), base + per_rank * n * elem, rest * elem);
-  absl::Status s = RingReduceScatter(padded.data(), elem, type, op, CollectiveKind::kAllReduce);
-  if (s.ok()) s = RingAllGather(padded.data(), elem, type, CollectiveKind::kAllReduce);
-  if (!s.ok()) return s;
-  if (op == ReduceOp::kAverage) Scale(padded.data(), rest, type, 1.0f / n);
-  std::memcpy(base + per_rank * n * elem, padded.data(), rest * elem);
-  return absl::OkStatus();
+  return AllReduceFromHalves(
+      buffer, count, type, op, rank(), world_size(),
+      [&](char* b, int64_t chunk) {
+        return RingReduceScatter(b, chunk, type, op, CollectiveKind::kAllReduce);
+      },
+      [&](char* b, int64_t chunk) {
+        return RingAllGather(b, chunk, type, CollectiveKind::kAllReduce);
+      },
+      &scratch_);
 }
 
 // A chain root -> root+1 -> ... -> root-1 around the ring, every segment
@@ -656,18 +640,16 @@ absl::Status ShmCommunicator::RunBroadcast(void* buffer, int64_t count, ElementT
 
 absl::Status ShmCommunicator::RunBarrier() {
   BeginCollective();
-  const int n = world_size();
-  if (n == 1) return absl::OkStatus();
-  std::vector<float> padded(n, 0.0f);
-  padded[0] = 1.0f;
-  absl::Status s = RingReduceScatter(reinterpret_cast<char*>(padded.data()), sizeof(float),
-                                     ElementType::kFloat32, ReduceOp::kSum,
-                                     CollectiveKind::kBarrier);
-  if (s.ok()) {
-    s = RingAllGather(reinterpret_cast<char*>(padded.data()), sizeof(float),
-                      ElementType::kFloat32, CollectiveKind::kBarrier);
-  }
-  return s;
+  return BarrierFromHalves(
+      world_size(),
+      [&](char* b, int64_t chunk) {
+        return RingReduceScatter(b, chunk, ElementType::kFloat32, ReduceOp::kSum,
+                                 CollectiveKind::kBarrier);
+      },
+      [&](char* b, int64_t chunk) {
+        return RingAllGather(b, chunk, ElementType::kFloat32, CollectiveKind::kBarrier);
+      },
+      &scratch_);
 }
 
 }  // namespace shardopt

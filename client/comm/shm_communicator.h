@@ -28,6 +28,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
@@ -129,6 +130,7 @@ class ShmCommunicator : public QueuedCommunicator {
   uint64_t consumed_ = 0;  // messages consumed from the left neighbour
   uint64_t op_seq_ = 0;
   uint32_t sub_ = 0;
+  std::vector<std::unique_ptr<std::vector<char>>> scratch_;  // padded buffers of failed ops
 
   // Interrupt() (any thread) against the destructor; the reason this rank
   // passes on to its neighbours when it aborts because one of them did.

@@ -156,15 +156,22 @@ class DdpGradients {
 };
 
 struct StepTimes {
-  double total = 0, fwd_bwd = 0, comm = 0, optim = 0;
+  double total = 0, fwd_bwd = 0, comm = 0, optim = 0, fwd = 0, gate_wait = 0;
+  int64_t minor_faults = 0;  // page faults taken in the step (fresh memory touched)
 };
+
+int64_t MinorFaults() {
+  struct rusage ru;
+  getrusage(RUSAGE_SELF, &ru);
+  return ru.ru_minflt;
+}
 
 int RunWorker(const Flags& f) {
   const int rank = static_cast<int>(f.Int("rank", 0).value_or(0));
   const int world = static_cast<int>(f.Int("world", 2).value_or(2));
   const std::string row = f.Str("row", "shardopt");
   const int steps = static_cast<int>(f.Int("steps", 5).value_or(5));
-  const int warmup = static_cast<int>(f.Int("warmup", 2).value_or(2));
+  const int warmup = static_cast<int>(f.Int("warmup", 6).value_or(6));
   (void)ApplyMallocMode(MallocMode::kTuned);
   at::set_num_threads(1);
   (void)LimitBlasThreads(1);  // OMP_NUM_THREADS=1 is set by the parent too
@@ -201,6 +208,7 @@ int RunWorker(const Flags& f) {
   int64_t grad_bytes = numel * 4;  // ddp rows: the flat gradient buffer
 
   std::unique_ptr<ShardedOptimizer> sharded;
+  double gate_wait_s = 0;  // overlap rows: time the forward's layer gates waited
   std::unique_ptr<DdpGradients> ddp;
   std::unique_ptr<torch::optim::Adam> torch_adam;
   std::vector<float> m, v;  // ddp_fused state
@@ -266,8 +274,10 @@ int RunWorker(const Flags& f) {
     state_bytes = sharded->memory().state_bytes;
     if (overlap) {
       ShardedOptimizer* raw = sharded.get();
-      model->set_layer_gate([raw](torch::nn::Module& layer) {
+      model->set_layer_gate([raw, &gate_wait_s](torch::nn::Module& layer) {
+        const auto g0 = Clock::now();
         absl::Status w = raw->WaitForParameters(layer);
+        gate_wait_s += Since(g0);
         if (!w.ok()) throw std::runtime_error(std::string(w.message()));
       });
     }
@@ -363,6 +373,7 @@ int RunWorker(const Flags& f) {
   for (int step = 0; step < warmup + steps; ++step) {
     if (step == warmup) before = (*comm)->counters();
     StepTimes t;
+    const int64_t faults0 = MinorFaults();
     const auto t0 = Clock::now();
     if (observed) recorder->set_step(step + 1);
     if (sharded) {
@@ -374,7 +385,11 @@ int RunWorker(const Flags& f) {
         if (p.grad().defined()) p.mutable_grad().zero_();
       }
     }
+    gate_wait_s = 0;
+    const auto tf = Clock::now();
     torch::Tensor loss = model->Loss(step, rank * batch, (rank + 1) * batch);
+    t.fwd = Since(tf);
+    t.gate_wait = gate_wait_s;
     loss.backward();
     t.fwd_bwd = Since(t0);
     if (sharded) {
@@ -420,6 +435,7 @@ int RunWorker(const Flags& f) {
       }
     }
     t.total = Since(t0);
+    t.minor_faults = MinorFaults() - faults0;
     if (step >= warmup) times.push_back(t);
   }
   const ByteCounters after = (*comm)->counters();
@@ -442,6 +458,9 @@ int RunWorker(const Flags& f) {
     out["fwd_bwd_s"].push_back(t.fwd_bwd);
     out["comm_s"].push_back(t.comm);
     out["optim_s"].push_back(t.optim);
+    out["fwd_s"].push_back(t.fwd);
+    out["gate_wait_s"].push_back(t.gate_wait);
+    out["minor_faults"].push_back(t.minor_faults);
   }
   std::ofstream(f.Str("out", "/dev/stdout")) << out.dump() << "\n";
   return 0;
@@ -519,7 +538,7 @@ std::vector<nlohmann::json> RunPair(const std::string& self, const std::string& 
 }
 
 constexpr char kUsage[] = R"(usage: bench_oss [--models=mlp,resnet101] [--rows=ddp,ddp_fused,oss_ddp,shardopt]
-                 [--rounds=3] [--steps=5] [--warmup=2] [--ranks=2] [--zero2-bucket-cap=N]
+                 [--rounds=3] [--steps=5] [--warmup=6] [--ranks=2] [--zero2-bucket-cap=N]
                  [--transport=gloo|shm] [--json=PATH] [--png=PATH]
 
 fairscale's OSS benchmark table on CPU: 2 ranks (processes, Gloo over 127.0.0.1,
@@ -527,7 +546,10 @@ fairscale's OSS benchmark table on CPU: 2 ranks (processes, Gloo over 127.0.0.1,
 (row, round) a fresh pair of processes, warm-up steps excluded. Prints median
 samples/s per rank (+/- standard deviation over timed steps), ratio to ddp,
 peak RSS, optimizer state and bytes sent per rank per step, and the step
-breakdown. --png draws the chart with tools/bench/plot_oss.py (needs python3-matplotlib).
+breakdown. Warm-up is 6 steps: with the all-gathers overlapping the forward, glibc's heap
+takes up to 6 steps to settle on the mlp (a step that grows it faults in 64 MiB of fresh pages,
+~0.25 s on this VM: the JSON's minor_faults per step shows it; fwd_s and gate_wait_s split
+the forward and its layer waits). --png draws the chart with tools/bench/plot_oss.py (needs python3-matplotlib).
 --rows=shardopt,shardopt_fr measures what the flight recorder and the trainer's
 heartbeat metrics cost (README, "Flight recorder"); --rows=...,shardopt_overlap adds the
 all-gathers overlapping the next forward (its fwd+bwd column includes those waits, which its
@@ -547,7 +569,7 @@ int RunParent(const Flags& f, const std::string& self) {
       absl::StrSplit(f.Str("rows", "ddp,ddp_fused,oss_ddp,shardopt"), ',');
   const int rounds = static_cast<int>(f.Int("rounds", 3).value_or(3));
   const int steps = static_cast<int>(f.Int("steps", 5).value_or(5));
-  const int warmup = static_cast<int>(f.Int("warmup", 2).value_or(2));
+  const int warmup = static_cast<int>(f.Int("warmup", 6).value_or(6));
   const int ranks = static_cast<int>(f.Int("ranks", 2).value_or(2));
   const int64_t zero2_cap = f.Int("zero2-bucket-cap", 4 << 20).value_or(4 << 20);
   const std::string transport = f.Str("transport", "gloo");
@@ -587,7 +609,7 @@ int RunParent(const Flags& f, const std::string& self) {
                 "optim");
     double ddp_sps = 0;
     for (const std::string& row : rows) {
-      std::vector<double> sps, rss, fb, cm, op, sent;
+      std::vector<double> sps, rss, fb, cm, op, sent, faults;
       double state = 0, grads = 0;
       for (const auto& j : runs[row]) {
         grads = std::max(grads, j["grad_bytes"].get<double>());
@@ -596,6 +618,7 @@ int RunParent(const Flags& f, const std::string& self) {
         for (double s : j["fwd_bwd_s"]) fb.push_back(s);
         for (double s : j["comm_s"]) cm.push_back(s);
         for (double s : j["optim_s"]) op.push_back(s);
+        for (double s : j["minor_faults"]) faults.push_back(s);
         rss.push_back(j["peak_rss_bytes"].get<double>());
         sent.push_back(j["bytes_sent_per_step"].get<double>());
         state = std::max(state, j["optimizer_state_bytes"].get<double>());
@@ -613,6 +636,7 @@ int RunParent(const Flags& f, const std::string& self) {
       r["fwd_bwd_s"] = Median(fb);
       r["exposed_comm_s"] = Median(cm);
       r["optimizer_s"] = Median(op);
+      r["minor_faults_per_step_max"] = faults.empty() ? 0.0 : *std::max_element(faults.begin(), faults.end());
       const size_t at = row.find('@');
       const std::string same_ddp = at == std::string::npos ? "ddp" : "ddp" + row.substr(at);
       if (all[model].contains(same_ddp)) {
