@@ -53,7 +53,8 @@ struct ShmOptions {
 
 // What identifies "the same host" for shared memory: host name, kernel boot
 // id, the /dev/shm mount (containers on one kernel with separate /dev/shm
-// mounts cannot share memory) and the network namespace.
+// mounts cannot share memory), the network namespace and the pid namespace
+// (a neighbour's liveness is checked through its pid).
 std::string ShmHostIdentity();
 
 class ShmCommunicator : public QueuedCommunicator {
