@@ -594,6 +594,51 @@ TEST(CpuTransportTest, AutoPicksSharedMemoryOnOneHostAndNamesAreParsed) {
   EXPECT_NE(bad.message().find("auto"), absl::string_view::npos) << bad;
 }
 
+TEST(CpuTransportTest, AutoFallsBackToGlooTogetherWhenSharedMemoryFails) {
+  // Ranks whose channels disagree (as if one rank's /dev/shm could not hold
+  // them) fail the shared-memory rendezvous; with auto every rank then uses
+  // Gloo, and says why. With shm forced it is an error.
+  for (CpuTransport t : {CpuTransport::kAuto, CpuTransport::kShm}) {
+    InMemoryKeyValueStore store;
+    std::vector<absl::StatusOr<CpuComm>> comms(2);
+    std::vector<std::thread> threads;
+    const absl::Time start = absl::Now();
+    for (int r = 0; r < 2; ++r) {
+      threads.emplace_back([&, r] {
+        CpuCommOptions o;
+        o.transport = t;
+        o.timeout = absl::Seconds(30);
+        o.shm.slots = r == 0 ? 4 : 8;
+        comms[r] = CreateCpuCommunicator(&store, r, 2, o);
+      });
+    }
+    for (auto& th : threads) th.join();
+    EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+    if (t == CpuTransport::kShm) {
+      for (int r = 0; r < 2; ++r) EXPECT_FALSE(comms[r].ok());
+      continue;
+    }
+    for (int r = 0; r < 2; ++r) {
+      ASSERT_TRUE(comms[r].ok()) << comms[r].status();
+      EXPECT_EQ(comms[r]->transport, CpuTransport::kGloo);
+      EXPECT_NE(comms[r]->fallback_reason.find("shared memory failed"), std::string::npos)
+          << comms[r]->fallback_reason;
+      EXPECT_NE(comms[r]->fallback_reason.find("same slots and slot_bytes"), std::string::npos)
+          << comms[r]->fallback_reason;
+    }
+    std::vector<float> a(5, 1.0f), b(5, 2.0f);
+    std::thread other([&] {
+      EXPECT_TRUE(comms[0]->comm->AllReduce(a.data(), 5, ElementType::kFloat32, ReduceOp::kSum)
+                      ->Wait(absl::Seconds(10)).ok());
+    });
+    EXPECT_TRUE(comms[1]->comm->AllReduce(b.data(), 5, ElementType::kFloat32, ReduceOp::kSum)
+                    ->Wait(absl::Seconds(10)).ok());
+    other.join();
+    EXPECT_EQ(a, std::vector<float>(5, 3.0f));
+    EXPECT_EQ(b, a);
+  }
+}
+
 TEST(KeyValueStoreTest, GetWaitsAndTimesOut) {
   InMemoryKeyValueStore store;
   EXPECT_EQ(store.Get("k", absl::Milliseconds(10)).status().code(),

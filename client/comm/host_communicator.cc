@@ -53,21 +53,48 @@ absl::StatusOr<CpuComm> CreateCpuCommunicator(KeyValueStore* store, int rank, in
   CpuComm out;
   out.transport = transport;
   if (transport == CpuTransport::kShm) {
-    ShmOptions o;
+    ShmOptions o = options.shm;
     o.timeout = options.timeout;
     o.store_prefix = options.store_prefix + "/shm";
     auto c = ShmCommunicator::Create(store, rank, world_size, o);
-    if (!c.ok()) return c.status();
-    out.comm = std::move(*c);
-  } else {
-    GlooOptions o;
-    o.hostname = options.hostname;
-    o.timeout = options.timeout;
-    o.store_prefix = options.store_prefix + "/gloo";
-    auto c = GlooCommunicator::Create(store, rank, world_size, o);
-    if (!c.ok()) return c.status();
-    out.comm = std::move(*c);
+    if (options.transport == CpuTransport::kShm) {
+      if (!c.ok()) return c.status();
+      out.comm = std::move(*c);
+      return out;
+    }
+    // auto: shared memory can still fail on one host (a full or missing
+    // /dev/shm, limits). Every rank says how it went and reads everyone's, so
+    // all of them keep shm or all fall back to Gloo together.
+    PrefixKeyValueStore kv(store, options.store_prefix + "/auto");
+    absl::Status s = kv.Set(absl::StrCat("shm-ok/", rank),
+                            c.ok() ? "1" : absl::StrCat("0", c.status().message()));
+    if (!s.ok()) return s;
+    std::string why;
+    if (!c.ok()) why = absl::StrCat("rank ", rank, ": ", c.status().message());
+    for (int p = 0; p < world_size; ++p) {
+      if (p == rank) continue;
+      auto v = kv.Get(absl::StrCat("shm-ok/", p), options.timeout);
+      if (!v.ok()) {
+        return absl::Status(v.status().code(),
+                            absl::StrCat("transport rendezvous of rank ", rank,
+                                         ": waiting for rank ", p, ": ", v.status().message()));
+      }
+      if (*v != "1" && why.empty()) why = absl::StrCat("rank ", p, ": ", v->substr(1));
+    }
+    if (why.empty()) {
+      out.comm = std::move(*c);
+      return out;
+    }
+    out.transport = CpuTransport::kGloo;
+    out.fallback_reason = absl::StrCat("shared memory failed (", why, "); using Gloo");
   }
+  GlooOptions o;
+  o.hostname = options.hostname;
+  o.timeout = options.timeout;
+  o.store_prefix = options.store_prefix + "/gloo";
+  auto c = GlooCommunicator::Create(store, rank, world_size, o);
+  if (!c.ok()) return c.status();
+  out.comm = std::move(*c);
   return out;
 }
 

@@ -11,6 +11,7 @@
 #include "absl/time/time.h"
 #include "client/comm/communicator.h"
 #include "client/comm/kv_store.h"
+#include "client/comm/shm_communicator.h"
 
 namespace shardopt {
 
@@ -31,14 +32,21 @@ struct CpuCommOptions {
   absl::Duration timeout = absl::Seconds(60);
   // Keys in the store are prefixed with this.
   std::string store_prefix = "comm";
+  // The shared-memory channels (timeout and store_prefix are taken from above).
+  ShmOptions shm;
 };
 
 struct CpuComm {
   std::unique_ptr<Communicator> comm;
   CpuTransport transport;  // the one chosen (never kAuto)
+  // kAuto only: why shared memory was chosen and then given up for Gloo
+  // (e.g. a /dev/shm too small for the channels on some rank); empty otherwise.
+  std::string fallback_reason;
 };
 
 // Every rank of the job must call it with the same transport and prefix.
+// With kAuto, ranks on one host try shared memory and, if it fails on any
+// rank, all of them fall back to Gloo together (fallback_reason says why).
 absl::StatusOr<CpuComm> CreateCpuCommunicator(KeyValueStore* store, int rank, int world_size,
                                               const CpuCommOptions& options);
 

@@ -311,7 +311,9 @@ absl::StatusOr<std::unique_ptr<Communicator>> Connect(const Config& c, Coordinat
     std::printf("shardopt_train: transport %s%s\n", CpuTransportName(comm->transport),
                 c.transport != CpuTransport::kAuto ? ""
                 : comm->transport == CpuTransport::kShm ? " (auto: every rank on this host)"
-                                                        : " (auto: ranks on several hosts)");
+                : !comm->fallback_reason.empty()
+                    ? absl::StrCat(" (auto: ", comm->fallback_reason, ")").c_str()
+                    : " (auto: ranks on several hosts)");
     std::fflush(stdout);
   }
   return std::unique_ptr<Communicator>(std::make_unique<FlightRecordingCommunicator>(
