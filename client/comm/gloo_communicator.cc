@@ -311,14 +311,11 @@ absl::Status GlooCommunicator::RingAllGather(char* buffer, int64_t chunk_bytes,
 
 absl::Status GlooCommunicator::RunReduceScatter(void* buffer, int64_t count, ElementType type,
                                                 ReduceOp op) {
-  const int elem = ElementSize(type);
-  absl::Status s = RingReduceScatter(static_cast<char*>(buffer), count * elem, type, op,
-                                     CollectiveKind::kReduceScatter);
-  if (!s.ok()) return s;
-  if (op == ReduceOp::kAverage && world_size() > 1) {
-    Scale(static_cast<char*>(buffer) + rank() * count * elem, count, type, 1.0f / world_size());
-  }
-  return absl::OkStatus();
+  return ReduceScatterFromHalf(buffer, count, type, op, rank(), world_size(),
+                               [&](char* b, int64_t chunk) {
+                                 return RingReduceScatter(b, chunk, type, op,
+                                                          CollectiveKind::kReduceScatter);
+                               });
 }
 
 absl::Status GlooCommunicator::RunAllGather(void* buffer, int64_t count, ElementType type) {

@@ -23,6 +23,14 @@ const char* CpuTransportName(CpuTransport transport) {
   return "?";
 }
 
+namespace {
+
+absl::Status Rendezvous(int rank, const absl::Status& s) {
+  return absl::Status(s.code(), absl::StrCat("transport rendezvous of rank ", rank, ": ", s.message()));
+}
+
+}  // namespace
+
 absl::StatusOr<CpuComm> CreateCpuCommunicator(KeyValueStore* store, int rank, int world_size,
                                               const CpuCommOptions& options) {
   if (store == nullptr) return absl::InvalidArgumentError("no rendezvous store");
@@ -36,18 +44,11 @@ absl::StatusOr<CpuComm> CreateCpuCommunicator(KeyValueStore* store, int rank, in
     // take the same decision.
     PrefixKeyValueStore kv(store, options.store_prefix + "/auto");
     const std::string identity = ShmHostIdentity();
-    absl::Status s = kv.Set(absl::StrCat("host/", rank), identity);
-    if (!s.ok()) return s;
+    auto hosts = ExchangeRecords(&kv, "host", rank, world_size, identity, options.timeout);
+    if (!hosts.ok()) return Rendezvous(rank, hosts.status());
     transport = CpuTransport::kShm;
-    for (int p = 0; p < world_size; ++p) {
-      if (p == rank) continue;
-      auto other = kv.Get(absl::StrCat("host/", p), options.timeout);
-      if (!other.ok()) {
-        return absl::Status(other.status().code(),
-                            absl::StrCat("transport rendezvous of rank ", rank,
-                                         ": waiting for rank ", p, ": ", other.status().message()));
-      }
-      if (*other != identity) transport = CpuTransport::kGloo;
+    for (const std::string& h : *hosts) {
+      if (h != identity) transport = CpuTransport::kGloo;
     }
   }
   CpuComm out;
@@ -66,20 +67,14 @@ absl::StatusOr<CpuComm> CreateCpuCommunicator(KeyValueStore* store, int rank, in
     // /dev/shm, limits). Every rank says how it went and reads everyone's, so
     // all of them keep shm or all fall back to Gloo together.
     PrefixKeyValueStore kv(store, options.store_prefix + "/auto");
-    absl::Status s = kv.Set(absl::StrCat("shm-ok/", rank),
-                            c.ok() ? "1" : absl::StrCat("0", c.status().message()));
-    if (!s.ok()) return s;
+    auto results = ExchangeRecords(&kv, "shm-ok", rank, world_size,
+                                   c.ok() ? "1" : absl::StrCat("0", c.status().message()),
+                                   options.timeout);
+    if (!results.ok()) return Rendezvous(rank, results.status());
     std::string why;
-    if (!c.ok()) why = absl::StrCat("rank ", rank, ": ", c.status().message());
-    for (int p = 0; p < world_size; ++p) {
-      if (p == rank) continue;
-      auto v = kv.Get(absl::StrCat("shm-ok/", p), options.timeout);
-      if (!v.ok()) {
-        return absl::Status(v.status().code(),
-                            absl::StrCat("transport rendezvous of rank ", rank,
-                                         ": waiting for rank ", p, ": ", v.status().message()));
-      }
-      if (*v != "1" && why.empty()) why = absl::StrCat("rank ", p, ": ", v->substr(1));
+    for (int p = 0; p < world_size && why.empty(); ++p) {
+      const std::string& v = (*results)[p];
+      if (v != "1") why = absl::StrCat("rank ", p, ": ", v.substr(1));
     }
     if (why.empty()) {
       out.comm = std::move(*c);

@@ -12,6 +12,26 @@
 
 namespace shardopt {
 
+absl::StatusOr<std::vector<std::string>> ExchangeRecords(KeyValueStore* store,
+                                                         const std::string& key, int rank,
+                                                         int world_size, const std::string& value,
+                                                         absl::Duration timeout) {
+  absl::Status s = store->Set(absl::StrCat(key, "/", rank), value);
+  if (!s.ok()) return s;
+  std::vector<std::string> out(world_size);
+  out[rank] = value;
+  for (int p = 0; p < world_size; ++p) {
+    if (p == rank) continue;
+    auto v = store->Get(absl::StrCat(key, "/", p), timeout);
+    if (!v.ok()) {
+      return absl::Status(v.status().code(),
+                          absl::StrCat("waiting for rank ", p, ": ", v.status().message()));
+    }
+    out[p] = *std::move(v);
+  }
+  return out;
+}
+
 absl::Status InMemoryKeyValueStore::Set(const std::string& key, const std::string& value) {
   absl::MutexLock lock(&mu_);
   values_[key] = value;

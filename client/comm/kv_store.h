@@ -5,6 +5,7 @@
 
 #include <map>
 #include <string>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
@@ -24,6 +25,15 @@ class KeyValueStore {
   // DeadlineExceeded naming the key otherwise.
   virtual absl::StatusOr<std::string> Get(const std::string& key, absl::Duration timeout) = 0;
 };
+
+// Every rank of `world_size` publishes `value` under "key/<rank>" and reads
+// everyone's: element p is rank p's value (this rank's own included). Each
+// read waits up to `timeout`; an error keeps its code and names the rank
+// waited for.
+absl::StatusOr<std::vector<std::string>> ExchangeRecords(KeyValueStore* store,
+                                                         const std::string& key, int rank,
+                                                         int world_size, const std::string& value,
+                                                         absl::Duration timeout);
 
 // In one process (ranks as threads).
 class InMemoryKeyValueStore : public KeyValueStore {

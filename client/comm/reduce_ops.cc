@@ -37,6 +37,18 @@ void Scale(void* buffer, int64_t count, ElementType type, float factor) {
   for (int64_t i = 0; i < count; ++i) b[i] = FloatToBf16(Bf16ToFloat(b[i]) * factor);
 }
 
+absl::Status ReduceScatterFromHalf(void* buffer, int64_t count, ElementType type, ReduceOp op,
+                                   int rank, int world_size, const RingHalf& reduce_scatter) {
+  const int elem = ElementSize(type);
+  char* base = static_cast<char*>(buffer);
+  absl::Status s = reduce_scatter(base, count * elem);
+  if (!s.ok()) return s;
+  if (op == ReduceOp::kAverage && world_size > 1) {
+    Scale(base + rank * count * elem, count, type, 1.0f / world_size);
+  }
+  return absl::OkStatus();
+}
+
 absl::Status AllReduceFromHalves(void* buffer, int64_t count, ElementType type, ReduceOp op,
                                  int rank, int world_size, const RingHalf& reduce_scatter,
                                  const RingHalf& all_gather,

@@ -24,6 +24,11 @@ void Scale(void* buffer, int64_t count, ElementType type, float factor);
 // all-gather of chunks of `chunk_bytes` over `buffer` (world size chunks).
 using RingHalf = std::function<absl::Status(char* buffer, int64_t chunk_bytes)>;
 
+// A reduce-scatter of `count` elements per rank through the ring's
+// reduce-scatter, then this rank's chunk divided by N for kAverage.
+absl::Status ReduceScatterFromHalf(void* buffer, int64_t count, ElementType type, ReduceOp op,
+                                   int rank, int world_size, const RingHalf& reduce_scatter);
+
 // All-reduce as a reduce-scatter, this rank's chunk averaged for kAverage,
 // and an all-gather: in place over the largest multiple of N elements (no
 // copies); the < N elements left go through a small padded buffer, handed to

@@ -199,18 +199,16 @@ absl::StatusOr<std::unique_ptr<ShmCommunicator>> ShmCommunicator::Create(
 
   // Every rank must be on this host.
   const std::string identity = ShmHostIdentity();
-  absl::Status s = kv.Set(absl::StrCat("host/", rank), identity);
-  if (!s.ok()) return fail(s);
+  auto hosts = ExchangeRecords(&kv, "host", rank, world_size, identity, options.timeout);
+  if (!hosts.ok()) return fail(hosts.status());
   for (int p = 0; p < world_size; ++p) {
-    if (p == rank) continue;
-    auto other = kv.Get(absl::StrCat("host/", p), options.timeout);
-    if (!other.ok()) return fail(other.status());
-    if (*other != identity) {
+    if ((*hosts)[p] != identity) {
       return absl::FailedPreconditionError(absl::StrCat(
-          where, ": rank ", p, " is on another host (", *other, "; this one: ", identity,
+          where, ": rank ", p, " is on another host (", (*hosts)[p], "; this one: ", identity,
           "): the shared-memory transport needs every rank on one host; use the gloo transport"));
     }
   }
+  absl::Status s;
 
   // This rank's region.
   auto own = std::make_unique<Region>();
@@ -584,14 +582,11 @@ absl::Status ShmCommunicator::RingAllGather(char* buffer, int64_t chunk_bytes, E
 absl::Status ShmCommunicator::RunReduceScatter(void* buffer, int64_t count, ElementType type,
                                                ReduceOp op) {
   BeginCollective();
-  const int elem = ElementSize(type);
-  absl::Status s = RingReduceScatter(static_cast<char*>(buffer), count * elem, type, op,
-                                     CollectiveKind::kReduceScatter);
-  if (!s.ok()) return s;
-  if (op == ReduceOp::kAverage && world_size() > 1) {
-    Scale(static_cast<char*>(buffer) + rank() * count * elem, count, type, 1.0f / world_size());
-  }
-  return absl::OkStatus();
+  return ReduceScatterFromHalf(buffer, count, type, op, rank(), world_size(),
+                               [&](char* b, int64_t chunk) {
+                                 return RingReduceScatter(b, chunk, type, op,
+                                                          CollectiveKind::kReduceScatter);
+                               });
 }
 
 absl::Status ShmCommunicator::RunAllGather(void* buffer, int64_t count, ElementType type) {

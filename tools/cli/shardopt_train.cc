@@ -304,7 +304,6 @@ absl::StatusOr<std::unique_ptr<Communicator>> Connect(const Config& c, Coordinat
   copt.transport = c.transport;
   copt.hostname = c.bind;
   copt.timeout = c.collective_timeout;
-  copt.store_prefix = "gloo";
   auto comm = CreateCpuCommunicator(&job_kv, c.rank, c.world, copt);
   if (!comm.ok()) return comm.status();
   if (c.rank == 0 && c.world > 1) {
