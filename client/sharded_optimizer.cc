@@ -979,12 +979,22 @@ MemoryReport ShardedOptimizer::memory() const {
 
 // ---- Gradient sharding (ZeRO-2) ----
 //
-// A bucket's gradients go into a staging buffer (pooled, in the type they
-// travel in; a bucket larger than the pooled buffers gets one of its own) as
-// backward produces them, and autograd's gradient is dropped at once; while
-// micro-batches accumulate (no_sync) they are summed in a full-size buffer
-// that is then reduced in place. After a bucket's reduce-scatter ("reclaim")
-// its owned range is copied into owned_grad_flat_ and the buffer released.
+// A bucket's reduce-scatter works on world_ chunks of capacity_per_rank
+// elements. With a communicator that takes separate chunks (Gloo, shared
+// memory, in-process) and gradients travelling in the model's type, this
+// rank's chunk is its slice of owned_grad_flat_ itself: backward writes that
+// part of each gradient straight into the owned gradients, and the reduction
+// ends there, so only the other ranks' chunks are staged ((N-1)/N of a bucket)
+// and nothing is copied after it. Otherwise (NCCL, bf16 travel) the whole
+// bucket is staged and the owned chunk copied out afterwards ("reclaim").
+//
+// Staging is one arena in the type gradients travel in, allocated at first
+// use: room for grad_staging_buffers buckets of the cap, and at least for the
+// largest bucket. Buckets take regions first-fit as backward reaches them and
+// give them back once reduced (in launch order); when no region is free,
+// backward waits for the oldest reduction in flight. Autograd's gradient is
+// dropped as soon as it is copied. While micro-batches accumulate (no_sync)
+// they are summed in a full-size buffer that is then reduced in place.
 // Autograd's gradient tensor itself is not reduced in place: while its hook
 // runs, autograd still holds references to it that cannot be told apart
 // from a user's, so overwriting it could not be proven safe.
@@ -1001,12 +1011,17 @@ void ShardedOptimizer::PrepareShardedGradients() {
   absl::MutexLock lock(&hook_state_->mu);
   const int nb = static_cast<int>(layout_.buckets().size());
   gaps_.assign(nb, {});
-  bucket_buf_.assign(nb, torch::Tensor());
-  bucket_pool_.assign(nb, torch::Tensor());
+  chunks_.assign(nb, {});
+  region_.assign(nb, Region());
+  overflow_buf_.assign(nb, torch::Tensor());
+  own_in_place_.assign(nb, false);
+  in_accum_.assign(nb, false);
   reclaimed_.assign(nb, false);
-  // Multi-parameter buckets hold at most the cap plus each rank's alignment.
-  const int64_t pooled_limit =
+  split_own_ = comm_->SupportsSeparateChunks() && comm_type_ == ElementTypeOf(dtype_);
+  // A bucket of the cap holds at most the cap plus each rank's alignment.
+  const int64_t cap_bucket =
       layout_.options().bucket_cap_elements + world_ * layout_.options().alignment_elements;
+  std::vector<int64_t> stages;
   for (const Bucket& bk : layout_.buckets()) {
     const int64_t size = bk.capacity_per_rank * world_;
     int64_t at = 0;
@@ -1016,11 +1031,27 @@ void ShardedOptimizer::PrepareShardedGradients() {
       at = pl.bucket_offset + pl.numel;
     }
     if (size > at) gaps_[bk.index].push_back({at, size - at});
-    if (size <= pooled_limit) {
-      staging_elements_ = std::max(staging_elements_, size);
-    }
+    stages.push_back(StageLength(bk.index));
   }
+  // Room for grad_staging_buffers buckets of the cap (no more than the
+  // largest buckets there are need), and at least for the largest bucket.
+  std::sort(stages.rbegin(), stages.rend());
+  const int staged_chunks = split_own_ ? world_ - 1 : world_;
+  const int64_t cap_stage = (cap_bucket + world_ - 1) / world_ * staged_chunks;
+  int64_t largest_k = 0;
+  for (int i = 0; i < options_.grad_staging_buffers && i < static_cast<int>(stages.size()); ++i) {
+    largest_k += stages[i];
+  }
+  staging_elements_ =
+      stages.empty() ? 0
+                     : std::max(stages[0], std::min(largest_k,
+                                                    options_.grad_staging_buffers * cap_stage));
   UpdateGradBytesLocked();
+}
+
+int64_t ShardedOptimizer::StageLength(int b) const {
+  const int64_t cap = layout_.buckets()[b].capacity_per_rank;
+  return (split_own_ ? world_ - 1 : world_) * cap;
 }
 
 torch::Tensor ShardedOptimizer::AccumView(int param) {
@@ -1031,8 +1062,30 @@ torch::Tensor ShardedOptimizer::AccumView(int param) {
 
 void ShardedOptimizer::UpdateGradBytesLocked() {
   auto bytes = [](const torch::Tensor& t) { return t.defined() ? t.numel() * t.element_size() : 0; };
-  sharded_grad_bytes_ = bytes(owned_grad_flat_) + bytes(accum_flat_) +
-                        staging_allocated_ * staging_elements_ * ElementSize(comm_type_);
+  sharded_grad_bytes_ =
+      bytes(owned_grad_flat_) + bytes(accum_flat_) + bytes(staging_) + overflow_peak_bytes_;
+}
+
+template <typename Fn>
+void ShardedOptimizer::ForChunks(int b, int64_t offset, int64_t length, Fn fn) {
+  const int64_t cap = layout_.buckets()[b].capacity_per_rank;
+  const int64_t end = offset + length;
+  for (int64_t at = offset; at < end;) {
+    const int r = static_cast<int>(at / cap);
+    const int64_t stop = std::min(end, (r + 1) * cap);
+    fn(chunks_[b][r].narrow(0, at - r * cap, stop - at), at - offset, stop - at);
+    at = stop;
+  }
+}
+
+void ShardedOptimizer::WriteGradLocked(int b, int64_t offset, const torch::Tensor& flat) {
+  ForChunks(b, offset, flat.numel(), [&](torch::Tensor dst, int64_t from, int64_t n) {
+    dst.copy_(flat.narrow(0, from, n));
+  });
+}
+
+void ShardedOptimizer::ZeroGradRangeLocked(int b, int64_t offset, int64_t length) {
+  ForChunks(b, offset, length, [](torch::Tensor dst, int64_t, int64_t) { dst.zero_(); });
 }
 
 void ShardedOptimizer::OnShardedGradReadyLocked(int param, torch::Tensor g) {
@@ -1060,24 +1113,21 @@ void ShardedOptimizer::OnShardedGradReadyLocked(int param, torch::Tensor g) {
   }
   ready_[param] = true;
   ReclaimFinishedLocked();
-  const bool same_type = comm_type_ == ElementTypeOf(dtype_);
   if (accum_flat_.defined()) {
     torch::Tensor acc = AccumView(param);
     acc.add_(g.reshape({-1}));
-    if (same_type) {
-      const Bucket& bk = layout_.buckets()[b];
-      bucket_buf_[b] = accum_flat_.narrow(0, bk.flat_offset, bk.capacity_per_rank * world_);
-    } else {
-      AcquireStagingLocked(b).narrow(0, pl.bucket_offset, pl.numel).copy_(acc);
-    }
+    g = torch::Tensor();
+    AcquireStagingLocked(b);
+    if (!in_accum_[b]) WriteGradLocked(b, pl.bucket_offset, acc);
   } else {
-    AcquireStagingLocked(b).narrow(0, pl.bucket_offset, pl.numel).copy_(g.reshape({-1}));
+    AcquireStagingLocked(b);
+    WriteGradLocked(b, pl.bucket_offset, g.reshape({-1}));
   }
   if (++bucket_ready_count_[b] == bucket_size_[b]) LaunchReadyBucketsLocked();
 }
 
 // Takes back buckets whose reduction has finished (oldest first, without
-// waiting), so their buffers are reused or released during backward.
+// waiting), so their staging is reused during backward.
 void ShardedOptimizer::ReclaimFinishedLocked() {
   while (!in_flight_.empty() && rs_handles_[in_flight_.front()]->done()) {
     absl::Status s = ReclaimLocked(in_flight_.front());
@@ -1096,106 +1146,147 @@ void ShardedOptimizer::ReclaimOldestLocked() {
   if (!s.ok() && hook_error_.ok()) hook_error_ = s;
 }
 
-torch::Tensor ShardedOptimizer::AcquireStagingLocked(int b) {
-  if (bucket_buf_[b].defined()) return bucket_buf_[b];
-  const int64_t size = layout_.buckets()[b].capacity_per_rank * world_;
-  const auto opts = param_flat_.options().dtype(ScalarTypeOf(comm_type_));
-  torch::Tensor buf;
-  if (size > staging_elements_) {
-    // Larger than the pooled buffers (a tensor bigger than the bucket cap):
-    // a buffer of its own, allocated once the reductions in flight leave
-    // room (1/16 of the model, or two pooled buffers if more), so a model of
-    // a few huge tensors holds about one of them in flight, not all.
-    const int64_t budget = std::max<int64_t>(
-        options_.grad_staging_buffers * staging_elements_, layout_.flat_size() / 16);
-    while (!in_flight_.empty() && in_flight_elements_ + size > budget) ReclaimOldestLocked();
-    buf = torch::empty({size}, opts);
-  } else {
-    // All staging buffers in use: wait for the oldest reduction in flight.
-    while (staging_free_.empty() && staging_allocated_ >= options_.grad_staging_buffers &&
-           !in_flight_.empty()) {
-      ReclaimOldestLocked();
-    }
-    if (!staging_free_.empty()) {
-      bucket_pool_[b] = std::move(staging_free_.back());
-      staging_free_.pop_back();
-    } else {
-      bucket_pool_[b] = torch::empty({staging_elements_}, opts);
-      ++staging_allocated_;
-      UpdateGradBytesLocked();
-    }
-    buf = bucket_pool_[b].narrow(0, 0, size);
+bool ShardedOptimizer::PlaceLocked(int64_t length, int64_t* begin) const {
+  std::vector<Region> live;
+  for (const Region& r : region_) {
+    if (r.length > 0) live.push_back(r);
   }
-  for (const auto& [begin, length] : gaps_[b]) buf.narrow(0, begin, length).zero_();
-  bucket_buf_[b] = buf;
-  return buf;
+  std::sort(live.begin(), live.end(),
+            [](const Region& a, const Region& b) { return a.begin < b.begin; });
+  int64_t at = 0;
+  for (const Region& r : live) {
+    if (r.begin - at >= length) break;
+    at = std::max(at, r.begin + r.length);
+  }
+  if (staging_elements_ - at < length) return false;
+  *begin = at;
+  return true;
+}
+
+// Gives bucket `b` the chunks its reduce-scatter will use (this rank's is
+// its owned gradients where the communicator allows) and zeroes its padding.
+void ShardedOptimizer::AcquireStagingLocked(int b) {
+  if (!chunks_[b].empty()) return;
+  const Bucket& bk = layout_.buckets()[b];
+  const int64_t cap = bk.capacity_per_rank;
+  std::vector<torch::Tensor> chunks(world_);
+  if (accum_flat_.defined() && comm_type_ == ElementTypeOf(dtype_)) {
+    // Micro-batches were accumulated: reduce that buffer in place.
+    for (int r = 0; r < world_; ++r) chunks[r] = accum_flat_.narrow(0, bk.flat_offset + r * cap, cap);
+    own_in_place_[b] = false;
+    in_accum_[b] = true;
+  } else {
+    const int64_t length = StageLength(b);
+    torch::Tensor buf;
+    if (length > 0) {
+      const auto opts = param_flat_.options().dtype(ScalarTypeOf(comm_type_));
+      if (!staging_.defined()) {
+        staging_ = torch::empty({staging_elements_}, opts);
+        UpdateGradBytesLocked();
+      }
+      int64_t begin = 0;
+      bool placed = PlaceLocked(length, &begin);
+      while (!placed && !in_flight_.empty()) {
+        ReclaimOldestLocked();
+        placed = PlaceLocked(length, &begin);
+      }
+      if (placed) {
+        region_[b] = Region{begin, length};
+        buf = staging_.narrow(0, begin, length);
+      } else {
+        // Buckets backward reached early but cannot reduce yet (they go in
+        // bucket order) hold the arena: a buffer of its own, counted.
+        overflow_buf_[b] = buf = torch::empty({length}, opts);
+        overflow_bytes_ += length * ElementSize(comm_type_);
+        if (overflow_bytes_ > overflow_peak_bytes_) {
+          overflow_peak_bytes_ = overflow_bytes_;
+          UpdateGradBytesLocked();
+        }
+      }
+    }
+    own_in_place_[b] = split_own_;
+    in_accum_[b] = false;
+    int at = 0;
+    for (int r = 0; r < world_; ++r) {
+      if (split_own_ && r == rank_) {
+        chunks[r] = owner_->owned_grad(b);
+      } else {
+        chunks[r] = buf.narrow(0, (at++) * cap, cap);
+      }
+    }
+  }
+  chunks_[b] = std::move(chunks);
+  for (const auto& [begin, length] : gaps_[b]) ZeroGradRangeLocked(b, begin, length);
 }
 
 void ShardedOptimizer::LaunchShardedLocked(int b) {
   at::NoGradGuard no_grad;
   const Bucket& bk = layout_.buckets()[b];
   Trace(TraceEvent::kReduceScatterStart, b, -1);
-  const bool in_accum = accum_flat_.defined() && comm_type_ == ElementTypeOf(dtype_);
-  if (!bucket_buf_[b].defined()) {
-    if (in_accum) {
-      bucket_buf_[b] = accum_flat_.narrow(0, bk.flat_offset, bk.capacity_per_rank * world_);
-    } else {
-      AcquireStagingLocked(b);
-    }
-  }
-  torch::Tensor buf = bucket_buf_[b];
+  AcquireStagingLocked(b);
   // Parameters this backward gave no gradient: what earlier micro-batches
   // accumulated, or zeros (DDP's find_unused_parameters).
-  if (!in_accum) {
+  if (!in_accum_[b]) {
     for (int p : bk.params) {
       if (ready_[p]) continue;
       const ParamPlacement& pl = layout_.placement(p);
-      torch::Tensor dst = buf.narrow(0, pl.bucket_offset, pl.numel);
       if (accum_flat_.defined()) {
-        dst.copy_(AccumView(p));
+        WriteGradLocked(b, pl.bucket_offset, AccumView(p));
       } else {
-        dst.zero_();
+        ZeroGradRangeLocked(b, pl.bucket_offset, pl.numel);
       }
     }
   }
+  std::vector<void*> ptrs(world_);
+  for (int r = 0; r < world_; ++r) ptrs[r] = chunks_[b][r].data_ptr();
   CollectiveBucketScope tag(b);  // for the flight recorder
   rs_handles_[b] =
-      comm_->ReduceScatter(buf.data_ptr(), bk.capacity_per_rank, comm_type_, ReduceOp::kAverage);
+      comm_->ReduceScatterChunks(ptrs, bk.capacity_per_rank, comm_type_, ReduceOp::kAverage);
   in_flight_.push_back(b);
-  in_flight_elements_ += bk.capacity_per_rank * world_;
+}
+
+void ShardedOptimizer::FreeStagingLocked(int b) {
+  region_[b] = Region();
+  if (overflow_buf_[b].defined()) {
+    overflow_bytes_ -= overflow_buf_[b].numel() * overflow_buf_[b].element_size();
+    overflow_buf_[b] = torch::Tensor();
+  }
+  chunks_[b].clear();
 }
 
 absl::Status ShardedOptimizer::ReclaimLocked(int b) {
   auto it = std::find(in_flight_.begin(), in_flight_.end(), b);
   if (it == in_flight_.end()) return absl::OkStatus();
   in_flight_.erase(it);
-  in_flight_elements_ -= layout_.buckets()[b].capacity_per_rank * world_;
   absl::Status s = rs_handles_[b]->Wait(options_.timeout);
   if (!s.ok()) {
     comm_->Abort(s);
-    // The collective may still write into the buffer: keep it alive.
-    abandoned_.push_back(bucket_buf_[b]);
-    abandoned_.push_back(bucket_pool_[b]);
-    bucket_buf_[b] = bucket_pool_[b] = torch::Tensor();
+    // The collective may still write into its chunks: keep them alive, and
+    // the arena with them (it is never reused after an abort anyway).
+    for (const torch::Tensor& c : chunks_[b]) abandoned_.push_back(c);
+    if (region_[b].length > 0) {
+      abandoned_.push_back(staging_);
+      staging_ = torch::Tensor();
+      std::fill(region_.begin(), region_.end(), Region());
+    }
+    FreeStagingLocked(b);
+    UpdateGradBytesLocked();
     return absl::Status(s.code(), absl::StrCat("rank ", rank_, ": reduce-scatter of bucket ", b,
                                                " failed: ", s.message()));
   }
-  {
+  if (!own_in_place_[b]) {
     at::NoGradGuard no_grad;
-    const int64_t cap = layout_.buckets()[b].capacity_per_rank;
-    owner_->owned_grad(b).copy_(bucket_buf_[b].narrow(0, rank_ * cap, cap));
+    owner_->owned_grad(b).copy_(chunks_[b][rank_]);
   }
-  if (bucket_pool_[b].defined()) staging_free_.push_back(std::move(bucket_pool_[b]));
-  bucket_pool_[b] = bucket_buf_[b] = torch::Tensor();
+  FreeStagingLocked(b);
   reclaimed_[b] = true;
   Trace(TraceEvent::kReduceScatterDone, b, -1);
   return absl::OkStatus();
 }
 
 void ShardedOptimizer::ReleaseShardedBuffersLocked() {
-  for (size_t b = 0; b < bucket_buf_.size(); ++b) {
-    if (bucket_pool_[b].defined()) staging_free_.push_back(std::move(bucket_pool_[b]));
-    bucket_pool_[b] = bucket_buf_[b] = torch::Tensor();
+  for (size_t b = 0; b < chunks_.size(); ++b) {
+    FreeStagingLocked(static_cast<int>(b));
     reclaimed_[b] = false;
   }
   accum_flat_ = torch::Tensor();

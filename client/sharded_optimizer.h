@@ -91,8 +91,11 @@ struct ShardedOptimizerOptions {
   // full-size buffer that exists only until the step, as FSDP's no_sync does.
   // Smaller buckets mean smaller staging buffers (bucket_cap_elements).
   bool shard_gradients = false;
-  // With shard_gradients: staging buffers shared by the buckets in flight.
-  // When all are in use, backward waits for the oldest bucket's reduction.
+  // With shard_gradients: the staging memory holds this many buckets of the
+  // cap (and at least the largest bucket) while they are reduced; with Gloo,
+  // shared memory or in-process communicators only the other ranks' chunks
+  // are staged ((N-1)/N of a bucket). When it is full, backward waits for the
+  // oldest bucket's reduction.
   int grad_staging_buffers = 2;
   // true: Step() never blocks the host on a collective or a device value
   // where the device can order the work itself. With a GPU and a
@@ -253,7 +256,16 @@ class ShardedOptimizer {
   // shard_gradients (all with hook_state_->mu held).
   void PrepareShardedGradients();
   void OnShardedGradReadyLocked(int param, torch::Tensor grad);
-  torch::Tensor AcquireStagingLocked(int bucket);
+  void AcquireStagingLocked(int bucket);
+  int64_t StageLength(int bucket) const;
+  bool PlaceLocked(int64_t length, int64_t* begin) const;
+  void FreeStagingLocked(int bucket);
+  // Calls fn(chunk slice, offset into the range, length) for each chunk that
+  // elements [offset, offset + length) of bucket `b` span.
+  template <typename Fn>
+  void ForChunks(int bucket, int64_t offset, int64_t length, Fn fn);
+  void WriteGradLocked(int bucket, int64_t offset, const torch::Tensor& flat);
+  void ZeroGradRangeLocked(int bucket, int64_t offset, int64_t length);
   void LaunchShardedLocked(int bucket);
   absl::Status ReclaimLocked(int bucket);
   void ReclaimFinishedLocked();
@@ -331,14 +343,22 @@ class ShardedOptimizer {
   torch::Tensor accum_flat_;       // full size, only while accumulating (no_sync)
   ElementType comm_type_ = ElementType::kFloat32;  // type gradients travel in
   std::vector<std::vector<std::pair<int64_t, int64_t>>> gaps_;  // per bucket: padding runs
-  int64_t staging_elements_ = 0;   // size of a pooled staging buffer
-  int staging_allocated_ = 0;
-  std::vector<torch::Tensor> staging_free_;
-  std::vector<torch::Tensor> bucket_buf_;   // per bucket: what its reduce-scatter uses
-  std::vector<torch::Tensor> bucket_pool_;  // per bucket: the pooled buffer behind it
-  std::vector<bool> reclaimed_;             // owned range copied out, buffer released
+  bool split_own_ = false;  // this rank's chunk reduced in place in owned_grad_flat_
+  torch::Tensor staging_;   // the arena, in comm_type_ (allocated at first use)
+  int64_t staging_elements_ = 0;
+  struct Region {
+    int64_t begin = 0;
+    int64_t length = 0;  // 0: none
+  };
+  std::vector<Region> region_;                     // per bucket: its part of staging_
+  std::vector<torch::Tensor> overflow_buf_;        // per bucket: a buffer of its own
+  int64_t overflow_bytes_ = 0;                     // held by overflow_buf_ now
+  int64_t overflow_peak_bytes_ = 0;                // the most ever held at once
+  std::vector<std::vector<torch::Tensor>> chunks_;  // per bucket: its reduce-scatter's chunks
+  std::vector<bool> own_in_place_;                 // chunks_[b][rank_] is the owned gradient
+  std::vector<bool> in_accum_;                     // chunks_[b] are accum_flat_'s
+  std::vector<bool> reclaimed_;             // reduced; owned range holds the result
   std::vector<int> in_flight_;              // launched, not reclaimed, in launch order
-  int64_t in_flight_elements_ = 0;          // their buffers' elements
   std::vector<torch::Tensor> abandoned_;    // buffers of collectives that failed
   absl::Status hook_error_;
   int64_t hook_wait_ns_ = 0;  // backward blocked on a reduction (exposed)

@@ -148,6 +148,46 @@ TEST_P(CollectiveTest, ReduceScatter) {
   }
 }
 
+// ReduceScatterChunks: every chunk a separate allocation (as ShardedOptimizer's
+// gradient sharding gives: this rank's chunk in its owned gradients, the
+// others in staging), in reverse order in memory; only this rank's chunk is
+// specified afterwards.
+TEST_P(CollectiveTest, ReduceScatterOfSeparateChunks) {
+  const auto [impl, n, type] = GetParam();
+  Job job(impl, n);
+  for (int r = 0; r < n; ++r) EXPECT_TRUE(job.comms[r]->SupportsSeparateChunks());
+  for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAverage}) {
+    for (int64_t count : kCounts) {
+      // chunks[r][i]: rank r's copy of chunk i; one allocation per chunk.
+      std::vector<std::vector<Typed>> chunks(n);
+      for (int r = 0; r < n; ++r) {
+        for (int i = n - 1; i >= 0; --i) chunks[r].emplace_back(type, std::max<int64_t>(count, 1));
+        std::reverse(chunks[r].begin(), chunks[r].end());
+        for (int i = 0; i < n; ++i) {
+          for (int64_t e = 0; e < count; ++e) chunks[r][i].Set(e, Value(r, i * count + e));
+        }
+      }
+      job.Parallel([&](int r) {
+        std::vector<void*> ptrs;
+        for (int i = 0; i < n; ++i) ptrs.push_back(chunks[r][i].data());
+        absl::Status s = job.comms[r]->ReduceScatterChunks(ptrs, count, type, op)
+                             ->Wait(absl::Seconds(30));
+        EXPECT_TRUE(s.ok()) << s;
+      });
+      for (int r = 0; r < n; ++r) {
+        for (int64_t e = 0; e < count; ++e) {
+          float want = 0.0f;
+          for (int q = 0; q < n; ++q) want += Value(q, r * count + e);
+          if (op == ReduceOp::kAverage) want *= 1.0f / n;
+          if (type == ElementType::kBFloat16) want = Bf16ToFloat(FloatToBf16(want));
+          ASSERT_EQ(chunks[r][r].Get(e), want)
+              << "rank " << r << " element " << e << " count " << count;
+        }
+      }
+    }
+  }
+}
+
 TEST_P(CollectiveTest, AllGather) {
   const auto [impl, n, type] = GetParam();
   Job job(impl, n);
@@ -288,6 +328,64 @@ TEST_P(FailureTest, BadArgumentsAreErrors) {
   EXPECT_EQ(job.comms[0]->ReduceScatter(buf.data(), 2, ElementType::kByte, ReduceOp::kSum)
                 ->Wait(absl::Seconds(1)).code(),
             absl::StatusCode::kInvalidArgument);
+  // Separate chunks: one pointer per rank, none null.
+  absl::Status s = job.comms[0]->ReduceScatterChunks({buf.data()}, 2, ElementType::kFloat32,
+                                                     ReduceOp::kSum)->Wait(absl::Seconds(1));
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find("1 chunk pointers for a world of 2"), absl::string_view::npos) << s;
+  EXPECT_EQ(job.comms[0]->ReduceScatterChunks({buf.data(), nullptr}, 2, ElementType::kFloat32,
+                                              ReduceOp::kSum)->Wait(absl::Seconds(1)).code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+// A communicator that only forwards (as one without separate-chunk support,
+// NCCL's, behaves): the default ReduceScatterChunks takes adjacent chunks as
+// one ReduceScatter and refuses separate ones instead of reducing wrongly.
+class ForwardingCommunicator : public Communicator {
+ public:
+  explicit ForwardingCommunicator(Communicator* inner) : inner_(inner) {}
+  int rank() const override { return inner_->rank(); }
+  int world_size() const override { return inner_->world_size(); }
+  CommHandlePtr ReduceScatter(void* b, int64_t n, ElementType t, ReduceOp op) override {
+    return inner_->ReduceScatter(b, n, t, op);
+  }
+  CommHandlePtr AllGather(void* b, int64_t n, ElementType t) override {
+    return inner_->AllGather(b, n, t);
+  }
+  CommHandlePtr AllReduce(void* b, int64_t n, ElementType t, ReduceOp op) override {
+    return inner_->AllReduce(b, n, t, op);
+  }
+  CommHandlePtr Broadcast(void* b, int64_t n, ElementType t, int root) override {
+    return inner_->Broadcast(b, n, t, root);
+  }
+  CommHandlePtr Barrier() override { return inner_->Barrier(); }
+  void Abort(const absl::Status& reason) override { inner_->Abort(reason); }
+  ByteCounters counters() const override { return inner_->counters(); }
+
+ private:
+  Communicator* inner_;
+};
+
+TEST(SeparateChunksTest, WithoutSupportAdjacentChunksWorkAndSeparateOnesAreRefused) {
+  Job job(Impl::kInProcess, 2);
+  std::vector<ForwardingCommunicator> fwd = {ForwardingCommunicator(job.comms[0].get()),
+                                             ForwardingCommunicator(job.comms[1].get())};
+  EXPECT_FALSE(fwd[0].SupportsSeparateChunks());
+  std::vector<std::vector<float>> buf = {{1, 2, 3, 4}, {10, 20, 30, 40}};
+  job.Parallel([&](int r) {
+    float* b = buf[r].data();
+    absl::Status s = fwd[r].ReduceScatterChunks({b, b + 2}, 2, ElementType::kFloat32,
+                                                ReduceOp::kSum)->Wait(absl::Seconds(10));
+    EXPECT_TRUE(s.ok()) << s;
+  });
+  EXPECT_EQ(buf[0][0], 11.0f);
+  EXPECT_EQ(buf[0][1], 22.0f);
+  EXPECT_EQ(buf[1][2], 33.0f);
+  EXPECT_EQ(buf[1][3], 44.0f);
+  float x[6] = {1, 2, 0, 0, 3, 4};  // chunks at x and x + 4: not adjacent
+  absl::Status s = fwd[0].ReduceScatterChunks({x, x + 4}, 2, ElementType::kFloat32, ReduceOp::kSum)
+                       ->Wait(absl::Seconds(1));
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented) << s;
 }
 
 INSTANTIATE_TEST_SUITE_P(All, FailureTest,

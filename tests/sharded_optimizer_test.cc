@@ -65,13 +65,48 @@ void ExpectClose(const std::vector<float>& got, const std::vector<float>& want,
 
 // Runs `c` on n in-process ranks; returns rank 0's parameters and checks that
 // every rank ends with the same parameters.
+// Forwards every collective to an in-process communicator but, like NCCL's,
+// does not take a reduce-scatter's chunks apart: ZeRO-2 then stages whole
+// buckets and copies the owned chunk out (the path GPUs take).
+class AdjacentChunksOnly : public Communicator {
+ public:
+  explicit AdjacentChunksOnly(std::unique_ptr<Communicator> inner)
+      : owned_(std::move(inner)), inner_(owned_.get()) {}
+  explicit AdjacentChunksOnly(Communicator* inner) : inner_(inner) {}
+  int rank() const override { return inner_->rank(); }
+  int world_size() const override { return inner_->world_size(); }
+  CommHandlePtr ReduceScatter(void* b, int64_t n, ElementType t, ReduceOp op) override {
+    return inner_->ReduceScatter(b, n, t, op);
+  }
+  CommHandlePtr AllGather(void* b, int64_t n, ElementType t) override {
+    return inner_->AllGather(b, n, t);
+  }
+  CommHandlePtr AllReduce(void* b, int64_t n, ElementType t, ReduceOp op) override {
+    return inner_->AllReduce(b, n, t, op);
+  }
+  CommHandlePtr Broadcast(void* b, int64_t n, ElementType t, int root) override {
+    return inner_->Broadcast(b, n, t, root);
+  }
+  CommHandlePtr Barrier() override { return inner_->Barrier(); }
+  void Abort(const absl::Status& reason) override { inner_->Abort(reason); }
+  ByteCounters counters() const override { return inner_->counters(); }
+
+ private:
+  std::unique_ptr<Communicator> owned_;
+  Communicator* inner_;
+};
+
 std::vector<float> TrainInProcess(const TrainConfig& c, int n,
                                   std::vector<TraceEvent>* trace = nullptr,
                                   ByteCounters* bytes = nullptr, int* clipped = nullptr,
-                                  std::vector<double>* norms = nullptr) {
+                                  std::vector<double>* norms = nullptr,
+                                  bool adjacent_chunks_only = false) {
   InProcessWorld world(n, absl::Seconds(60));
   std::vector<std::unique_ptr<Communicator>> comms;
-  for (int r = 0; r < n; ++r) comms.push_back(world.Connect(r));
+  for (int r = 0; r < n; ++r) {
+    comms.push_back(world.Connect(r));
+    if (adjacent_chunks_only) comms[r] = std::make_unique<AdjacentChunksOnly>(std::move(comms[r]));
+  }
   std::vector<absl::StatusOr<std::vector<float>>> out(n, absl::UnknownError("not run"));
   std::vector<std::thread> threads;
   for (int r = 0; r < n; ++r) {
@@ -534,6 +569,10 @@ TEST(ShardGradientsTest, SameParametersBitForBitAsFullGradients) {
       std::vector<float> sharded = TrainInProcess(c, n);
       ASSERT_FALSE(full.empty());
       EXPECT_EQ(sharded, full) << k.name << " at " << n << " ranks";
+      // Whole buckets staged (a communicator that cannot reduce this rank's
+      // chunk in place, as on a GPU): the same again.
+      EXPECT_EQ(TrainInProcess(c, n, nullptr, nullptr, nullptr, nullptr, true), full)
+          << k.name << " at " << n << " ranks, whole buckets staged";
     }
   }
 }
@@ -568,7 +607,8 @@ struct HandModel {
   }
 };
 
-std::vector<float> TrainHand(bool shard, bool accumulate, MemoryReport* mem = nullptr) {
+std::vector<float> TrainHand(bool shard, bool accumulate, MemoryReport* mem = nullptr,
+                             bool whole_buckets = false) {
   TwoRanks job;
   std::vector<std::vector<float>> out(2);
   job.Run([&](int r) {
@@ -580,7 +620,13 @@ std::vector<float> TrainHand(bool shard, bool accumulate, MemoryReport* mem = nu
     o.plan.bucket_cap_elements = 1000;  // w1 (8192) gets a bucket of its own
     o.shard_gradients = shard;
     o.timeout = absl::Seconds(20);
-    auto opt = ShardedOptimizer::Create(m.named(), o, job.comms[r].get());
+    Communicator* comm = job.comms[r].get();
+    std::unique_ptr<Communicator> wrapped;
+    if (whole_buckets) {
+      wrapped = std::make_unique<AdjacentChunksOnly>(comm);  // borrows job's
+      comm = wrapped.get();
+    }
+    auto opt = ShardedOptimizer::Create(m.named(), o, comm);
     ASSERT_TRUE(opt.ok()) << opt.status();
     for (int step = 0; step < 4; ++step) {
       (*opt)->ZeroGrad();
@@ -613,54 +659,80 @@ TEST(ShardGradientsTest, LargeBucketsUnusedParametersAndAccumulation) {
   std::vector<float> full = TrainHand(false, false, &full_mem);
   std::vector<float> sharded = TrainHand(true, false, &sharded_mem);
   EXPECT_EQ(sharded, full);
-  EXPECT_EQ(TrainHand(true, true), TrainHand(false, true)) << "micro-batch accumulation";
-  // Full: every gradient. Sharded: this rank's half, plus pooled staging
-  // buffers for the small bucket only (w1's own buffer lives only in flight).
+  const std::vector<float> accumulated = TrainHand(false, true);
+  EXPECT_EQ(TrainHand(true, true), accumulated) << "micro-batch accumulation";
+  MemoryReport whole_mem;
+  EXPECT_EQ(TrainHand(true, false, &whole_mem, /*whole_buckets=*/true), full);
+  EXPECT_EQ(TrainHand(true, true, nullptr, /*whole_buckets=*/true), accumulated);
+  // Full: every gradient. Sharded: this rank's half, plus staging sized for
+  // the largest bucket (w1's, 2 x 4096 elements; more than two buckets of the
+  // cap): the other rank's chunk only (4096 elements) where this rank's chunk
+  // is reduced in place, the whole bucket otherwise. Here the small bucket
+  // waits for "unused" (reduced only at Step()) while holding part of the
+  // staging when w1's gradient arrives, so w1 gets a buffer of its own, and
+  // that is counted too: the report is the most gradient memory the rank held.
   const int64_t total = (64 * 128 + 64 + 640 + 32) * 4;
   EXPECT_GE(full_mem.grad_bytes, total);
-  EXPECT_LE(sharded_mem.grad_bytes, full_mem.grad_bytes / 2 + 2 * (64 + 640 + 32 + 256) * 4)
+  EXPECT_EQ(sharded_mem.grad_bytes, full_mem.grad_bytes / 2 + 2 * 4096 * 4)
+      << "full " << full_mem.grad_bytes;
+  EXPECT_EQ(whole_mem.grad_bytes, full_mem.grad_bytes / 2 + 2 * 8192 * 4)
       << "full " << full_mem.grad_bytes;
   std::cout << "gradient bytes per rank: full " << full_mem.grad_bytes << ", sharded "
-            << sharded_mem.grad_bytes << "\n";
+            << sharded_mem.grad_bytes << " (whole buckets staged: " << whole_mem.grad_bytes
+            << ")\n";
 }
 
-// The memory report: sharded gradients take 1/N of the full buffer plus two
-// staging buffers of at most one bucket (the tiny model, 4096-element buckets).
+// The memory report: sharded gradients take 1/N of the full buffer plus the
+// staging: room for two buckets of the cap or the largest bucket, whichever is
+// more, of the other ranks' chunks only ((N-1)/N of a bucket; this rank's
+// chunk is reduced in place), and never more than the two largest buckets.
+// The tiny model with 4096-element buckets: its 256 x 256 weight (72% of the
+// model) is a bucket of its own, so staging is (N-1)/N of it; the small model
+// is one bucket: (N-1)/N of that.
 TEST(ShardGradientsTest, GradientBytesFollowTheWorldSize) {
+ for (const char* name : {"tiny", "small"}) {
   for (int n : {2, 4}) {
     InProcessWorld world(n, absl::Seconds(30));
     std::vector<std::unique_ptr<Communicator>> comms;
     for (int r = 0; r < n; ++r) comms.push_back(world.Connect(r));
     std::vector<MemoryReport> mem(n);
+    std::vector<int64_t> caps;  // capacity_per_rank of every bucket
     std::vector<std::thread> threads;
     for (int r = 0; r < n; ++r) {
       threads.emplace_back([&, r] {
-        auto model = *MakeModel("tiny", 1);
+        auto model = *MakeModel(name, 1);
         TrainConfig c;
         c.bucket_cap = 4096;
         c.shard_gradients = true;
         auto opt = ShardedOptimizer::Create(model->NamedParameters(), OptionsFor(c),
                                             comms[r].get());
         ASSERT_TRUE(opt.ok()) << opt.status();
+        const int64_t per = model->batch_per_rank();
         for (int step = 0; step < 2; ++step) {
           (*opt)->ZeroGrad();
-          model->Loss(step, r * 16 / n, (r + 1) * 16 / n).backward();
+          model->Loss(step, r * per, (r + 1) * per).backward();
           ASSERT_TRUE((*opt)->Step().ok());
         }
         mem[r] = (*opt)->memory();
+        if (r == 0) {
+          for (const Bucket& b : (*opt)->layout().buckets()) caps.push_back(b.capacity_per_rank);
+        }
       });
     }
     for (auto& t : threads) t.join();
     const int64_t full = mem[0].param_bytes;  // the full gradient buffer's size
-    const int64_t staging_bound = 2 * (4096 + n * 64) * 4;
+    std::sort(caps.rbegin(), caps.rend());
+    const int64_t two_largest = (caps[0] + (caps.size() > 1 ? caps[1] : 0)) * (n - 1);
+    const int64_t two_of_the_cap = 2 * ((4096 + n * 64 + n - 1) / n) * (n - 1);
+    const int64_t staging =
+        std::max(caps[0] * (n - 1), std::min(two_largest, two_of_the_cap)) * 4;
     for (int r = 0; r < n; ++r) {
-      EXPECT_LE(mem[r].grad_bytes, full / n + staging_bound) << n << " ranks, rank " << r;
-      EXPECT_GE(mem[r].grad_bytes, full / n) << n << " ranks, rank " << r;
+      EXPECT_EQ(mem[r].grad_bytes, full / n + staging) << name << ", " << n << " ranks, rank " << r;
     }
-    EXPECT_LT(mem[0].grad_bytes, full * (n == 2 ? 0.6 : 0.35));
-    std::cout << n << " ranks: gradient bytes " << mem[0].grad_bytes << " of " << full << " ("
-              << static_cast<double>(mem[0].grad_bytes) / full << "x)\n";
+    std::cout << name << ", " << n << " ranks: gradient bytes " << mem[0].grad_bytes << " of "
+              << full << " (" << static_cast<double>(mem[0].grad_bytes) / full << "x)\n";
   }
+ }
 }
 
 // device_async_step: on the CPU every collective is still waited for on the

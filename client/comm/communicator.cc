@@ -183,10 +183,56 @@ absl::Status CheckRoot(int root, int world_size) {
   return absl::OkStatus();
 }
 
+absl::Status CheckChunks(const std::vector<void*>& chunks, int world_size, int64_t count,
+                         ElementType type) {
+  if (static_cast<int>(chunks.size()) != world_size) {
+    return absl::InvalidArgumentError(absl::StrCat(chunks.size(), " chunk pointers for a world of ",
+                                                   world_size, " ranks"));
+  }
+  for (void* c : chunks) {
+    absl::Status s = CheckCollectiveArgs(c, count, type, /*reduces=*/true);
+    if (!s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+bool ChunksAdjacent(const std::vector<void*>& chunks, int64_t count, ElementType type) {
+  const int64_t bytes = count * ElementSize(type);
+  for (size_t i = 1; i < chunks.size(); ++i) {
+    if (static_cast<char*>(chunks[i]) != static_cast<char*>(chunks[0]) + i * bytes) return false;
+  }
+  return true;
+}
+
+CommHandlePtr Communicator::ReduceScatterChunks(const std::vector<void*>& chunks, int64_t count,
+                                                ElementType type, ReduceOp op) {
+  absl::Status err = CheckChunks(chunks, world_size(), count, type);
+  if (err.ok() && !ChunksAdjacent(chunks, count, type)) {
+    err = absl::UnimplementedError("this communicator reduces adjacent chunks only");
+  }
+  if (err.ok()) return ReduceScatter(chunks.empty() ? nullptr : chunks[0], count, type, op);
+  auto handle = std::make_shared<CommHandle>();
+  handle->Complete(std::move(err));
+  return handle;
+}
+
 CommHandlePtr QueuedCommunicator::ReduceScatter(void* buffer, int64_t count, ElementType type,
                                                 ReduceOp op) {
-  return Enqueue([=] { return RunReduceScatter(buffer, count, type, op); },
-                 CheckCollectiveArgs(buffer, count, type, /*reduces=*/true));
+  absl::Status err = CheckCollectiveArgs(buffer, count, type, /*reduces=*/true);
+  std::vector<char*> chunks(world_size_);
+  for (int i = 0; i < world_size_; ++i) {
+    chunks[i] = static_cast<char*>(buffer) + i * count * ElementSize(type);
+  }
+  return Enqueue([=] { return RunReduceScatter(chunks, count, type, op); }, err);
+}
+
+CommHandlePtr QueuedCommunicator::ReduceScatterChunks(const std::vector<void*>& chunks,
+                                                      int64_t count, ElementType type,
+                                                      ReduceOp op) {
+  absl::Status err = CheckChunks(chunks, world_size_, count, type);
+  std::vector<char*> c(chunks.size());
+  for (size_t i = 0; i < chunks.size(); ++i) c[i] = static_cast<char*>(chunks[i]);
+  return Enqueue([=] { return RunReduceScatter(c, count, type, op); }, err);
 }
 
 CommHandlePtr QueuedCommunicator::AllGather(void* buffer, int64_t count, ElementType type) {

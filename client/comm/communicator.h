@@ -16,6 +16,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
@@ -107,6 +108,15 @@ class Communicator {
   // that chunk; the other chunks hold unspecified values.
   virtual CommHandlePtr ReduceScatter(void* buffer, int64_t count, ElementType type,
                                       ReduceOp op) = 0;
+  // As ReduceScatter, with rank i's chunk of `count` elements at chunks[i]
+  // (world_size pointers; the chunks need not be adjacent). On completion
+  // chunks[rank] holds the reduction. ShardedOptimizer's gradient sharding
+  // uses it to reduce a bucket's owned chunk in place in the owned gradients,
+  // so it stages only the other ranks' chunks. Where SupportsSeparateChunks()
+  // is false, non-adjacent chunks fail the handle (Unimplemented).
+  virtual CommHandlePtr ReduceScatterChunks(const std::vector<void*>& chunks, int64_t count,
+                                            ElementType type, ReduceOp op);
+  virtual bool SupportsSeparateChunks() const { return false; }
   // In place: `buffer` holds world_size * count elements; this rank's chunk is
   // its contribution. On completion every chunk holds its owner's data.
   virtual CommHandlePtr AllGather(void* buffer, int64_t count, ElementType type) = 0;
@@ -141,6 +151,11 @@ class Communicator {
 // (InvalidArgument, naming what is wrong): `reduces` for reduce-scatter and
 // all-reduce; CheckRoot for broadcasts.
 absl::Status CheckCollectiveArgs(const void* buffer, int64_t count, ElementType type, bool reduces);
+// For ReduceScatterChunks: world_size non-null chunk pointers (when count > 0).
+absl::Status CheckChunks(const std::vector<void*>& chunks, int world_size, int64_t count,
+                         ElementType type);
+// chunks[i] == chunks[0] + i * count elements for every i.
+bool ChunksAdjacent(const std::vector<void*>& chunks, int64_t count, ElementType type);
 absl::Status CheckRoot(int root, int world_size);
 
 // Shared machinery for implementations: the queue, the worker thread, handles,
@@ -154,6 +169,9 @@ class QueuedCommunicator : public Communicator {
   int rank() const override { return rank_; }
   int world_size() const override { return world_size_; }
   CommHandlePtr ReduceScatter(void* buffer, int64_t count, ElementType type, ReduceOp op) override;
+  CommHandlePtr ReduceScatterChunks(const std::vector<void*>& chunks, int64_t count,
+                                    ElementType type, ReduceOp op) override;
+  bool SupportsSeparateChunks() const override { return true; }
   CommHandlePtr AllGather(void* buffer, int64_t count, ElementType type) override;
   CommHandlePtr AllReduce(void* buffer, int64_t count, ElementType type, ReduceOp op) override;
   CommHandlePtr Broadcast(void* buffer, int64_t count, ElementType type, int root) override;
@@ -167,8 +185,10 @@ class QueuedCommunicator : public Communicator {
   void Start();
   void Stop();
 
-  virtual absl::Status RunReduceScatter(void* buffer, int64_t count, ElementType type,
-                                        ReduceOp op) = 0;
+  // chunks: world_size pointers to `count` elements each (ReduceScatter's
+  // buffer gives adjacent ones).
+  virtual absl::Status RunReduceScatter(const std::vector<char*>& chunks, int64_t count,
+                                        ElementType type, ReduceOp op) = 0;
   virtual absl::Status RunAllGather(void* buffer, int64_t count, ElementType type) = 0;
   virtual absl::Status RunAllReduce(void* buffer, int64_t count, ElementType type,
                                     ReduceOp op) = 0;

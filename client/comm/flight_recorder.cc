@@ -102,6 +102,14 @@ CommHandlePtr FlightRecordingCommunicator::ReduceScatter(void* buffer, int64_t c
                 [&] { return inner_->ReduceScatter(buffer, count, type, op); });
 }
 
+CommHandlePtr FlightRecordingCommunicator::ReduceScatterChunks(const std::vector<void*>& chunks,
+                                                               int64_t count, ElementType type,
+                                                               ReduceOp op) {
+  const int64_t bytes = count * ElementSize(type) * inner_->world_size();
+  return Record(CollectiveKind::kReduceScatter, bytes,
+                [&] { return inner_->ReduceScatterChunks(chunks, count, type, op); });
+}
+
 CommHandlePtr FlightRecordingCommunicator::AllGather(void* buffer, int64_t count, ElementType type) {
   const int64_t bytes = count * ElementSize(type) * inner_->world_size();
   return Record(CollectiveKind::kAllGather, bytes,

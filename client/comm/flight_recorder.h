@@ -99,12 +99,19 @@ class FlightRecordingCommunicator final : public Communicator {
   int rank() const override { return inner_->rank(); }
   int world_size() const override { return inner_->world_size(); }
   CommHandlePtr ReduceScatter(void* buffer, int64_t count, ElementType type, ReduceOp op) override;
+  CommHandlePtr ReduceScatterChunks(const std::vector<void*>& chunks, int64_t count,
+                                    ElementType type, ReduceOp op) override;
+  bool SupportsSeparateChunks() const override { return inner_->SupportsSeparateChunks(); }
   CommHandlePtr AllGather(void* buffer, int64_t count, ElementType type) override;
   CommHandlePtr AllReduce(void* buffer, int64_t count, ElementType type, ReduceOp op) override;
   CommHandlePtr Broadcast(void* buffer, int64_t count, ElementType type, int root) override;
   CommHandlePtr Barrier() override;
   void Abort(const absl::Status& reason) override { inner_->Abort(reason); }
   ByteCounters counters() const override { return inner_->counters(); }
+  // The handles are inner's own, so device ordering passes straight through.
+  bool OrderStreamAfter(const CommHandlePtr& handle, void* stream) override {
+    return inner_->OrderStreamAfter(handle, stream);
+  }
 
   Communicator* inner() const { return inner_; }
   const std::shared_ptr<FlightRecorder>& recorder() const { return recorder_; }

@@ -187,9 +187,9 @@ absl::Status GlooCommunicator::WaitSend(Registered& buffer) {
 // rank sends chunk (r-s-1) mod N to its right neighbour and receives chunk
 // (r-s-2) mod N from its left one, reducing it into its own copy; a segment is
 // forwarded as soon as it has been reduced. After N-1 steps chunk r is complete.
-absl::Status GlooCommunicator::RingReduceScatter(char* buffer, int64_t chunk_bytes,
-                                                 ElementType type, ReduceOp op,
-                                                 CollectiveKind kind) {
+absl::Status GlooCommunicator::RingReduceScatter(const std::vector<char*>& chunk_ptr,
+                                                 int64_t chunk_bytes, ElementType type,
+                                                 ReduceOp op, CollectiveKind kind) {
   const int n = world_size(), r = rank();
   if (n == 1 || chunk_bytes == 0) return absl::OkStatus();
   const int elem = ElementSize(type);
@@ -200,7 +200,7 @@ absl::Status GlooCommunicator::RingReduceScatter(char* buffer, int64_t chunk_byt
   auto chunk_of_step = [&](int s, int shift) { return ((r - s - shift) % n + 2 * n) % n; };
 
   std::vector<std::unique_ptr<Registered>> chunks;
-  for (int i = 0; i < n; ++i) chunks.push_back(Register(buffer + i * chunk_bytes, chunk_bytes));
+  for (int i = 0; i < n; ++i) chunks.push_back(Register(chunk_ptr[i], chunk_bytes));
   auto scratch_mem = std::make_unique<std::vector<char>>(2 * std::min(seg, chunk_bytes));
   char* scratch_ptr[2] = {scratch_mem->data(), scratch_mem->data() + std::min(seg, chunk_bytes)};
   std::unique_ptr<Registered> scratch[2] = {Register(scratch_ptr[0], std::min(seg, chunk_bytes)),
@@ -229,7 +229,7 @@ absl::Status GlooCommunicator::RingReduceScatter(char* buffer, int64_t chunk_byt
       status = WaitRecv(*scratch[j % 2]);
       if (!status.ok()) break;
       const int target = chunk_of_step(s, 2);
-      ReduceInto(buffer + target * chunk_bytes + k * seg, scratch_ptr[j % 2], seg_len(k) / elem,
+      ReduceInto(chunk_ptr[target] + k * seg, scratch_ptr[j % 2], seg_len(k) / elem,
                  type, op);
       if (j + 2 < items) post_recv(j + 2);
       if (s + 1 < n - 1) {
@@ -309,10 +309,10 @@ absl::Status GlooCommunicator::RingAllGather(char* buffer, int64_t chunk_bytes,
   return absl::OkStatus();
 }
 
-absl::Status GlooCommunicator::RunReduceScatter(void* buffer, int64_t count, ElementType type,
-                                                ReduceOp op) {
-  return ReduceScatterFromHalf(buffer, count, type, op, rank(), world_size(),
-                               [&](char* b, int64_t chunk) {
+absl::Status GlooCommunicator::RunReduceScatter(const std::vector<char*>& chunks, int64_t count,
+                                                ElementType type, ReduceOp op) {
+  return ReduceScatterFromHalf(chunks, count, type, op, rank(), world_size(),
+                               [&](const std::vector<char*>& b, int64_t chunk) {
                                  return RingReduceScatter(b, chunk, type, op,
                                                           CollectiveKind::kReduceScatter);
                                });
@@ -327,7 +327,7 @@ absl::Status GlooCommunicator::RunAllReduce(void* buffer, int64_t count, Element
                                             ReduceOp op) {
   return AllReduceFromHalves(
       buffer, count, type, op, rank(), world_size(),
-      [&](char* b, int64_t chunk) {
+      [&](const std::vector<char*>& b, int64_t chunk) {
         return RingReduceScatter(b, chunk, type, op, CollectiveKind::kAllReduce);
       },
       [&](char* b, int64_t chunk) { return RingAllGather(b, chunk, CollectiveKind::kAllReduce); },
@@ -378,7 +378,7 @@ absl::Status GlooCommunicator::RunBroadcast(void* buffer, int64_t count, Element
 absl::Status GlooCommunicator::RunBarrier() {
   return BarrierFromHalves(
       world_size(),
-      [&](char* b, int64_t chunk) {
+      [&](const std::vector<char*>& b, int64_t chunk) {
         return RingReduceScatter(b, chunk, ElementType::kFloat32, ReduceOp::kSum,
                                  CollectiveKind::kBarrier);
       },

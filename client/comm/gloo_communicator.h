@@ -47,7 +47,7 @@ class GlooCommunicator : public QueuedCommunicator {
   ~GlooCommunicator() override;
 
  protected:
-  absl::Status RunReduceScatter(void* buffer, int64_t count, ElementType type,
+  absl::Status RunReduceScatter(const std::vector<char*>& chunks, int64_t count, ElementType type,
                                 ReduceOp op) override;
   absl::Status RunAllGather(void* buffer, int64_t count, ElementType type) override;
   absl::Status RunAllReduce(void* buffer, int64_t count, ElementType type, ReduceOp op) override;
@@ -65,7 +65,8 @@ class GlooCommunicator : public QueuedCommunicator {
   absl::Status WaitFailure(const char* what, absl::Duration waited, const char* error) const;
   absl::Status WaitRecv(Registered& buffer);
   absl::Status WaitSend(Registered& buffer);
-  absl::Status RingReduceScatter(char* buffer, int64_t chunk_bytes, ElementType type, ReduceOp op,
+  absl::Status RingReduceScatter(const std::vector<char*>& chunks, int64_t chunk_bytes,
+                                 ElementType type, ReduceOp op,
                                  CollectiveKind kind);
   absl::Status RingAllGather(char* buffer, int64_t chunk_bytes, CollectiveKind kind);
   uint64_t NextSlotBase();

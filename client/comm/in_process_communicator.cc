@@ -19,8 +19,9 @@ class InProcessCommunicator : public QueuedCommunicator {
   }
 
  protected:
-  absl::Status RunReduceScatter(void* b, int64_t count, ElementType t, ReduceOp op) override {
-    return Run({CollectiveKind::kReduceScatter, b, count, t, op, 0});
+  absl::Status RunReduceScatter(const std::vector<char*>& chunks, int64_t count, ElementType t,
+                                ReduceOp op) override {
+    return Run({CollectiveKind::kReduceScatter, chunks[0], count, t, op, 0, chunks});
   }
   absl::Status RunAllGather(void* b, int64_t count, ElementType t) override {
     return Run({CollectiveKind::kAllGather, b, count, t, ReduceOp::kSum, 0});
@@ -155,24 +156,26 @@ absl::Status InProcessWorld::Compute(Pending& p) {
   const int elem = ElementSize(a.type);
   const int64_t bytes = a.count * elem;
   switch (a.kind) {
-    case CollectiveKind::kReduceScatter:
+    case CollectiveKind::kReduceScatter: {
+      // Chunk by chunk: reduce every rank's copy of chunk c into a temporary,
+      // then hand it to rank c.
+      std::vector<char> acc(bytes);
+      for (int c = 0; c < n; ++c) {
+        if (bytes == 0) break;
+        std::memcpy(acc.data(), p.calls[0].chunks[c], bytes);
+        for (int r = 1; r < n; ++r) ReduceInto(acc.data(), p.calls[r].chunks[c], a.count, a.type, a.op);
+        if (a.op == ReduceOp::kAverage) Scale(acc.data(), a.count, a.type, 1.0f / n);
+        std::memcpy(p.calls[c].chunks[c], acc.data(), bytes);
+      }
+      break;
+    }
     case CollectiveKind::kAllReduce: {
-      // Reduce chunk by chunk into a temporary, then hand out.
-      const int64_t total = a.kind == CollectiveKind::kReduceScatter ? n * bytes : bytes;
+      // Reduce into a temporary, then hand out.
       std::vector<char> acc(static_cast<const char*>(p.calls[0].buffer),
-                            static_cast<const char*>(p.calls[0].buffer) + total);
-      for (int r = 1; r < n; ++r) {
-        ReduceInto(acc.data(), p.calls[r].buffer, total / elem, a.type, a.op);
-      }
-      if (a.op == ReduceOp::kAverage) Scale(acc.data(), total / elem, a.type, 1.0f / n);
-      for (int r = 0; r < n; ++r) {
-        if (a.kind == CollectiveKind::kReduceScatter) {
-          std::memcpy(static_cast<char*>(p.calls[r].buffer) + r * bytes, acc.data() + r * bytes,
-                      bytes);
-        } else {
-          std::memcpy(p.calls[r].buffer, acc.data(), bytes);
-        }
-      }
+                            static_cast<const char*>(p.calls[0].buffer) + bytes);
+      for (int r = 1; r < n; ++r) ReduceInto(acc.data(), p.calls[r].buffer, a.count, a.type, a.op);
+      if (a.op == ReduceOp::kAverage) Scale(acc.data(), a.count, a.type, 1.0f / n);
+      for (int r = 0; r < n; ++r) std::memcpy(p.calls[r].buffer, acc.data(), bytes);
       break;
     }
     case CollectiveKind::kAllGather:

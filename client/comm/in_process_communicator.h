@@ -42,6 +42,7 @@ class InProcessWorld {
     ElementType type;
     ReduceOp op;
     int root;
+    std::vector<char*> chunks;  // reduce-scatter: each rank's chunk
   };
   struct Pending {
     std::vector<bool> arrived;

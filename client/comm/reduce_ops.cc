@@ -37,20 +37,25 @@ void Scale(void* buffer, int64_t count, ElementType type, float factor) {
   for (int64_t i = 0; i < count; ++i) b[i] = FloatToBf16(Bf16ToFloat(b[i]) * factor);
 }
 
-absl::Status ReduceScatterFromHalf(void* buffer, int64_t count, ElementType type, ReduceOp op,
-                                   int rank, int world_size, const RingHalf& reduce_scatter) {
-  const int elem = ElementSize(type);
-  char* base = static_cast<char*>(buffer);
-  absl::Status s = reduce_scatter(base, count * elem);
+std::vector<char*> AdjacentChunks(void* buffer, int world_size, int64_t chunk_bytes) {
+  std::vector<char*> chunks(world_size);
+  for (int i = 0; i < world_size; ++i) chunks[i] = static_cast<char*>(buffer) + i * chunk_bytes;
+  return chunks;
+}
+
+absl::Status ReduceScatterFromHalf(const std::vector<char*>& chunks, int64_t count,
+                                   ElementType type, ReduceOp op, int rank, int world_size,
+                                   const RingReduceHalf& reduce_scatter) {
+  absl::Status s = reduce_scatter(chunks, count * ElementSize(type));
   if (!s.ok()) return s;
   if (op == ReduceOp::kAverage && world_size > 1) {
-    Scale(base + rank * count * elem, count, type, 1.0f / world_size);
+    Scale(chunks[rank], count, type, 1.0f / world_size);
   }
   return absl::OkStatus();
 }
 
 absl::Status AllReduceFromHalves(void* buffer, int64_t count, ElementType type, ReduceOp op,
-                                 int rank, int world_size, const RingHalf& reduce_scatter,
+                                 int rank, int world_size, const RingReduceHalf& reduce_scatter,
                                  const RingHalf& all_gather,
                                  std::vector<std::unique_ptr<std::vector<char>>>* keep_on_failure) {
   const int n = world_size;
@@ -59,7 +64,7 @@ absl::Status AllReduceFromHalves(void* buffer, int64_t count, ElementType type, 
   const int64_t per_rank = count / n;
   char* base = static_cast<char*>(buffer);
   if (per_rank > 0) {
-    absl::Status s = reduce_scatter(base, per_rank * elem);
+    absl::Status s = reduce_scatter(AdjacentChunks(base, n, per_rank * elem), per_rank * elem);
     if (!s.ok()) return s;
     if (op == ReduceOp::kAverage) Scale(base + rank * per_rank * elem, per_rank, type, 1.0f / n);
     s = all_gather(base, per_rank * elem);
@@ -69,7 +74,7 @@ absl::Status AllReduceFromHalves(void* buffer, int64_t count, ElementType type, 
   if (rest == 0) return absl::OkStatus();
   auto padded = std::make_unique<std::vector<char>>(static_cast<size_t>(n * elem), 0);
   std::memcpy(padded->data(), base + per_rank * n * elem, rest * elem);
-  absl::Status s = reduce_scatter(padded->data(), elem);
+  absl::Status s = reduce_scatter(AdjacentChunks(padded->data(), n, elem), elem);
   if (s.ok()) s = all_gather(padded->data(), elem);
   if (!s.ok()) {
     keep_on_failure->push_back(std::move(padded));
@@ -80,14 +85,14 @@ absl::Status AllReduceFromHalves(void* buffer, int64_t count, ElementType type, 
   return absl::OkStatus();
 }
 
-absl::Status BarrierFromHalves(int world_size, const RingHalf& reduce_scatter,
+absl::Status BarrierFromHalves(int world_size, const RingReduceHalf& reduce_scatter,
                                const RingHalf& all_gather,
                                std::vector<std::unique_ptr<std::vector<char>>>* keep_on_failure) {
   if (world_size == 1) return absl::OkStatus();
   auto padded = std::make_unique<std::vector<char>>(world_size * sizeof(float), 0);
   const float token = 1.0f;
   std::memcpy(padded->data(), &token, sizeof(float));
-  absl::Status s = reduce_scatter(padded->data(), sizeof(float));
+  absl::Status s = reduce_scatter(AdjacentChunks(padded->data(), world_size, sizeof(float)), sizeof(float));
   if (s.ok()) s = all_gather(padded->data(), sizeof(float));
   if (!s.ok()) keep_on_failure->push_back(std::move(padded));
   return s;

@@ -531,9 +531,9 @@ absl::Status ShmCommunicator::Exchange(const OpDesc& desc, std::deque<Send> send
 // Ring reduce-scatter (as GlooCommunicator's): this rank first sends chunk
 // (r-1) mod N; the s-th incoming chunk, (r-s-2) mod N, is reduced into place
 // straight from the slot and forwarded while s < N-2. Chunk r ends complete.
-absl::Status ShmCommunicator::RingReduceScatter(char* buffer, int64_t chunk_bytes,
-                                                ElementType type, ReduceOp op,
-                                                CollectiveKind kind) {
+absl::Status ShmCommunicator::RingReduceScatter(const std::vector<char*>& chunks,
+                                                int64_t chunk_bytes, ElementType type,
+                                                ReduceOp op, CollectiveKind kind) {
   const int n = world_size(), r = rank();
   if (n == 1 || chunk_bytes == 0) return absl::OkStatus();
   const int elem = ElementSize(type);
@@ -543,7 +543,7 @@ absl::Status ShmCommunicator::RingReduceScatter(char* buffer, int64_t chunk_byte
   auto chunk = [&](int s, int shift) { return ((r - s - shift) % n + 2 * n) % n; };
   std::deque<Send> sends;
   for (int64_t k = 0; k < nseg; ++k) {
-    sends.push_back(Send{buffer + chunk(0, 1) * chunk_bytes + k * seg, seg_len(k)});
+    sends.push_back(Send{chunks[chunk(0, 1)] + k * seg, seg_len(k)});
   }
   const OpDesc desc = NextDesc(kind, 0, 0, type, op, chunk_bytes);
   return Exchange(
@@ -551,7 +551,7 @@ absl::Status ShmCommunicator::RingReduceScatter(char* buffer, int64_t chunk_byte
       [&](int64_t j) {
         const int s = static_cast<int>(j / nseg);
         const int64_t k = j % nseg;
-        return Recv{buffer + chunk(s, 2) * chunk_bytes + k * seg, seg_len(k), true, s + 1 < n - 1};
+        return Recv{chunks[chunk(s, 2)] + k * seg, seg_len(k), true, s + 1 < n - 1};
       },
       type, op);
 }
@@ -579,11 +579,11 @@ absl::Status ShmCommunicator::RingAllGather(char* buffer, int64_t chunk_bytes, E
       ElementType::kByte, ReduceOp::kSum);
 }
 
-absl::Status ShmCommunicator::RunReduceScatter(void* buffer, int64_t count, ElementType type,
-                                               ReduceOp op) {
+absl::Status ShmCommunicator::RunReduceScatter(const std::vector<char*>& chunks, int64_t count,
+                                               ElementType type, ReduceOp op) {
   BeginCollective();
-  return ReduceScatterFromHalf(buffer, count, type, op, rank(), world_size(),
-                               [&](char* b, int64_t chunk) {
+  return ReduceScatterFromHalf(chunks, count, type, op, rank(), world_size(),
+                               [&](const std::vector<char*>& b, int64_t chunk) {
                                  return RingReduceScatter(b, chunk, type, op,
                                                           CollectiveKind::kReduceScatter);
                                });
@@ -600,7 +600,7 @@ absl::Status ShmCommunicator::RunAllReduce(void* buffer, int64_t count, ElementT
   BeginCollective();
   return AllReduceFromHalves(
       buffer, count, type, op, rank(), world_size(),
-      [&](char* b, int64_t chunk) {
+      [&](const std::vector<char*>& b, int64_t chunk) {
         return RingReduceScatter(b, chunk, type, op, CollectiveKind::kAllReduce);
       },
       [&](char* b, int64_t chunk) {
@@ -637,7 +637,7 @@ absl::Status ShmCommunicator::RunBarrier() {
   BeginCollective();
   return BarrierFromHalves(
       world_size(),
-      [&](char* b, int64_t chunk) {
+      [&](const std::vector<char*>& b, int64_t chunk) {
         return RingReduceScatter(b, chunk, ElementType::kFloat32, ReduceOp::kSum,
                                  CollectiveKind::kBarrier);
       },

@@ -70,7 +70,7 @@ class ShmCommunicator : public QueuedCommunicator {
   struct Region;  // a mapped channel region (shm_communicator.cc)
 
  protected:
-  absl::Status RunReduceScatter(void* buffer, int64_t count, ElementType type,
+  absl::Status RunReduceScatter(const std::vector<char*>& chunks, int64_t count, ElementType type,
                                 ReduceOp op) override;
   absl::Status RunAllGather(void* buffer, int64_t count, ElementType type) override;
   absl::Status RunAllReduce(void* buffer, int64_t count, ElementType type, ReduceOp op) override;
@@ -109,7 +109,8 @@ class ShmCommunicator : public QueuedCommunicator {
   }
   absl::Status Exchange(const OpDesc& desc, std::deque<Send> sends, int64_t num_recvs,
                         const std::function<Recv(int64_t)>& recv, ElementType type, ReduceOp op);
-  absl::Status RingReduceScatter(char* buffer, int64_t chunk_bytes, ElementType type, ReduceOp op,
+  absl::Status RingReduceScatter(const std::vector<char*>& chunks, int64_t chunk_bytes,
+                                 ElementType type, ReduceOp op,
                                  CollectiveKind kind);
   absl::Status RingAllGather(char* buffer, int64_t chunk_bytes, ElementType type,
                              CollectiveKind kind);
