@@ -1013,6 +1013,7 @@ void ShardedOptimizer::PrepareShardedGradients() {
   gaps_.assign(nb, {});
   chunks_.assign(nb, {});
   region_.assign(nb, Region());
+  placed_.clear();
   overflow_buf_.assign(nb, torch::Tensor());
   own_in_place_.assign(nb, false);
   in_accum_.assign(nb, false);
@@ -1147,10 +1148,8 @@ void ShardedOptimizer::ReclaimOldestLocked() {
 }
 
 bool ShardedOptimizer::PlaceLocked(int64_t length, int64_t* begin) const {
-  std::vector<Region> live;
-  for (const Region& r : region_) {
-    if (r.length > 0) live.push_back(r);
-  }
+  std::vector<Region> live;  // a few: the buckets filling or in flight
+  for (int b : placed_) live.push_back(region_[b]);
   std::sort(live.begin(), live.end(),
             [](const Region& a, const Region& b) { return a.begin < b.begin; });
   int64_t at = 0;
@@ -1180,18 +1179,19 @@ void ShardedOptimizer::AcquireStagingLocked(int b) {
     torch::Tensor buf;
     if (length > 0) {
       const auto opts = param_flat_.options().dtype(ScalarTypeOf(comm_type_));
-      if (!staging_.defined()) {
-        staging_ = torch::empty({staging_elements_}, opts);
-        UpdateGradBytesLocked();
-      }
       int64_t begin = 0;
       bool placed = PlaceLocked(length, &begin);
       while (!placed && !in_flight_.empty()) {
-        ReclaimOldestLocked();
+        ReclaimOldestLocked();  // may fail, and then drop the arena: allocated below
         placed = PlaceLocked(length, &begin);
       }
       if (placed) {
+        if (!staging_.defined()) {
+          staging_ = torch::empty({staging_elements_}, opts);
+          UpdateGradBytesLocked();
+        }
         region_[b] = Region{begin, length};
+        placed_.push_back(b);
         buf = staging_.narrow(0, begin, length);
       } else {
         // Buckets backward reached early but cannot reduce yet (they go in
@@ -1246,6 +1246,7 @@ void ShardedOptimizer::LaunchShardedLocked(int b) {
 }
 
 void ShardedOptimizer::FreeStagingLocked(int b) {
+  if (region_[b].length > 0) placed_.erase(std::find(placed_.begin(), placed_.end(), b));
   region_[b] = Region();
   if (overflow_buf_[b].defined()) {
     overflow_bytes_ -= overflow_buf_[b].numel() * overflow_buf_[b].element_size();
@@ -1263,11 +1264,14 @@ absl::Status ShardedOptimizer::ReclaimLocked(int b) {
     comm_->Abort(s);
     // The collective may still write into its chunks: keep them alive, and
     // the arena with them (it is never reused after an abort anyway).
+    // (The owned chunk is a view of the owned gradients, which stay; an
+    // aborted communicator never runs another collective into them.)
     for (const torch::Tensor& c : chunks_[b]) abandoned_.push_back(c);
     if (region_[b].length > 0) {
       abandoned_.push_back(staging_);
       staging_ = torch::Tensor();
       std::fill(region_.begin(), region_.end(), Region());
+      placed_.clear();
     }
     FreeStagingLocked(b);
     UpdateGradBytesLocked();

@@ -239,6 +239,10 @@ class ShardedOptimizer {
   const Layout& layout() const { return layout_; }
   const ShardedOptimizerOptions& options() const { return options_; }
   // Bytes this rank holds, by role (the owner's state plus flat buffers).
+  // With shard_gradients, grad_bytes is the owned gradients, the staging
+  // arena once allocated, the most ever held at once in buffers of their own
+  // (buckets that found no room), and the accumulation buffer while
+  // SetGradientSync(false) micro-batches are being summed.
   MemoryReport memory() const;
   std::vector<TraceEvent> TakeTrace();
 
@@ -351,6 +355,7 @@ class ShardedOptimizer {
     int64_t length = 0;  // 0: none
   };
   std::vector<Region> region_;                     // per bucket: its part of staging_
+  std::vector<int> placed_;                        // buckets holding a region
   std::vector<torch::Tensor> overflow_buf_;        // per bucket: a buffer of its own
   int64_t overflow_bytes_ = 0;                     // held by overflow_buf_ now
   int64_t overflow_peak_bytes_ = 0;                // the most ever held at once

@@ -158,18 +158,23 @@ TEST_P(CollectiveTest, ReduceScatterOfSeparateChunks) {
   for (int r = 0; r < n; ++r) EXPECT_TRUE(job.comms[r]->SupportsSeparateChunks());
   for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAverage}) {
     for (int64_t count : kCounts) {
-      // chunks[r][i]: rank r's copy of chunk i; one allocation per chunk.
+      // chunks[r][i]: rank r's copy of chunk i, one allocation each, with 8
+      // guard elements on either side that must stay untouched.
+      constexpr int64_t kGuard = 8;
+      constexpr float kGuardValue = 1024.0f;  // exact in bf16 too
       std::vector<std::vector<Typed>> chunks(n);
       for (int r = 0; r < n; ++r) {
-        for (int i = n - 1; i >= 0; --i) chunks[r].emplace_back(type, std::max<int64_t>(count, 1));
-        std::reverse(chunks[r].begin(), chunks[r].end());
         for (int i = 0; i < n; ++i) {
-          for (int64_t e = 0; e < count; ++e) chunks[r][i].Set(e, Value(r, i * count + e));
+          chunks[r].emplace_back(type, count + 2 * kGuard);
+          for (int64_t e = 0; e < count + 2 * kGuard; ++e) chunks[r][i].Set(e, kGuardValue);
+          for (int64_t e = 0; e < count; ++e) chunks[r][i].Set(kGuard + e, Value(r, i * count + e));
         }
       }
       job.Parallel([&](int r) {
         std::vector<void*> ptrs;
-        for (int i = 0; i < n; ++i) ptrs.push_back(chunks[r][i].data());
+        for (int i = 0; i < n; ++i) {
+          ptrs.push_back(chunks[r][i].bytes.data() + kGuard * ElementSize(type));
+        }
         absl::Status s = job.comms[r]->ReduceScatterChunks(ptrs, count, type, op)
                              ->Wait(absl::Seconds(30));
         EXPECT_TRUE(s.ok()) << s;
@@ -180,8 +185,15 @@ TEST_P(CollectiveTest, ReduceScatterOfSeparateChunks) {
           for (int q = 0; q < n; ++q) want += Value(q, r * count + e);
           if (op == ReduceOp::kAverage) want *= 1.0f / n;
           if (type == ElementType::kBFloat16) want = Bf16ToFloat(FloatToBf16(want));
-          ASSERT_EQ(chunks[r][r].Get(e), want)
+          ASSERT_EQ(chunks[r][r].Get(kGuard + e), want)
               << "rank " << r << " element " << e << " count " << count;
+        }
+        for (int i = 0; i < n; ++i) {
+          for (int64_t e = 0; e < kGuard; ++e) {
+            ASSERT_EQ(chunks[r][i].Get(e), kGuardValue) << "before chunk " << i << ", rank " << r;
+            ASSERT_EQ(chunks[r][i].Get(kGuard + count + e), kGuardValue)
+                << "after chunk " << i << ", rank " << r;
+          }
         }
       }
     }
@@ -336,6 +348,10 @@ TEST_P(FailureTest, BadArgumentsAreErrors) {
   EXPECT_EQ(job.comms[0]->ReduceScatterChunks({buf.data(), nullptr}, 2, ElementType::kFloat32,
                                               ReduceOp::kSum)->Wait(absl::Seconds(1)).code(),
             absl::StatusCode::kInvalidArgument);
+  s = job.comms[0]->ReduceScatterChunks({buf.data() + 1, buf.data()}, 2, ElementType::kFloat32,
+                                        ReduceOp::kSum)->Wait(absl::Seconds(1));
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find("overlap"), absl::string_view::npos) << s;
 }
 
 // A communicator that only forwards (as one without separate-chunk support,

@@ -183,6 +183,37 @@ TEST(FlightRecordingCommunicatorTest, SameSeqOnEveryRankWithBucketsAndSteps) {
   EXPECT_EQ(job.comms[1]->world_size(), 2);
 }
 
+// Reduce-scatters of separate chunks (ZeRO-2's) pass through, recorded as
+// reduce-scatters: a wrapper that lost the capability would silently make
+// ShardedOptimizer stage whole buckets.
+TEST(FlightRecordingCommunicatorTest, SeparateChunksPassThroughAndAreRecorded) {
+  RecordedJob job(2);
+  std::vector<std::vector<float>> own = {{1, 2}, {3, 4}}, other = {{10, 20}, {30, 40}};
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_TRUE(job.comms[r]->SupportsSeparateChunks());
+    threads.emplace_back([&, r] {
+      CollectiveBucketScope tag(5);
+      std::vector<void*> chunks = r == 0 ? std::vector<void*>{own[0].data(), other[0].data()}
+                                         : std::vector<void*>{other[1].data(), own[1].data()};
+      absl::Status s = job.comms[r]->ReduceScatterChunks(chunks, 2, ElementType::kFloat32,
+                                                         ReduceOp::kSum)->Wait(absl::Seconds(10));
+      EXPECT_TRUE(s.ok()) << s;
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(own[0], (std::vector<float>{31, 42}));  // rank 0's chunk: its own + rank 1's other
+  EXPECT_EQ(own[1], (std::vector<float>{13, 24}));
+  for (int r = 0; r < 2; ++r) {
+    auto s = job.recorders[r]->Snapshot();
+    ASSERT_EQ(s.size(), 1u);
+    EXPECT_EQ(s[0].op, CollectiveKind::kReduceScatter);
+    EXPECT_EQ(s[0].bucket, 5);
+    EXPECT_EQ(s[0].bytes, 16);
+    EXPECT_EQ(s[0].state, FlightState::kDone);
+  }
+}
+
 TEST(FlightRecordingCommunicatorTest, TimedOutWaitIsAStallAndAbortFailsIt) {
   RecordedJob job(2, absl::Seconds(30));
   std::vector<float> buf(4, 1.0f);

@@ -556,7 +556,7 @@ TEST(ShardGradientsTest, SameParametersBitForBitAsFullGradients) {
                         Case{"adamw_clip_one_staging", OptimizerKind::kAdamW, 0.5, false, false, 1},
                         Case{"sgd_bf16_grads", OptimizerKind::kSgd, 0.0, true, false, 2},
                         Case{"adamw_clip_overlap", OptimizerKind::kAdamW, 0.5, false, true, 1}}) {
-    for (int n : {2, 3}) {
+    for (int n : {1, 2, 3}) {
       TrainConfig c = SmallCase(k.kind, k.clip, k.bf16, k.overlap);
       std::vector<float> full = TrainInProcess(c, n);
       if (k.overlap) {  // overlap itself changes nothing either
@@ -607,8 +607,14 @@ struct HandModel {
   }
 };
 
+struct HandOptions {
+  bool whole_buckets = false;  // through AdjacentChunksOnly (the GPU's path)
+  bool grad_bf16 = false;
+  bool discard_first = false;  // each step: a backward, ZeroGrad(), then the real one
+};
+
 std::vector<float> TrainHand(bool shard, bool accumulate, MemoryReport* mem = nullptr,
-                             bool whole_buckets = false) {
+                             HandOptions ho = HandOptions()) {
   TwoRanks job;
   std::vector<std::vector<float>> out(2);
   job.Run([&](int r) {
@@ -620,9 +626,10 @@ std::vector<float> TrainHand(bool shard, bool accumulate, MemoryReport* mem = nu
     o.plan.bucket_cap_elements = 1000;  // w1 (8192) gets a bucket of its own
     o.shard_gradients = shard;
     o.timeout = absl::Seconds(20);
+    if (ho.grad_bf16) o.grad_comm_type = ElementType::kBFloat16;
     Communicator* comm = job.comms[r].get();
     std::unique_ptr<Communicator> wrapped;
-    if (whole_buckets) {
+    if (ho.whole_buckets) {
       wrapped = std::make_unique<AdjacentChunksOnly>(comm);  // borrows job's
       comm = wrapped.get();
     }
@@ -630,6 +637,10 @@ std::vector<float> TrainHand(bool shard, bool accumulate, MemoryReport* mem = nu
     ASSERT_TRUE(opt.ok()) << opt.status();
     for (int step = 0; step < 4; ++step) {
       (*opt)->ZeroGrad();
+      if (ho.discard_first) {  // a backward whose step never comes
+        m.Loss(step + 100, r * 8, r * 8 + 8).backward();
+        (*opt)->ZeroGrad();
+      }
       if (accumulate) {
         (*opt)->SetGradientSync(false);
         (m.Loss(step, r * 8, r * 8 + 4) * 0.5).backward();
@@ -662,8 +673,18 @@ TEST(ShardGradientsTest, LargeBucketsUnusedParametersAndAccumulation) {
   const std::vector<float> accumulated = TrainHand(false, true);
   EXPECT_EQ(TrainHand(true, true), accumulated) << "micro-batch accumulation";
   MemoryReport whole_mem;
-  EXPECT_EQ(TrainHand(true, false, &whole_mem, /*whole_buckets=*/true), full);
-  EXPECT_EQ(TrainHand(true, true, nullptr, /*whole_buckets=*/true), accumulated);
+  HandOptions whole;
+  whole.whole_buckets = true;
+  EXPECT_EQ(TrainHand(true, false, &whole_mem, whole), full);
+  EXPECT_EQ(TrainHand(true, true, nullptr, whole), accumulated);
+  HandOptions bf16;  // accumulation converted into bf16 staging
+  bf16.grad_bf16 = true;
+  EXPECT_EQ(TrainHand(true, true, nullptr, bf16), TrainHand(false, true, nullptr, bf16))
+      << "bf16 gradients with accumulation";
+  HandOptions discard;  // what a discarded backward left must not leak into the next
+  discard.discard_first = true;
+  EXPECT_EQ(TrainHand(true, false, nullptr, discard), full);
+  EXPECT_EQ(TrainHand(false, false, nullptr, discard), full);
   // Full: every gradient. Sharded: this rank's half, plus staging sized for
   // the largest bucket (w1's, 2 x 4096 elements; more than two buckets of the
   // cap): the other rank's chunk only (4096 elements) where this rank's chunk
@@ -680,6 +701,113 @@ TEST(ShardGradientsTest, LargeBucketsUnusedParametersAndAccumulation) {
   std::cout << "gradient bytes per rank: full " << full_mem.grad_bytes << ", sharded "
             << sharded_mem.grad_bytes << " (whole buckets staged: " << whole_mem.grad_bytes
             << ")\n";
+}
+
+// A communicator whose k-th reduce-scatter fails on every rank, as a peer's
+// death would make it fail; an abort on one rank aborts every rank's (as a
+// real transport tells the others), so no peer waits out its timeout.
+class FailingReduceScatter : public Communicator {
+ public:
+  FailingReduceScatter(std::unique_ptr<Communicator> inner, int fail_at,
+                       std::shared_ptr<std::vector<Communicator*>> job)
+      : inner_(std::move(inner)), fail_at_(fail_at), job_(std::move(job)) {
+    job_->push_back(inner_.get());
+  }
+  int rank() const override { return inner_->rank(); }
+  int world_size() const override { return inner_->world_size(); }
+  CommHandlePtr ReduceScatter(void* b, int64_t n, ElementType t, ReduceOp op) override {
+    return inner_->ReduceScatter(b, n, t, op);
+  }
+  CommHandlePtr ReduceScatterChunks(const std::vector<void*>& chunks, int64_t n, ElementType t,
+                                    ReduceOp op) override {
+    if (++calls_ != fail_at_) return inner_->ReduceScatterChunks(chunks, n, t, op);
+    // It fails a little later, so backward is already waiting for it.
+    auto failed = std::make_shared<CommHandle>();
+    std::thread([failed] {
+      absl::SleepFor(absl::Milliseconds(100));
+      failed->Complete(absl::UnavailableError("injected: rank 1 is gone"));
+    }).detach();
+    return failed;
+  }
+  bool SupportsSeparateChunks() const override { return inner_->SupportsSeparateChunks(); }
+  CommHandlePtr AllGather(void* b, int64_t n, ElementType t) override {
+    return inner_->AllGather(b, n, t);
+  }
+  CommHandlePtr AllReduce(void* b, int64_t n, ElementType t, ReduceOp op) override {
+    return inner_->AllReduce(b, n, t, op);
+  }
+  CommHandlePtr Broadcast(void* b, int64_t n, ElementType t, int root) override {
+    return inner_->Broadcast(b, n, t, root);
+  }
+  CommHandlePtr Barrier() override { return inner_->Barrier(); }
+  void Abort(const absl::Status& reason) override {
+    for (Communicator* c : *job_) c->Abort(reason);
+  }
+  ByteCounters counters() const override { return inner_->counters(); }
+
+ private:
+  std::unique_ptr<Communicator> inner_;
+  const int fail_at_;
+  std::shared_ptr<std::vector<Communicator*>> job_;  // filled before any thread starts
+  int calls_ = 0;
+};
+
+// A reduce-scatter that fails while backward waits for staging room (one
+// bucket of staging, small buckets): Step() returns the failure instead of
+// backward throwing (the staging it waited for is dropped on an abort) or the
+// step hanging; the next step fails at once (the communicator is aborted).
+TEST(ShardGradientsTest, AReductionThatFailsDuringBackwardIsStepsError) {
+  for (int fail_at : {1, 2, 4}) {
+    const int n = 2;
+    InProcessWorld world(n, absl::Seconds(20));
+    std::vector<std::unique_ptr<Communicator>> comms;
+    auto job = std::make_shared<std::vector<Communicator*>>();
+    for (int r = 0; r < n; ++r) {
+      comms.push_back(std::make_unique<FailingReduceScatter>(world.Connect(r), fail_at, job));
+    }
+    std::vector<std::vector<absl::Status>> steps(n);
+    std::vector<std::thread> threads;
+    const absl::Time start = absl::Now();
+    for (int r = 0; r < n; ++r) {
+      threads.emplace_back([&, r] {
+        auto model = *MakeModel("small", 1);
+        TrainConfig c = SmallCase(OptimizerKind::kAdamW, 0.5, false, false);
+        c.shard_gradients = true;
+        c.staging_buffers = 1;
+        ShardedOptimizerOptions o = OptionsFor(c);
+        o.timeout = absl::Seconds(20);
+        auto opt = ShardedOptimizer::Create(model->NamedParameters(), o, comms[r].get());
+        ASSERT_TRUE(opt.ok()) << opt.status();
+        const int64_t per = model->batch_per_rank();
+        try {
+          for (int step = 0; step < 4; ++step) {
+            (*opt)->ZeroGrad();
+            model->Loss(step, r * per, (r + 1) * per).backward();
+            steps[r].push_back((*opt)->Step().status());
+          }
+        } catch (const std::exception& e) {
+          ADD_FAILURE() << "rank " << r << " threw: " << e.what();
+        }
+      });
+    }
+    for (auto& t : threads) t.join();
+    EXPECT_LT(absl::Now() - start, absl::Seconds(10)) << "failure at reduce-scatter " << fail_at;
+    for (int r = 0; r < n; ++r) {
+      ASSERT_EQ(steps[r].size(), 4u);
+      size_t i = 0;
+      while (i < steps[r].size() && steps[r][i].ok()) ++i;
+      ASSERT_LT(i, 3u) << "no step failed, fail_at " << fail_at << ", rank " << r;
+      const absl::Status& first = steps[r][i];
+      // Its own failure (Unavailable) or the other rank's abort (Aborted).
+      EXPECT_TRUE(first.code() == absl::StatusCode::kUnavailable ||
+                  first.code() == absl::StatusCode::kAborted)
+          << first;
+      EXPECT_NE(first.message().find("injected: rank 1 is gone"), absl::string_view::npos) << first;
+      for (size_t j = i + 1; j < steps[r].size(); ++j) {
+        EXPECT_FALSE(steps[r][j].ok()) << "step " << j << " after the failure, rank " << r;
+      }
+    }
+  }
 }
 
 // The memory report: sharded gradients take 1/N of the full buffer plus the

@@ -1,5 +1,7 @@
 #include "client/comm/communicator.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 
 namespace shardopt {
@@ -193,6 +195,16 @@ absl::Status CheckChunks(const std::vector<void*>& chunks, int world_size, int64
     absl::Status s = CheckCollectiveArgs(c, count, type, /*reduces=*/true);
     if (!s.ok()) return s;
   }
+  // Overlapping chunks would be reduced into each other.
+  std::vector<const char*> sorted(chunks.size());
+  for (size_t i = 0; i < chunks.size(); ++i) sorted[i] = static_cast<const char*>(chunks[i]);
+  std::sort(sorted.begin(), sorted.end());
+  const int64_t bytes = count * ElementSize(type);
+  for (size_t i = 1; i < sorted.size() && bytes > 0; ++i) {
+    if (sorted[i] < sorted[i - 1] + bytes) {
+      return absl::InvalidArgumentError("reduce-scatter chunks overlap");
+    }
+  }
   return absl::OkStatus();
 }
 
@@ -220,7 +232,7 @@ CommHandlePtr QueuedCommunicator::ReduceScatter(void* buffer, int64_t count, Ele
                                                 ReduceOp op) {
   absl::Status err = CheckCollectiveArgs(buffer, count, type, /*reduces=*/true);
   std::vector<char*> chunks(world_size_);
-  for (int i = 0; i < world_size_; ++i) {
+  for (int i = 0; err.ok() && i < world_size_; ++i) {
     chunks[i] = static_cast<char*>(buffer) + i * count * ElementSize(type);
   }
   return Enqueue([=] { return RunReduceScatter(chunks, count, type, op); }, err);

@@ -31,7 +31,7 @@
 // Every row reports its gradient bytes per rank (buffers held across the
 // step; autograd's transient gradients are not counted, in any row).
 // Each (row, round) is a fresh pair of processes, so peak RSS is per row; rows
-// are interleaved round by round (A B C D A B C D ...); warm-up steps are
+// are interleaved round by round, each round starting one row later (A B C D B C D A ...); warm-up steps are
 // excluded.
 #include <ATen/Parallel.h>
 #include <signal.h>
@@ -239,7 +239,7 @@ int RunWorker(const Flags& f) {
   // shardopt_zero2[:cap=N][:staging=N]: variants side by side in one run.
   const std::vector<std::string> row_parts = absl::StrSplit(row, ':');
   const bool zero2 = row_parts[0] == "shardopt_zero2";
-  int64_t zero2_bucket_cap = f.Int("zero2-bucket-cap", 4 << 20).value_or(4 << 20);
+  int64_t zero2_bucket_cap = f.Int("zero2-bucket-cap", 2 << 20).value_or(2 << 20);
   int zero2_staging = 2;
   for (size_t i = 1; i < row_parts.size(); ++i) {
     int64_t v = 0;
@@ -542,7 +542,7 @@ constexpr char kUsage[] = R"(usage: bench_oss [--models=mlp,resnet101] [--rows=d
                  [--transport=gloo|shm] [--json=PATH] [--png=PATH]
 
 fairscale's OSS benchmark table on CPU: 2 ranks (processes, Gloo over 127.0.0.1,
-1 compute thread each, tuned malloc), rows interleaved round by round, each
+1 compute thread each, tuned malloc), rows interleaved round by round (each round one row later), each
 (row, round) a fresh pair of processes, warm-up steps excluded. Prints median
 samples/s per rank (+/- standard deviation over timed steps), ratio to ddp,
 peak RSS, optimizer state and bytes sent per rank per step, and the step
@@ -571,7 +571,7 @@ int RunParent(const Flags& f, const std::string& self) {
   const int steps = static_cast<int>(f.Int("steps", 5).value_or(5));
   const int warmup = static_cast<int>(f.Int("warmup", 6).value_or(6));
   const int ranks = static_cast<int>(f.Int("ranks", 2).value_or(2));
-  const int64_t zero2_cap = f.Int("zero2-bucket-cap", 4 << 20).value_or(4 << 20);
+  const int64_t zero2_cap = f.Int("zero2-bucket-cap", 2 << 20).value_or(2 << 20);
   const std::string transport = f.Str("transport", "gloo");
   for (const std::string& row : rows) {
     const size_t at = row.find('@');
@@ -589,13 +589,17 @@ int RunParent(const Flags& f, const std::string& self) {
   std::printf("bench_oss: %d ranks, %s (rows without @TRANSPORT), 1 thread per rank, %s\n", ranks,
               transport == "shm" ? "shared memory" : "Gloo over 127.0.0.1",
               DescribeMallocMode(MallocMode::kTuned).c_str());
-  std::printf("%d rounds x (%d warm-up + %d timed steps) per row, rows interleaved\n\n", rounds,
+  std::printf("%d rounds x (%d warm-up + %d timed steps) per row, rows interleaved (rotated)\n\n", rounds,
               warmup, steps);
   nlohmann::json all;
   for (const std::string& model : models) {
     std::map<std::string, std::vector<nlohmann::json>> runs;
     for (int round = 0; round < rounds; ++round) {
-      for (const std::string& row : rows) {
+      // Each round starts one row later: a row's place in the round (what ran
+      // just before it) moves its throughput by several percent here, so no
+      // row keeps the same place.
+      for (size_t i = 0; i < rows.size(); ++i) {
+        const std::string& row = rows[(i + round) % rows.size()];
         std::fprintf(stderr, "  %s round %d/%d: %s...\n", model.c_str(), round + 1, rounds,
                      row.c_str());
         for (auto& j : RunPair(self, model, row, steps, warmup, ranks, zero2_cap, transport)) {

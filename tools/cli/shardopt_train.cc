@@ -54,15 +54,16 @@ flags (a malformed or out-of-range value is refused, naming the flag; exit statu
   --batch=N            samples per rank per step, 1..65536 (default: the model's)
   --clip=X             clip gradients to global L2 norm X, 0..1e+30 (default 0: off)
   --bucket-cap=N       bucket cap in elements, 1..2147483647 (default 6553600, 25 MiB of
-                       fp32 as DDP's bucket; 4194304 with --shard-gradients=on)
+                       fp32 as DDP's bucket; 2097152 with --shard-gradients=on)
   --threads=N          compute threads per rank, 1..256 (default 1)
   --malloc=MODE        tuned | default (default tuned: see README, "allocator")
   --overlap=on|off     on: Step() returns with the parameter all-gathers in flight and each
                        layer waits for its own before its forward (default on)
   --shard-gradients=on|off
                        on (ZeRO-2): each rank keeps only the reduced gradients of the slices
-                       it owns (about 1/N of the gradient memory, plus two bucket-sized
-                       staging buffers; see shardctl memory) (default off)
+                       it owns (1/N of the gradient memory, plus staging for two buckets'
+                       other-rank chunks or the largest tensor's; see shardctl memory)
+                       (default off)
   --coordinator=H:P    coordinator address (default $SHARDOPT_COORDINATOR)
   --job-id=ID          job id (default $SHARDOPT_JOB_ID or "job")
   --token-file=PATH    bearer token for the control plane (default $SHARDOPT_TOKEN_FILE)
@@ -182,7 +183,7 @@ absl::Status ReadConfig(const Flags& flags, Config* c) {
   c->clip = Take(flags.Double("clip", 0, 0, kMaxClip), &bad);
   c->shard_gradients =
       Take(flags.Choice("shard-gradients", "off", {"on", "off"}), &bad) == "on";
-  c->bucket_cap = Take(flags.Int("bucket-cap", c->shard_gradients ? 4 * 1024 * 1024 : 25 * 1024 * 1024 / 4,
+  c->bucket_cap = Take(flags.Int("bucket-cap", c->shard_gradients ? 2 * 1024 * 1024 : 25 * 1024 * 1024 / 4,
                                  1, kMaxBucketCap),
                        &bad);
   c->threads = Take(flags.Int("threads", 1, 1, kMaxThreads), &bad);

@@ -234,9 +234,9 @@ class ShardedOptimizer(Optimizer):
     wait_for_parameters().
 
     `shard_gradients=True` (ZeRO-2): each rank keeps only the reduced
-    gradients of the slices it owns, about 1/N of the gradient memory plus a
-    few bucket-sized staging buffers (bucket_cap_mb defaults to 16 then, to
-    keep them small). Backward hands every gradient to the optimizer, so
+    gradients of the slices it owns, 1/N of the gradient memory plus staging
+    for the other ranks' chunks of two buckets, or of the largest tensor if
+    that is more (bucket_cap_mb defaults to 8 then, to keep it small). Backward hands every gradient to the optimizer, so
     `p.grad` is None after backward: clip with max_grad_norm=, not with
     torch.nn.utils.clip_grad_norm_. Under no_sync() micro-batches accumulate
     in a full-size buffer that lives only until the next step.
@@ -266,7 +266,7 @@ class ShardedOptimizer(Optimizer):
         if not isinstance(shard_gradients, bool):
             raise ValueError(f"shard_gradients must be True or False, not {shard_gradients!r}")
         if bucket_cap_mb is None:
-            bucket_cap_mb = 16.0 if shard_gradients else 25.0
+            bucket_cap_mb = 8.0 if shard_gradients else 25.0
         if not isinstance(bucket_cap_mb, (int, float)) or not (bucket_cap_mb > 0):
             raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
         if grad_dtype not in (None, torch.float32, torch.bfloat16):
