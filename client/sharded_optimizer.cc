@@ -368,6 +368,8 @@ absl::Status ShardedOptimizer::InstallHooks(
   ready_.assign(params_.size(), false);
   bucket_ready_count_.assign(nb, 0);
   bucket_size_.assign(nb, 0);
+  launch_order_.resize(nb);
+  for (int b = 0; b < nb; ++b) launch_order_[b] = b;
   for (int b = 0; b < nb; ++b) bucket_size_[b] = static_cast<int>(layout_.buckets()[b].params.size());
   rs_handles_.assign(nb, nullptr);
   ag_handles_.assign(nb, nullptr);
@@ -441,16 +443,74 @@ void ShardedOptimizer::OnGradReady(int param) {
     return;
   }
   ready_[param] = true;
-  if (++bucket_ready_count_[b] == bucket_size_[b]) LaunchReadyBucketsLocked();
+  if (++bucket_ready_count_[b] == bucket_size_[b]) BucketCompleteLocked(b);
+}
+
+void ShardedOptimizer::BucketCompleteLocked(int b) {
+  if (!order_agreed_) ready_order_.push_back(b);
+  LaunchReadyBucketsLocked();
 }
 
 void ShardedOptimizer::LaunchReadyBucketsLocked() {
-  // Buckets are reduced in bucket order on every rank, so collectives match
+  // Buckets are reduced in launch_order_ on every rank, so collectives match
   // even when ranks finish buckets in different orders.
   const int nb = static_cast<int>(bucket_size_.size());
-  while (next_launch_ < nb && bucket_ready_count_[next_launch_] == bucket_size_[next_launch_]) {
-    LaunchReduceScatterLocked(next_launch_++);
+  while (next_launch_ < nb) {
+    const int b = launch_order_[next_launch_];
+    if (bucket_ready_count_[b] != bucket_size_[b]) break;
+    ++next_launch_;
+    LaunchReduceScatterLocked(b);
   }
+}
+
+// After the first step: rank 0's order of completed buckets (those its
+// backward completed, then the rest in bucket order) becomes every rank's
+// launch order. Bucket order is reverse registration order, which is not
+// backward's when parameters come in groups (weight decay / none) or a
+// module registers layers out of forward order; reduced in bucket order, a
+// bucket backward completes early would wait for one it completes last, and
+// nothing would overlap backward (with shard_gradients, every such bucket
+// would hold staging until then). DDP rebuilds its buckets after the first
+// iteration for the same reason; here the layout stays and only the order
+// of the reduce-scatters changes (results are the same bit for bit).
+absl::Status ShardedOptimizer::AgreeLaunchOrder() {
+  const int nb = static_cast<int>(layout_.buckets().size());
+  std::vector<int32_t> order;
+  {
+    absl::MutexLock lock(&hook_state_->mu);
+    if (order_agreed_) return absl::OkStatus();
+    std::vector<bool> seen(nb, false);
+    for (int b : ready_order_) {
+      if (b >= 0 && b < nb && !seen[b]) {
+        seen[b] = true;
+        order.push_back(b);
+      }
+    }
+    for (int b = 0; b < nb; ++b) {
+      if (!seen[b]) order.push_back(b);
+    }
+  }
+  SHARDOPT_RETURN_IF_ERROR(WaitOrAbort(
+      comm_->Broadcast(order.data(), nb * 4, ElementType::kByte, 0), "launch order", -1));
+  std::vector<bool> seen(nb, false);
+  for (int32_t b : order) {
+    if (b < 0 || b >= nb || seen[b]) {
+      return absl::InternalError("rank 0's bucket launch order is not a permutation");
+    }
+    seen[b] = true;
+  }
+  absl::MutexLock lock(&hook_state_->mu);
+  launch_order_.assign(order.begin(), order.end());
+  ready_order_.clear();
+  order_agreed_ = true;
+  if (options_.shard_gradients) {
+    // Buffers of their own that buckets took while waiting for earlier ones
+    // in bucket order were the first step's; the report is the steady state.
+    overflow_peak_bytes_ = overflow_bytes_;
+    overflow_shortfall_ = 0;
+    UpdateGradBytesLocked();
+  }
+  return absl::OkStatus();
 }
 
 void ShardedOptimizer::LaunchReduceScatterLocked(int b) {
@@ -575,7 +635,7 @@ absl::Status ShardedOptimizer::BeginStep() {
         "Step() called without a backward pass since the last step (no gradient arrived)");
   }
   const int nb = static_cast<int>(layout_.buckets().size());
-  while (next_launch_ < nb) LaunchReduceScatterLocked(next_launch_++);
+  while (next_launch_ < nb) LaunchReduceScatterLocked(launch_order_[next_launch_++]);
   return absl::OkStatus();
 }
 
@@ -887,6 +947,7 @@ std::vector<int> ShardedOptimizer::BucketsOf(const std::vector<torch::Tensor>& p
 absl::StatusOr<StepResult> ShardedOptimizer::Step() {
   at::NoGradGuard no_grad;
   wait_ns_ = 0;
+  const bool in_agreed_order = order_agreed_;
   // The previous step's gathers (overlap_param_gather) end before this
   // step's updates write the same buffer (device_async_step: on the device,
   // and the outcome of what the last steps left to the device is checked).
@@ -939,7 +1000,12 @@ absl::StatusOr<StepResult> ShardedOptimizer::Step() {
   result.comm_wait_seconds = wait_ns_ * 1e-9;
   result.update_seconds = update_ns * 1e-9;
   if (!result.grad_norm_pending) last_norm_ = {result.step, result.grad_norm, result.clipped};
+  if (!order_agreed_) SHARDOPT_RETURN_IF_ERROR(AgreeLaunchOrder());
   EndStep(result.step);
+  if (in_agreed_order) {
+    absl::MutexLock lock(&hook_state_->mu);
+    SizeStagingAfterSecondStepLocked();
+  }
   return result;
 }
 
@@ -1067,6 +1133,24 @@ void ShardedOptimizer::UpdateGradBytesLocked() {
       bytes(owned_grad_flat_) + bytes(accum_flat_) + bytes(staging_) + overflow_peak_bytes_;
 }
 
+// shard_gradients, after the second step (the first in the agreed order):
+// if buckets still needed buffers of their own (backward fills a bucket while
+// a larger one arrives, as when biases and weights are in different groups),
+// the arena grows by what the largest of them lacked at the arena's end, so
+// later steps need none and the memory is one arena again. Every rank decides alone: the arena is
+// local memory, not part of any collective.
+void ShardedOptimizer::SizeStagingAfterSecondStepLocked() {
+  if (arena_sized_ || !options_.shard_gradients) return;
+  arena_sized_ = true;
+  // Called between steps: nothing is placed or in flight.
+  if (overflow_shortfall_ == 0 || !placed_.empty() || overflow_bytes_ > 0) return;
+  staging_elements_ += overflow_shortfall_;
+  staging_ = torch::empty({staging_elements_},
+                          param_flat_.options().dtype(ScalarTypeOf(comm_type_)));
+  overflow_peak_bytes_ = 0;
+  UpdateGradBytesLocked();
+}
+
 template <typename Fn>
 void ShardedOptimizer::ForChunks(int b, int64_t offset, int64_t length, Fn fn) {
   const int64_t cap = layout_.buckets()[b].capacity_per_rank;
@@ -1124,7 +1208,7 @@ void ShardedOptimizer::OnShardedGradReadyLocked(int param, torch::Tensor g) {
     AcquireStagingLocked(b);
     WriteGradLocked(b, pl.bucket_offset, g.reshape({-1}));
   }
-  if (++bucket_ready_count_[b] == bucket_size_[b]) LaunchReadyBucketsLocked();
+  if (++bucket_ready_count_[b] == bucket_size_[b]) BucketCompleteLocked(b);
 }
 
 // Takes back buckets whose reduction has finished (oldest first, without
@@ -1185,6 +1269,10 @@ void ShardedOptimizer::AcquireStagingLocked(int b) {
         ReclaimOldestLocked();  // may fail, and then drop the arena: allocated below
         placed = PlaceLocked(length, &begin);
       }
+      if (!placed && staging_.defined() && !placed_.empty() && hook_error_.ok()) {
+        CompactStagingLocked();
+        placed = PlaceLocked(length, &begin);
+      }
       if (placed) {
         if (!staging_.defined()) {
           staging_ = torch::empty({staging_elements_}, opts);
@@ -1195,7 +1283,10 @@ void ShardedOptimizer::AcquireStagingLocked(int b) {
         buf = staging_.narrow(0, begin, length);
       } else {
         // Buckets backward reached early but cannot reduce yet (they go in
-        // bucket order) hold the arena: a buffer of its own, counted.
+        // launch order) hold the arena: a buffer of its own, counted.
+        int64_t end = 0;
+        for (int p : placed_) end = std::max(end, region_[p].begin + region_[p].length);
+        overflow_shortfall_ = std::max(overflow_shortfall_, length - (staging_elements_ - end));
         overflow_buf_[b] = buf = torch::empty({length}, opts);
         overflow_bytes_ += length * ElementSize(comm_type_);
         if (overflow_bytes_ > overflow_peak_bytes_) {
@@ -1206,17 +1297,44 @@ void ShardedOptimizer::AcquireStagingLocked(int b) {
     }
     own_in_place_[b] = split_own_;
     in_accum_[b] = false;
-    int at = 0;
-    for (int r = 0; r < world_; ++r) {
-      if (split_own_ && r == rank_) {
-        chunks[r] = owner_->owned_grad(b);
-      } else {
-        chunks[r] = buf.narrow(0, (at++) * cap, cap);
-      }
-    }
+    chunks = StagedChunks(b, buf);
   }
   chunks_[b] = std::move(chunks);
   for (const auto& [begin, length] : gaps_[b]) ZeroGradRangeLocked(b, begin, length);
+}
+
+std::vector<torch::Tensor> ShardedOptimizer::StagedChunks(int b, const torch::Tensor& buf) {
+  const int64_t cap = layout_.buckets()[b].capacity_per_rank;
+  std::vector<torch::Tensor> chunks(world_);
+  int at = 0;
+  for (int r = 0; r < world_; ++r) {
+    if (split_own_ && r == rank_) {
+      chunks[r] = owner_->owned_grad(b);
+    } else {
+      chunks[r] = buf.narrow(0, (at++) * cap, cap);
+    }
+  }
+  return chunks;
+}
+
+// With nothing in flight, every placed bucket is one backward is still
+// filling: moves them to the arena's start, so the free room is one region.
+void ShardedOptimizer::CompactStagingLocked() {
+  std::vector<int> order = placed_;
+  std::sort(order.begin(), order.end(),
+            [this](int a, int b) { return region_[a].begin < region_[b].begin; });
+  int64_t at = 0;
+  at::NoGradGuard no_grad;
+  for (int b : order) {
+    Region& r = region_[b];
+    if (r.begin != at) {
+      torch::Tensor moved = staging_.narrow(0, r.begin, r.length).clone();
+      staging_.narrow(0, at, r.length).copy_(moved);
+      r.begin = at;
+      chunks_[b] = StagedChunks(b, staging_.narrow(0, r.begin, r.length));
+    }
+    at += r.length;
+  }
 }
 
 void ShardedOptimizer::LaunchShardedLocked(int b) {

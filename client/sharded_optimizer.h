@@ -240,9 +240,10 @@ class ShardedOptimizer {
   const ShardedOptimizerOptions& options() const { return options_; }
   // Bytes this rank holds, by role (the owner's state plus flat buffers).
   // With shard_gradients, grad_bytes is the owned gradients, the staging
-  // arena once allocated, the most ever held at once in buffers of their own
-  // (buckets that found no room), and the accumulation buffer while
-  // SetGradientSync(false) micro-batches are being summed.
+  // arena once allocated, the most held at once in buffers of their own
+  // (buckets that found no room; since the first step, whose buckets are
+  // reduced in bucket order, not yet backward's), and the accumulation buffer
+  // while SetGradientSync(false) micro-batches are being summed.
   MemoryReport memory() const;
   std::vector<TraceEvent> TakeTrace();
 
@@ -255,12 +256,17 @@ class ShardedOptimizer {
   absl::Status CreateShardOwner();
   absl::Status InstallHooks(const std::vector<std::pair<std::string, torch::Tensor>>& params);
   void OnGradReady(int param);
+  void BucketCompleteLocked(int bucket);
   void LaunchReadyBucketsLocked();
+  absl::Status AgreeLaunchOrder();
+  void SizeStagingAfterSecondStepLocked();
   void LaunchReduceScatterLocked(int bucket);
   // shard_gradients (all with hook_state_->mu held).
   void PrepareShardedGradients();
   void OnShardedGradReadyLocked(int param, torch::Tensor grad);
   void AcquireStagingLocked(int bucket);
+  std::vector<torch::Tensor> StagedChunks(int bucket, const torch::Tensor& buf);
+  void CompactStagingLocked();
   int64_t StageLength(int bucket) const;
   bool PlaceLocked(int64_t length, int64_t* begin) const;
   void FreeStagingLocked(int bucket);
@@ -334,7 +340,14 @@ class ShardedOptimizer {
   CommHandlePtr norm_handle_;
   float norm_sq_ = 0.0f;
   int64_t gather_wait_ns_ = 0;  // gathers waited for outside Step()
-  int next_launch_ = 0;
+  int next_launch_ = 0;            // position in launch_order_
+  // The order buckets are reduced in, the same on every rank: bucket order in
+  // the first step, then the order rank 0's first backward completed them
+  // (AgreeLaunchOrder). ready_order_ records it until then.
+  std::vector<int> launch_order_;
+  std::vector<int> ready_order_;
+  bool order_agreed_ = false;      // written by the training thread with mu held
+  bool arena_sized_ = false;       // shard_gradients: staging grown after the second step
   int64_t grads_seen_ = 0;
   bool sync_ = true;
   bool needs_zero_grad_ = false;
@@ -359,6 +372,7 @@ class ShardedOptimizer {
   std::vector<torch::Tensor> overflow_buf_;        // per bucket: a buffer of its own
   int64_t overflow_bytes_ = 0;                     // held by overflow_buf_ now
   int64_t overflow_peak_bytes_ = 0;                // the most ever held at once
+  int64_t overflow_shortfall_ = 0;  // elements the arena's end lacked for one
   std::vector<std::vector<torch::Tensor>> chunks_;  // per bucket: its reduce-scatter's chunks
   std::vector<bool> own_in_place_;                 // chunks_[b][rank_] is the owned gradient
   std::vector<bool> in_accum_;                     // chunks_[b] are accum_flat_'s
