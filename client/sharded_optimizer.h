@@ -84,12 +84,15 @@ struct ShardedOptimizerOptions {
   bool overlap_param_gather = false;
   // true (ZeRO-2): each rank keeps only the reduced gradient of the ranges it
   // owns (1/N of the model). Parameters have no .grad between steps: backward
-  // hands each gradient to the optimizer, which copies it into its bucket's
-  // staging buffer and drops it; after the bucket's reduce-scatter only the
-  // owned range is kept.
+  // hands each gradient to the optimizer, which writes the part in this
+  // rank's chunk of its bucket into the owned gradients and the rest into
+  // staging, and drops it; the bucket's reduce-scatter ends with the owned
+  // chunk reduced in place (with a communicator that takes separate chunks;
+  // otherwise the whole bucket is staged and the owned chunk copied out).
   // Gradient accumulation (SetGradientSync(false)) accumulates locally in a
   // full-size buffer that exists only until the step, as FSDP's no_sync does.
-  // Smaller buckets mean smaller staging buffers (bucket_cap_elements).
+  // Smaller buckets mean less staging (bucket_cap_elements), down to the
+  // largest tensor's share.
   bool shard_gradients = false;
   // With shard_gradients: the staging memory holds this many buckets of the
   // cap (and at least the largest bucket) while they are reduced; with Gloo,
@@ -108,8 +111,8 @@ struct ShardedOptimizerOptions {
   // Failures of collectives not waited for are reported by a later Step(),
   // WaitForParameters() or LastGradNorm() (the communicator aborts on them,
   // so the next collective fails too). With shard_gradients the reduce-
-  // scatters are still waited for on the host (their staging buffers return to
-  // the pool). On the CPU, and with host-memory communicators (Gloo,
+  // scatters are still waited for on the host (their staging is reused).
+  // On the CPU, and with host-memory communicators (Gloo,
   // in-process), collectives are waited for on the host as without the option
   // and the norm is known at once: results are bitwise those of the default.
   // Precondition on a GPU: the training step runs on the legacy default
