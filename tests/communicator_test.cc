@@ -23,6 +23,7 @@
 #include "client/comm/in_process_communicator.h"
 #include "client/comm/kv_store.h"
 #include "gtest/gtest.h"
+#include "tests/forwarding_communicator.h"
 #include "server/kernels/update_slice.h"
 
 namespace shardopt {
@@ -354,43 +355,18 @@ TEST_P(FailureTest, BadArgumentsAreErrors) {
   EXPECT_NE(s.message().find("overlap"), absl::string_view::npos) << s;
 }
 
-// A communicator that only forwards (as one without separate-chunk support,
-// NCCL's, behaves): the default ReduceScatterChunks takes adjacent chunks as
-// one ReduceScatter and refuses separate ones instead of reducing wrongly.
-class ForwardingCommunicator : public Communicator {
- public:
-  explicit ForwardingCommunicator(Communicator* inner) : inner_(inner) {}
-  int rank() const override { return inner_->rank(); }
-  int world_size() const override { return inner_->world_size(); }
-  CommHandlePtr ReduceScatter(void* b, int64_t n, ElementType t, ReduceOp op) override {
-    return inner_->ReduceScatter(b, n, t, op);
-  }
-  CommHandlePtr AllGather(void* b, int64_t n, ElementType t) override {
-    return inner_->AllGather(b, n, t);
-  }
-  CommHandlePtr AllReduce(void* b, int64_t n, ElementType t, ReduceOp op) override {
-    return inner_->AllReduce(b, n, t, op);
-  }
-  CommHandlePtr Broadcast(void* b, int64_t n, ElementType t, int root) override {
-    return inner_->Broadcast(b, n, t, root);
-  }
-  CommHandlePtr Barrier() override { return inner_->Barrier(); }
-  void Abort(const absl::Status& reason) override { inner_->Abort(reason); }
-  ByteCounters counters() const override { return inner_->counters(); }
-
- private:
-  Communicator* inner_;
-};
-
+// Without separate-chunk support (as NCCL's communicator), the default
+// ReduceScatterChunks takes adjacent chunks as one ReduceScatter and refuses
+// separate ones instead of reducing wrongly.
 TEST(SeparateChunksTest, WithoutSupportAdjacentChunksWorkAndSeparateOnesAreRefused) {
   Job job(Impl::kInProcess, 2);
-  std::vector<ForwardingCommunicator> fwd = {ForwardingCommunicator(job.comms[0].get()),
-                                             ForwardingCommunicator(job.comms[1].get())};
-  EXPECT_FALSE(fwd[0].SupportsSeparateChunks());
+  ForwardingCommunicator f0(job.comms[0].get()), f1(job.comms[1].get());
+  ForwardingCommunicator* fwd[2] = {&f0, &f1};
+  EXPECT_FALSE(fwd[0]->SupportsSeparateChunks());
   std::vector<std::vector<float>> buf = {{1, 2, 3, 4}, {10, 20, 30, 40}};
   job.Parallel([&](int r) {
     float* b = buf[r].data();
-    absl::Status s = fwd[r].ReduceScatterChunks({b, b + 2}, 2, ElementType::kFloat32,
+    absl::Status s = fwd[r]->ReduceScatterChunks({b, b + 2}, 2, ElementType::kFloat32,
                                                 ReduceOp::kSum)->Wait(absl::Seconds(10));
     EXPECT_TRUE(s.ok()) << s;
   });
@@ -399,7 +375,7 @@ TEST(SeparateChunksTest, WithoutSupportAdjacentChunksWorkAndSeparateOnesAreRefus
   EXPECT_EQ(buf[1][2], 33.0f);
   EXPECT_EQ(buf[1][3], 44.0f);
   float x[6] = {1, 2, 0, 0, 3, 4};  // chunks at x and x + 4: not adjacent
-  absl::Status s = fwd[0].ReduceScatterChunks({x, x + 4}, 2, ElementType::kFloat32, ReduceOp::kSum)
+  absl::Status s = fwd[0]->ReduceScatterChunks({x, x + 4}, 2, ElementType::kFloat32, ReduceOp::kSum)
                        ->Wait(absl::Seconds(1));
   EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented) << s;
 }

@@ -34,6 +34,7 @@
 #include "client/models.h"
 #include "client/sharded_optimizer.h"
 #include "gtest/gtest.h"
+#include "tests/forwarding_communicator.h"
 #include "tests/training_harness.h"
 
 extern char** environ;
@@ -65,36 +66,10 @@ void ExpectClose(const std::vector<float>& got, const std::vector<float>& want,
 
 // Runs `c` on n in-process ranks; returns rank 0's parameters and checks that
 // every rank ends with the same parameters.
-// Forwards every collective to an in-process communicator but, like NCCL's,
-// does not take a reduce-scatter's chunks apart: ZeRO-2 then stages whole
-// buckets and copies the owned chunk out (the path GPUs take).
-class AdjacentChunksOnly : public Communicator {
- public:
-  explicit AdjacentChunksOnly(std::unique_ptr<Communicator> inner)
-      : owned_(std::move(inner)), inner_(owned_.get()) {}
-  explicit AdjacentChunksOnly(Communicator* inner) : inner_(inner) {}
-  int rank() const override { return inner_->rank(); }
-  int world_size() const override { return inner_->world_size(); }
-  CommHandlePtr ReduceScatter(void* b, int64_t n, ElementType t, ReduceOp op) override {
-    return inner_->ReduceScatter(b, n, t, op);
-  }
-  CommHandlePtr AllGather(void* b, int64_t n, ElementType t) override {
-    return inner_->AllGather(b, n, t);
-  }
-  CommHandlePtr AllReduce(void* b, int64_t n, ElementType t, ReduceOp op) override {
-    return inner_->AllReduce(b, n, t, op);
-  }
-  CommHandlePtr Broadcast(void* b, int64_t n, ElementType t, int root) override {
-    return inner_->Broadcast(b, n, t, root);
-  }
-  CommHandlePtr Barrier() override { return inner_->Barrier(); }
-  void Abort(const absl::Status& reason) override { inner_->Abort(reason); }
-  ByteCounters counters() const override { return inner_->counters(); }
-
- private:
-  std::unique_ptr<Communicator> owned_;
-  Communicator* inner_;
-};
+// A communicator that, like NCCL's, does not take a reduce-scatter's chunks
+// apart: ZeRO-2 then stages whole buckets and copies the owned chunk out (the
+// path GPUs take).
+using AdjacentChunksOnly = ForwardingCommunicator;
 
 std::vector<float> TrainInProcess(const TrainConfig& c, int n,
                                   std::vector<TraceEvent>* trace = nullptr,
@@ -767,21 +742,16 @@ TEST(LaunchOrderTest, BucketsAreReducedInBackwardsOrderFromTheSecondStep) {
 // A communicator whose k-th reduce-scatter fails on every rank, as a peer's
 // death would make it fail; an abort on one rank aborts every rank's (as a
 // real transport tells the others), so no peer waits out its timeout.
-class FailingReduceScatter : public Communicator {
+class FailingReduceScatter : public ForwardingCommunicator {
  public:
   FailingReduceScatter(std::unique_ptr<Communicator> inner, int fail_at,
                        std::shared_ptr<std::vector<Communicator*>> job)
-      : inner_(std::move(inner)), fail_at_(fail_at), job_(std::move(job)) {
-    job_->push_back(inner_.get());
-  }
-  int rank() const override { return inner_->rank(); }
-  int world_size() const override { return inner_->world_size(); }
-  CommHandlePtr ReduceScatter(void* b, int64_t n, ElementType t, ReduceOp op) override {
-    return inner_->ReduceScatter(b, n, t, op);
+      : ForwardingCommunicator(std::move(inner)), fail_at_(fail_at), job_(std::move(job)) {
+    job_->push_back(this->inner());
   }
   CommHandlePtr ReduceScatterChunks(const std::vector<void*>& chunks, int64_t n, ElementType t,
                                     ReduceOp op) override {
-    if (++calls_ != fail_at_) return inner_->ReduceScatterChunks(chunks, n, t, op);
+    if (++calls_ != fail_at_) return inner()->ReduceScatterChunks(chunks, n, t, op);
     // It fails a little later, so backward is already waiting for it.
     auto failed = std::make_shared<CommHandle>();
     std::thread([failed] {
@@ -790,24 +760,12 @@ class FailingReduceScatter : public Communicator {
     }).detach();
     return failed;
   }
-  bool SupportsSeparateChunks() const override { return inner_->SupportsSeparateChunks(); }
-  CommHandlePtr AllGather(void* b, int64_t n, ElementType t) override {
-    return inner_->AllGather(b, n, t);
-  }
-  CommHandlePtr AllReduce(void* b, int64_t n, ElementType t, ReduceOp op) override {
-    return inner_->AllReduce(b, n, t, op);
-  }
-  CommHandlePtr Broadcast(void* b, int64_t n, ElementType t, int root) override {
-    return inner_->Broadcast(b, n, t, root);
-  }
-  CommHandlePtr Barrier() override { return inner_->Barrier(); }
+  bool SupportsSeparateChunks() const override { return inner()->SupportsSeparateChunks(); }
   void Abort(const absl::Status& reason) override {
     for (Communicator* c : *job_) c->Abort(reason);
   }
-  ByteCounters counters() const override { return inner_->counters(); }
 
  private:
-  std::unique_ptr<Communicator> inner_;
   const int fail_at_;
   std::shared_ptr<std::vector<Communicator*>> job_;  // filled before any thread starts
   int calls_ = 0;
@@ -1018,34 +976,22 @@ TEST(DeviceAsyncStepTest, Bf16ModelWithClipping) {
 // optimizer's deferral bookkeeping runs on the CPU. It counts the calls and
 // can make the k-th all-gather complete with an error after it ran (the peer
 // side of a failure the device would not tell the host about).
-class DeviceOrderingCommunicator : public Communicator {
+class DeviceOrderingCommunicator : public ForwardingCommunicator {
  public:
-  explicit DeviceOrderingCommunicator(std::unique_ptr<Communicator> inner) : inner_(std::move(inner)) {}
-  int rank() const override { return inner_->rank(); }
-  int world_size() const override { return inner_->world_size(); }
-  CommHandlePtr ReduceScatter(void* b, int64_t n, ElementType t, ReduceOp op) override {
-    return inner_->ReduceScatter(b, n, t, op);
-  }
+  explicit DeviceOrderingCommunicator(std::unique_ptr<Communicator> inner)
+      : ForwardingCommunicator(std::move(inner)) {}
   CommHandlePtr AllGather(void* b, int64_t n, ElementType t) override {
-    CommHandlePtr h = inner_->AllGather(b, n, t);
+    CommHandlePtr h = inner()->AllGather(b, n, t);
     if (++gathers_ != fail_gather_) return h;
     (void)h->Wait(absl::Seconds(10));
     auto failed = std::make_shared<CommHandle>();
     failed->Complete(absl::UnavailableError("injected: the link to rank 1 went down"));
     return failed;
   }
-  CommHandlePtr AllReduce(void* b, int64_t n, ElementType t, ReduceOp op) override {
-    return inner_->AllReduce(b, n, t, op);
-  }
-  CommHandlePtr Broadcast(void* b, int64_t n, ElementType t, int root) override {
-    return inner_->Broadcast(b, n, t, root);
-  }
-  CommHandlePtr Barrier() override { return inner_->Barrier(); }
   void Abort(const absl::Status& reason) override {
     ++aborts_;
-    inner_->Abort(reason);
+    inner()->Abort(reason);
   }
-  ByteCounters counters() const override { return inner_->counters(); }
   bool OrderStreamAfter(const CommHandlePtr& handle, void* stream) override {
     EXPECT_EQ(stream, nullptr);  // the legacy default stream, where the kernels run
     (void)handle->Wait(absl::Seconds(10));
@@ -1053,9 +999,6 @@ class DeviceOrderingCommunicator : public Communicator {
     return true;
   }
   int ordered_ = 0, gathers_ = 0, fail_gather_ = -1, aborts_ = 0;
-
- private:
-  std::unique_ptr<Communicator> inner_;
 };
 
 // With a communicator that can order the device, no collective of the step is
