@@ -224,8 +224,8 @@ def main():
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=6,
-                   help="untimed steps first (6: glibc's heap takes that long to settle on the "
-                        "mlp, as bench_oss found; with 3, shardopt_zero2 timed its heap growth)")
+                   help="untimed steps first (6, as bench_oss: the mlp's heap takes that long to "
+                        "settle there; with 3, shardopt_zero2 measured 14%% slower in one run)")
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--launch-timeout", type=float, default=300.0,
                    help="seconds one (row, round) may take before it is killed and retried")
