@@ -1081,7 +1081,6 @@ void ShardedOptimizer::PrepareShardedGradients() {
   region_.assign(nb, Region());
   placed_.clear();
   overflow_buf_.assign(nb, torch::Tensor());
-  own_in_place_.assign(nb, false);
   in_accum_.assign(nb, false);
   reclaimed_.assign(nb, false);
   split_own_ = comm_->SupportsSeparateChunks() && comm_type_ == ElementTypeOf(dtype_);
@@ -1256,7 +1255,6 @@ void ShardedOptimizer::AcquireStagingLocked(int b) {
   if (accum_flat_.defined() && comm_type_ == ElementTypeOf(dtype_)) {
     // Micro-batches were accumulated: reduce that buffer in place.
     for (int r = 0; r < world_; ++r) chunks[r] = accum_flat_.narrow(0, bk.flat_offset + r * cap, cap);
-    own_in_place_[b] = false;
     in_accum_[b] = true;
   } else {
     const int64_t length = StageLength(b);
@@ -1295,7 +1293,6 @@ void ShardedOptimizer::AcquireStagingLocked(int b) {
         }
       }
     }
-    own_in_place_[b] = split_own_;
     in_accum_[b] = false;
     chunks = StagedChunks(b, buf);
   }
@@ -1396,7 +1393,7 @@ absl::Status ShardedOptimizer::ReclaimLocked(int b) {
     return absl::Status(s.code(), absl::StrCat("rank ", rank_, ": reduce-scatter of bucket ", b,
                                                " failed: ", s.message()));
   }
-  if (!own_in_place_[b]) {
+  if (in_accum_[b] || !split_own_) {  // this rank's chunk is not the owned gradient
     at::NoGradGuard no_grad;
     owner_->owned_grad(b).copy_(chunks_[b][rank_]);
   }

@@ -377,8 +377,8 @@ class ShardedOptimizer {
   int64_t overflow_peak_bytes_ = 0;                // the most ever held at once
   int64_t overflow_shortfall_ = 0;  // elements the arena's end lacked for one
   std::vector<std::vector<torch::Tensor>> chunks_;  // per bucket: its reduce-scatter's chunks
-  std::vector<bool> own_in_place_;                 // chunks_[b][rank_] is the owned gradient
-  std::vector<bool> in_accum_;                     // chunks_[b] are accum_flat_'s
+  std::vector<bool> in_accum_;  // chunks_[b] are accum_flat_'s (else chunks_[b][rank_] is the
+                                // owned gradient when split_own_)
   std::vector<bool> reclaimed_;             // reduced; owned range holds the result
   std::vector<int> in_flight_;              // launched, not reclaimed, in launch order
   std::vector<torch::Tensor> abandoned_;    // buffers of collectives that failed

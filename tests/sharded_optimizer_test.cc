@@ -588,19 +588,25 @@ struct HandOptions {
   bool discard_first = false;  // each step: a backward, ZeroGrad(), then the real one
 };
 
+// AdamW on the hand model, 1000-element buckets: w1 (8192) gets a bucket of its own.
+ShardedOptimizerOptions HandOptimizerOptions(bool shard) {
+  ShardedOptimizerOptions o;
+  o.kind = OptimizerKind::kAdamW;
+  o.adam.lr = 1e-2;
+  o.plan.bucket_cap_elements = 1000;
+  o.shard_gradients = shard;
+  o.timeout = absl::Seconds(20);
+  return o;
+}
+
 std::vector<float> TrainHand(bool shard, bool accumulate, MemoryReport* mem = nullptr,
                              HandOptions ho = HandOptions()) {
   TwoRanks job;
   std::vector<std::vector<float>> out(2);
   job.Run([&](int r) {
     HandModel m(7);
-    ShardedOptimizerOptions o;
-    o.kind = OptimizerKind::kAdamW;
-    o.adam.lr = 1e-2;
+    ShardedOptimizerOptions o = HandOptimizerOptions(shard);
     o.max_grad_norm = 1.0;
-    o.plan.bucket_cap_elements = 1000;  // w1 (8192) gets a bucket of its own
-    o.shard_gradients = shard;
-    o.timeout = absl::Seconds(20);
     if (ho.grad_bf16) o.grad_comm_type = ElementType::kBFloat16;
     Communicator* comm = job.comms[r].get();
     std::unique_ptr<Communicator> wrapped;
@@ -697,13 +703,8 @@ TEST(LaunchOrderTest, BucketsAreReducedInBackwardsOrderFromTheSecondStep) {
     std::vector<std::vector<TraceEvent>> traces(3);
     job.Run([&](int r) {
       HandModel m(7);
-      ShardedOptimizerOptions o;
-      o.kind = OptimizerKind::kAdamW;
-      o.adam.lr = 1e-2;
-      o.plan.bucket_cap_elements = 1000;
-      o.shard_gradients = shard;
+      ShardedOptimizerOptions o = HandOptimizerOptions(shard);
       o.trace = true;
-      o.timeout = absl::Seconds(20);
       auto opt = ShardedOptimizer::Create({{"w2", m.w2}, {"b1", m.b1}, {"w1", m.w1}}, o,
                                           job.comms[r].get());
       ASSERT_TRUE(opt.ok()) << opt.status();
