@@ -1056,7 +1056,9 @@ MemoryReport ShardedOptimizer::memory() const {
 //
 // Staging is one arena in the type gradients travel in, allocated at first
 // use: room for grad_staging_buffers buckets of the cap, and at least for the
-// largest bucket. Buckets take regions first-fit as backward reaches them and
+// largest bucket that is staged whole (with split_own_, a bucket of one
+// tensor larger than that is reduced in pieces through the arena while
+// backward waits: LaunchPiecesLocked). Buckets take regions first-fit as backward reaches them and
 // give them back once reduced (in launch order); when no region is free,
 // backward waits for the oldest reduction in flight. Autograd's gradient is
 // dropped as soon as it is copied. While micro-batches accumulate (no_sync)
@@ -1080,6 +1082,7 @@ void ShardedOptimizer::PrepareShardedGradients() {
   chunks_.assign(nb, {});
   region_.assign(nb, Region());
   placed_.clear();
+  pieces_.clear();
   overflow_buf_.assign(nb, torch::Tensor());
   in_accum_.assign(nb, false);
   reclaimed_.assign(nb, false);
@@ -1097,13 +1100,23 @@ void ShardedOptimizer::PrepareShardedGradients() {
       at = pl.bucket_offset + pl.numel;
     }
     if (size > at) gaps_[bk.index].push_back({at, size - at});
-    stages.push_back(StageLength(bk.index));
+  }
+  // A tensor whose reduce-scatter would stage more than a bucket of the cap
+  // is reduced in pieces of that size (LaunchPiecesLocked).
+  const int64_t align = std::max<int64_t>(1, layout_.options().alignment_elements);
+  piece_elements_ = split_own_ && world_ > 1 && options_.reduce_large_gradients_in_pieces
+                        ? ((cap_bucket + world_ - 1) / world_ + align - 1) / align * align
+                        : 0;
+  for (const Bucket& bk : layout_.buckets()) {
+    stages.push_back(PiecewiseLocked(bk.index) ? (world_ - 1) * piece_elements_
+                                               : StageLength(bk.index));
   }
   // Room for grad_staging_buffers buckets of the cap (no more than the
   // largest buckets there are need), and at least for the largest bucket.
   std::sort(stages.rbegin(), stages.rend());
   const int staged_chunks = split_own_ ? world_ - 1 : world_;
-  const int64_t cap_stage = (cap_bucket + world_ - 1) / world_ * staged_chunks;
+  const int64_t cap_stage = std::max((cap_bucket + world_ - 1) / world_ * staged_chunks,
+                                     (world_ - 1) * piece_elements_);
   int64_t largest_k = 0;
   for (int i = 0; i < options_.grad_staging_buffers && i < static_cast<int>(stages.size()); ++i) {
     largest_k += stages[i];
@@ -1197,6 +1210,16 @@ void ShardedOptimizer::OnShardedGradReadyLocked(int param, torch::Tensor g) {
   }
   ready_[param] = true;
   ReclaimFinishedLocked();
+  if (!accum_flat_.defined() && PiecewiseLocked(b) && chunks_[b].empty() &&
+      next_launch_ < static_cast<int>(launch_order_.size()) && launch_order_[next_launch_] == b) {
+    // Its turn: reduced in pieces now, from autograd's gradient.
+    ++bucket_ready_count_[b];  // its only parameter
+    if (!order_agreed_) ready_order_.push_back(b);
+    ++next_launch_;
+    LaunchPiecesLocked(b, g.reshape({-1}));
+    LaunchReadyBucketsLocked();
+    return;
+  }
   if (accum_flat_.defined()) {
     torch::Tensor acc = AccumView(param);
     acc.add_(g.reshape({-1}));
@@ -1213,6 +1236,13 @@ void ShardedOptimizer::OnShardedGradReadyLocked(int param, torch::Tensor g) {
 // Takes back buckets whose reduction has finished (oldest first, without
 // waiting), so their staging is reused during backward.
 void ShardedOptimizer::ReclaimFinishedLocked() {
+  while (!pieces_.empty() && pieces_.front().handle->done()) {
+    absl::Status s = WaitPieceLocked(0);
+    if (!s.ok()) {
+      if (hook_error_.ok()) hook_error_ = s;
+      return;
+    }
+  }
   while (!in_flight_.empty() && rs_handles_[in_flight_.front()]->done()) {
     absl::Status s = ReclaimLocked(in_flight_.front());
     if (!s.ok()) {
@@ -1233,6 +1263,9 @@ void ShardedOptimizer::ReclaimOldestLocked() {
 bool ShardedOptimizer::PlaceLocked(int64_t length, int64_t* begin) const {
   std::vector<Region> live;  // a few: the buckets filling or in flight
   for (int b : placed_) live.push_back(region_[b]);
+  for (const StagedPiece& p : pieces_) {
+    if (p.region.length > 0) live.push_back(p.region);
+  }
   std::sort(live.begin(), live.end(),
             [](const Region& a, const Region& b) { return a.begin < b.begin; });
   int64_t at = 0;
@@ -1260,37 +1293,11 @@ void ShardedOptimizer::AcquireStagingLocked(int b) {
     const int64_t length = StageLength(b);
     torch::Tensor buf;
     if (length > 0) {
-      const auto opts = param_flat_.options().dtype(ScalarTypeOf(comm_type_));
-      int64_t begin = 0;
-      bool placed = PlaceLocked(length, &begin);
-      while (!placed && !in_flight_.empty()) {
-        ReclaimOldestLocked();  // may fail, and then drop the arena: allocated below
-        placed = PlaceLocked(length, &begin);
-      }
-      if (!placed && staging_.defined() && !placed_.empty() && hook_error_.ok()) {
-        CompactStagingLocked();
-        placed = PlaceLocked(length, &begin);
-      }
-      if (placed) {
-        if (!staging_.defined()) {
-          staging_ = torch::empty({staging_elements_}, opts);
-          UpdateGradBytesLocked();
-        }
-        region_[b] = Region{begin, length};
+      Region region;
+      buf = StageLocked(length, &region, &overflow_buf_[b]);
+      if (region.length > 0) {
+        region_[b] = region;
         placed_.push_back(b);
-        buf = staging_.narrow(0, begin, length);
-      } else {
-        // Buckets backward reached early but cannot reduce yet (they go in
-        // launch order) hold the arena: a buffer of its own, counted.
-        int64_t end = 0;
-        for (int p : placed_) end = std::max(end, region_[p].begin + region_[p].length);
-        overflow_shortfall_ = std::max(overflow_shortfall_, length - (staging_elements_ - end));
-        overflow_buf_[b] = buf = torch::empty({length}, opts);
-        overflow_bytes_ += length * ElementSize(comm_type_);
-        if (overflow_bytes_ > overflow_peak_bytes_) {
-          overflow_peak_bytes_ = overflow_bytes_;
-          UpdateGradBytesLocked();
-        }
       }
     }
     in_accum_[b] = false;
@@ -1298,6 +1305,55 @@ void ShardedOptimizer::AcquireStagingLocked(int b) {
   }
   chunks_[b] = std::move(chunks);
   for (const auto& [begin, length] : gaps_[b]) ZeroGradRangeLocked(b, begin, length);
+}
+
+torch::Tensor ShardedOptimizer::StageLocked(int64_t length, Region* region,
+                                            torch::Tensor* own_buffer) {
+  const auto opts = param_flat_.options().dtype(ScalarTypeOf(comm_type_));
+  int64_t begin = 0;
+  bool placed = PlaceLocked(length, &begin);
+  while (!placed && !(in_flight_.empty() && pieces_.empty())) {
+    if (!in_flight_.empty()) {
+      ReclaimOldestLocked();  // may fail, and then drop the arena: allocated below
+    } else {                  // the pieces of the bucket being launched
+      const int64_t t0 = NowNs();
+      absl::Status s = WaitPieceLocked(0);
+      hook_wait_ns_ += NowNs() - t0;
+      if (!s.ok() && hook_error_.ok()) hook_error_ = s;
+    }
+    placed = PlaceLocked(length, &begin);
+  }
+  if (!placed && staging_.defined() && !placed_.empty() && hook_error_.ok()) {
+    CompactStagingLocked();
+    placed = PlaceLocked(length, &begin);
+  }
+  if (placed) {
+    if (!staging_.defined()) {
+      staging_ = torch::empty({staging_elements_}, opts);
+      UpdateGradBytesLocked();
+    }
+    *region = Region{begin, length};
+    return staging_.narrow(0, begin, length);
+  }
+  // Buckets backward reached early but cannot reduce yet (they go in launch
+  // order) hold the arena: a buffer of its own, counted.
+  int64_t end = 0;
+  for (int p : placed_) end = std::max(end, region_[p].begin + region_[p].length);
+  for (const StagedPiece& p : pieces_) end = std::max(end, p.region.begin + p.region.length);
+  overflow_shortfall_ = std::max(overflow_shortfall_, length - (staging_elements_ - end));
+  *own_buffer = torch::empty({length}, opts);
+  overflow_bytes_ += length * ElementSize(comm_type_);
+  if (overflow_bytes_ > overflow_peak_bytes_) {
+    overflow_peak_bytes_ = overflow_bytes_;
+    UpdateGradBytesLocked();
+  }
+  return *own_buffer;
+}
+
+void ShardedOptimizer::ReleaseOwnBufferLocked(torch::Tensor* own_buffer) {
+  if (!own_buffer->defined()) return;
+  overflow_bytes_ -= own_buffer->numel() * own_buffer->element_size();
+  *own_buffer = torch::Tensor();
 }
 
 std::vector<torch::Tensor> ShardedOptimizer::StagedChunks(int b, const torch::Tensor& buf) {
@@ -1337,6 +1393,10 @@ void ShardedOptimizer::CompactStagingLocked() {
 void ShardedOptimizer::LaunchShardedLocked(int b) {
   at::NoGradGuard no_grad;
   const Bucket& bk = layout_.buckets()[b];
+  if (PiecewiseLocked(b) && chunks_[b].empty() && !accum_flat_.defined()) {
+    // No gradient reached it (ready_ would have launched it in pieces).
+    return LaunchPiecesLocked(b, torch::Tensor());
+  }
   Trace(TraceEvent::kReduceScatterStart, b, -1);
   AcquireStagingLocked(b);
   // Parameters this backward gave no gradient: what earlier micro-batches
@@ -1360,34 +1420,132 @@ void ShardedOptimizer::LaunchShardedLocked(int b) {
   in_flight_.push_back(b);
 }
 
+bool ShardedOptimizer::PiecewiseLocked(int b) const {
+  const Bucket& bk = layout_.buckets()[b];
+  return piece_elements_ > 0 && bk.params.size() == 1 && bk.capacity_per_rank > piece_elements_;
+}
+
+// A bucket of one tensor larger than a piece (PiecewiseLocked), launched as
+// its gradient arrives: its reduce-scatter runs as one collective per
+// piece_elements_ of every rank's chunk, this rank's part written straight
+// into the owned gradients and the other ranks' parts staged in the arena;
+// when the arena is full, backward waits for the oldest piece. So staging
+// never exceeds the arena however large the tensor (one collective would
+// stage (N-1)/N of it), at the price of backward waiting while most of the
+// tensor is reduced. Sums are those of one collective bit for bit: each
+// element is reduced at the same ring positions. `flat_grad`: the gradient,
+// flat; undefined: zeros (no gradient reached the parameter).
+void ShardedOptimizer::LaunchPiecesLocked(int b, const torch::Tensor& flat_grad) {
+  if (!hook_error_.ok()) return;  // a reduction failed: Step() reports it
+  at::NoGradGuard no_grad;
+  const Bucket& bk = layout_.buckets()[b];
+  const ParamPlacement& pl = layout_.placement(bk.params[0]);
+  const int64_t cap = bk.capacity_per_rank;
+  Trace(TraceEvent::kReduceScatterStart, b, -1);
+  // dst <- bucket elements [from, from + dst.numel()): the gradient's, zeros outside it.
+  auto fill = [&](torch::Tensor dst, int64_t from) {
+    const int64_t n = dst.numel();
+    const int64_t lo = std::max(from, pl.bucket_offset);
+    const int64_t hi = std::min(from + n, pl.bucket_offset + pl.numel);
+    if (!flat_grad.defined() || lo >= hi) {
+      dst.zero_();
+      return;
+    }
+    if (lo > from) dst.narrow(0, 0, lo - from).zero_();
+    dst.narrow(0, lo - from, hi - lo).copy_(flat_grad.narrow(0, lo - pl.bucket_offset, hi - lo));
+    if (hi < from + n) dst.narrow(0, hi - from, from + n - hi).zero_();
+  };
+  torch::Tensor own = owner_->owned_grad(b);
+  for (int64_t at = 0; at < cap; at += piece_elements_) {
+    const int64_t n = std::min(piece_elements_, cap - at);
+    StagedPiece piece;
+    piece.bucket = b;
+    torch::Tensor buf = StageLocked((world_ - 1) * n, &piece.region, &piece.own);
+    if (!hook_error_.ok()) {  // waiting for room found a failed reduction
+      ReleaseOwnBufferLocked(&piece.own);
+      return;
+    }
+    std::vector<void*> ptrs(world_);
+    int slot = 0;
+    for (int r = 0; r < world_; ++r) {
+      torch::Tensor dst = r == rank_ ? own.narrow(0, at, n) : buf.narrow(0, (slot++) * n, n);
+      fill(dst, r * cap + at);
+      ptrs[r] = dst.data_ptr();
+    }
+    CollectiveBucketScope tag(b);  // for the flight recorder
+    piece.handle = comm_->ReduceScatterChunks(ptrs, n, comm_type_, ReduceOp::kAverage);
+    rs_handles_[b] = piece.handle;
+    pieces_.push_back(std::move(piece));
+  }
+  in_flight_.push_back(b);
+}
+
 void ShardedOptimizer::FreeStagingLocked(int b) {
   if (region_[b].length > 0) placed_.erase(std::find(placed_.begin(), placed_.end(), b));
   region_[b] = Region();
-  if (overflow_buf_[b].defined()) {
-    overflow_bytes_ -= overflow_buf_[b].numel() * overflow_buf_[b].element_size();
-    overflow_buf_[b] = torch::Tensor();
-  }
+  ReleaseOwnBufferLocked(&overflow_buf_[b]);
   chunks_[b].clear();
+}
+
+// A reduction failed: the communicator is aborted, and the collectives
+// launched may still write into their staging, so the arena (with every
+// region and piece in it) and the pieces' own buffers are abandoned; a later
+// placement allocates a new arena. (The owned chunks are views of the owned
+// gradients, which stay; an aborted communicator never runs another
+// collective into them.)
+absl::Status ShardedOptimizer::FailStagingLocked(const absl::Status& s) {
+  comm_->Abort(s);
+  if (staging_.defined()) abandoned_.push_back(staging_);
+  staging_ = torch::Tensor();
+  std::fill(region_.begin(), region_.end(), Region());
+  placed_.clear();
+  for (StagedPiece& p : pieces_) {
+    if (p.own.defined()) abandoned_.push_back(p.own);
+    ReleaseOwnBufferLocked(&p.own);
+  }
+  pieces_.clear();
+  UpdateGradBytesLocked();
+  return s;
+}
+
+// Waits for pieces_[index] and gives its staging back.
+absl::Status ShardedOptimizer::WaitPieceLocked(size_t index) {
+  StagedPiece& p = pieces_[index];
+  const int b = p.bucket;
+  absl::Status s = p.handle->Wait(options_.timeout);
+  if (!s.ok()) {
+    return FailStagingLocked(absl::Status(
+        s.code(), absl::StrCat("rank ", rank_, ": reduce-scatter of bucket ", b,
+                               " (a piece) failed: ", s.message())));
+  }
+  ReleaseOwnBufferLocked(&p.own);
+  pieces_.erase(pieces_.begin() + index);
+  return absl::OkStatus();
 }
 
 absl::Status ShardedOptimizer::ReclaimLocked(int b) {
   auto it = std::find(in_flight_.begin(), in_flight_.end(), b);
   if (it == in_flight_.end()) return absl::OkStatus();
   in_flight_.erase(it);
+  // A bucket reduced in pieces: its pieces still staged (the last one's
+  // handle is rs_handles_[b]).
+  for (size_t i = 0; i < pieces_.size();) {
+    if (pieces_[i].bucket != b) {
+      ++i;
+      continue;
+    }
+    absl::Status s = WaitPieceLocked(i);
+    if (!s.ok()) {
+      FreeStagingLocked(b);
+      return s;
+    }
+  }
   absl::Status s = rs_handles_[b]->Wait(options_.timeout);
   if (!s.ok()) {
-    comm_->Abort(s);
-    // The collective may still write into its chunks: keep them alive, and
-    // the arena with them (it is never reused after an abort anyway).
-    // (The owned chunk is a view of the owned gradients, which stay; an
-    // aborted communicator never runs another collective into them.)
+    // Its chunks may still be written into: kept alive with the arena.
     for (const torch::Tensor& c : chunks_[b]) abandoned_.push_back(c);
-    if (region_[b].length > 0) {
-      abandoned_.push_back(staging_);
-      staging_ = torch::Tensor();
-      std::fill(region_.begin(), region_.end(), Region());
-      placed_.clear();
-    }
+    ReleaseOwnBufferLocked(&overflow_buf_[b]);  // a chunk, so kept in abandoned_
+    (void)FailStagingLocked(s);
     FreeStagingLocked(b);
     UpdateGradBytesLocked();
     return absl::Status(s.code(), absl::StrCat("rank ", rank_, ": reduce-scatter of bucket ", b,
@@ -1404,6 +1562,7 @@ absl::Status ShardedOptimizer::ReclaimLocked(int b) {
 }
 
 void ShardedOptimizer::ReleaseShardedBuffersLocked() {
+  while (!pieces_.empty()) (void)WaitPieceLocked(0);  // none unless a launch stopped early
   for (size_t b = 0; b < chunks_.size(); ++b) {
     FreeStagingLocked(static_cast<int>(b));
     reclaimed_[b] = false;

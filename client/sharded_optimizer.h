@@ -24,6 +24,7 @@
 #include <unordered_map>
 
 #include <functional>
+#include <deque>
 #include <memory>
 #include <optional>
 #include <string>
@@ -91,8 +92,8 @@ struct ShardedOptimizerOptions {
   // otherwise the whole bucket is staged and the owned chunk copied out).
   // Gradient accumulation (SetGradientSync(false)) accumulates locally in a
   // full-size buffer that exists only until the step, as FSDP's no_sync does.
-  // Smaller buckets mean less staging (bucket_cap_elements), down to the
-  // largest tensor's share.
+  // Smaller buckets mean less staging (bucket_cap_elements); tensors larger
+  // than a bucket are reduced in pieces (reduce_large_gradients_in_pieces).
   bool shard_gradients = false;
   // With shard_gradients: the staging memory holds this many buckets of the
   // cap (and at least the largest bucket) while they are reduced; with Gloo,
@@ -100,6 +101,13 @@ struct ShardedOptimizerOptions {
   // are staged ((N-1)/N of a bucket). When it is full, backward waits for the
   // oldest bucket's reduction.
   int grad_staging_buffers = 2;
+  // With shard_gradients and a communicator that takes separate chunks: a
+  // tensor larger than a bucket of the cap (its own bucket) is reduced in
+  // pieces of a bucket's share, staged in the arena while backward waits,
+  // so staging stays two buckets of the cap however large the model's
+  // largest tensor (else it holds (N-1)/N of that tensor). false: the whole
+  // tensor is staged at once and backward does not wait for it.
+  bool reduce_large_gradients_in_pieces = true;
   // true: Step() never blocks the host on a collective or a device value
   // where the device can order the work itself. With a GPU and a
   // communicator that can order streams (NcclCommunicator), the update of each
@@ -252,6 +260,10 @@ class ShardedOptimizer {
 
  private:
   struct HookState;
+  struct Region {  // of the shard_gradients staging arena
+    int64_t begin = 0;
+    int64_t length = 0;  // 0: none
+  };
   ShardedOptimizer(ShardedOptimizerOptions options, Communicator* comm, Layout layout);
   absl::Status Init(const std::vector<std::pair<std::string, torch::Tensor>>& params);
   absl::Status CheckSameModelOnAllRanks();
@@ -280,6 +292,16 @@ class ShardedOptimizer {
   void WriteGradLocked(int bucket, int64_t offset, const torch::Tensor& flat);
   void ZeroGradRangeLocked(int bucket, int64_t offset, int64_t length);
   void LaunchShardedLocked(int bucket);
+  bool PiecewiseLocked(int bucket) const;
+  void LaunchPiecesLocked(int bucket, const torch::Tensor& flat_grad);
+  // Gives a staged collective `length` elements: a region of the arena
+  // (waiting for reductions in flight while there is no room, compacting
+  // filling buckets when nothing is in flight), else a buffer of its own
+  // (counted). Returns the buffer; *region is set when it is in the arena.
+  torch::Tensor StageLocked(int64_t length, Region* region, torch::Tensor* own_buffer);
+  void ReleaseOwnBufferLocked(torch::Tensor* own_buffer);
+  absl::Status WaitPieceLocked(size_t index);
+  absl::Status FailStagingLocked(const absl::Status& s);
   absl::Status ReclaimLocked(int bucket);
   void ReclaimFinishedLocked();
   void ResetBackwardStateLocked(bool needs_zero_grad);
@@ -366,12 +388,20 @@ class ShardedOptimizer {
   bool split_own_ = false;  // this rank's chunk reduced in place in owned_grad_flat_
   torch::Tensor staging_;   // the arena, in comm_type_ (allocated at first use)
   int64_t staging_elements_ = 0;
-  struct Region {
-    int64_t begin = 0;
-    int64_t length = 0;  // 0: none
-  };
   std::vector<Region> region_;                     // per bucket: its part of staging_
   std::vector<int> placed_;                        // buckets holding a region
+  // A bucket of one tensor whose reduce-scatter does not fit a staging piece
+  // is reduced in pieces of piece_elements_ of every rank's chunk, staged in
+  // the arena while backward waits (PiecewiseLocked); pieces_ are those
+  // launched and not yet waited for, oldest first.
+  struct StagedPiece {
+    int bucket = -1;
+    Region region;        // in the arena, or
+    torch::Tensor own;    // a buffer of its own (counted)
+    CommHandlePtr handle;
+  };
+  std::deque<StagedPiece> pieces_;
+  int64_t piece_elements_ = 0;  // per rank; 0: no bucket is reduced in pieces
   std::vector<torch::Tensor> overflow_buf_;        // per bucket: a buffer of its own
   int64_t overflow_bytes_ = 0;                     // held by overflow_buf_ now
   int64_t overflow_peak_bytes_ = 0;                // the most ever held at once

@@ -666,19 +666,19 @@ TEST(ShardGradientsTest, LargeBucketsUnusedParametersAndAccumulation) {
   discard.discard_first = true;
   EXPECT_EQ(TrainHand(true, false, nullptr, discard), full);
   EXPECT_EQ(TrainHand(false, false, nullptr, discard), full);
-  // Full: every gradient. Sharded: this rank's half, plus staging sized for
-  // the largest bucket (w1's, 2 x 4096 elements; more than two buckets of the
-  // cap): the other rank's chunk only (4096 elements) where this rank's chunk
-  // is reduced in place, the whole bucket otherwise. Here the small bucket
-  // waits for "unused" (reduced only at Step()) while holding part of the
-  // staging when w1's gradient arrives, so w1 gets a buffer of its own in the
-  // first two steps, and after the second the arena grows by what it lacked
-  // (the small bucket's part): the report counts all of it.
+  // Full: every gradient. Sharded: this rank's half, plus the staging arena:
+  // room for two buckets of the cap of the other rank's chunk (this rank's is
+  // reduced in place), no more than the two largest buckets need. w1 (2 x 4096
+  // elements) is larger than that: it is reduced in pieces of 576 elements
+  // per rank (half a bucket of the cap, 1000 + 2 x 64, rounded up to the
+  // alignment) while backward waits, so its staging is one piece; the small
+  // bucket (b1, w2, unused: 368 elements per rank, aligned 384) waits for
+  // "unused" (reduced only at Step()) holding its region. Arena: 576 + 384.
+  // Whole buckets staged (no pieces: the communicator takes adjacent chunks
+  // only) needs room for w1's whole bucket instead.
   const int64_t total = (64 * 128 + 64 + 640 + 32) * 4;
   EXPECT_GE(full_mem.grad_bytes, total);
-  // After the second step: w1's staging plus the small bucket's (< the cap).
-  EXPECT_GT(sharded_mem.grad_bytes, full_mem.grad_bytes / 2 + 4096 * 4);
-  EXPECT_LE(sharded_mem.grad_bytes, full_mem.grad_bytes / 2 + (4096 + 1000) * 4)
+  EXPECT_EQ(sharded_mem.grad_bytes, full_mem.grad_bytes / 2 + (576 + 384) * 4)
       << "full " << full_mem.grad_bytes;
   EXPECT_GT(whole_mem.grad_bytes, full_mem.grad_bytes / 2 + 8192 * 4);
   EXPECT_LE(whole_mem.grad_bytes, full_mem.grad_bytes / 2 + (8192 + 2 * 1000) * 4)
@@ -777,7 +777,15 @@ class FailingReduceScatter : public ForwardingCommunicator {
 // backward throwing (the staging it waited for is dropped on an abort) or the
 // step hanging; the next step fails at once (the communicator is aborted).
 TEST(ShardGradientsTest, AReductionThatFailsDuringBackwardIsStepsError) {
-  for (int fail_at : {1, 2, 4}) {
+  struct Case {
+    const char* model;
+    int64_t cap;
+    int fail_at;  // the reduce-scatter (or piece of one) that fails
+  };
+  // tiny with 1000-element buckets: its weights are reduced in pieces.
+  for (const Case& k : {Case{"small", 300, 1}, Case{"small", 300, 2}, Case{"small", 300, 4},
+                        Case{"tiny", 1000, 1}, Case{"tiny", 1000, 5}, Case{"tiny", 1000, 30}}) {
+    const int fail_at = k.fail_at;
     const int n = 2;
     InProcessWorld world(n, absl::Seconds(20));
     std::vector<std::unique_ptr<Communicator>> comms;
@@ -790,8 +798,10 @@ TEST(ShardGradientsTest, AReductionThatFailsDuringBackwardIsStepsError) {
     const absl::Time start = absl::Now();
     for (int r = 0; r < n; ++r) {
       threads.emplace_back([&, r] {
-        auto model = *MakeModel("small", 1);
+        auto model = *MakeModel(k.model, 1);
         TrainConfig c = SmallCase(OptimizerKind::kAdamW, 0.5, false, false);
+        c.model = k.model;
+        c.bucket_cap = k.cap;
         c.shard_gradients = true;
         c.staging_buffers = 1;
         ShardedOptimizerOptions o = OptionsFor(c);
@@ -811,7 +821,8 @@ TEST(ShardGradientsTest, AReductionThatFailsDuringBackwardIsStepsError) {
       });
     }
     for (auto& t : threads) t.join();
-    EXPECT_LT(absl::Now() - start, absl::Seconds(10)) << "failure at reduce-scatter " << fail_at;
+    EXPECT_LT(absl::Now() - start, absl::Seconds(10))
+        << k.model << ": failure at reduce-scatter " << fail_at;
     for (int r = 0; r < n; ++r) {
       ASSERT_EQ(steps[r].size(), 4u);
       size_t i = 0;
@@ -830,13 +841,104 @@ TEST(ShardGradientsTest, AReductionThatFailsDuringBackwardIsStepsError) {
   }
 }
 
+// Tensors larger than a bucket of the cap are reduced in pieces while
+// backward waits (the arena holds one or two pieces however large they are).
+// "w" (50 x 61) and "skip" (41 x 50) are several buckets of the cap each, at
+// every world size, and not a whole number of pieces; "skip" gets no gradient
+// on odd steps (then reduced as zeros at Step(), in pieces too, and the
+// buckets after it in launch order are staged whole meanwhile). Parameters
+// must equal those of full gradients bit for bit, with clipping, at 2, 3 and 4
+// ranks (past 2, the ring writes partial sums into the staged pieces), with
+// one and two staging buffers; with every parameter used, gradient memory is
+// 1/N of the model plus exactly the arena (no buffer of its own).
+struct PieceModel {
+  torch::Tensor w, b, skip;
+  bool skip_odd;
+  PieceModel(uint64_t seed, bool skip_odd_steps) : skip_odd(skip_odd_steps) {
+    at::Generator gen = at::detail::createCPUGenerator(seed);
+    w = (torch::randn({50, 61}, gen) * 0.1).set_requires_grad(true);
+    b = torch::zeros({50}).set_requires_grad(true);
+    skip = (torch::randn({41, 50}, gen) * 0.1).set_requires_grad(true);
+  }
+  std::vector<std::pair<std::string, torch::Tensor>> named() {
+    return {{"w", w}, {"b", b}, {"skip", skip}};
+  }
+  torch::Tensor Loss(int step, int64_t begin, int64_t end) {
+    at::Generator gen = at::detail::createCPUGenerator(2000 + step);
+    torch::Tensor x = torch::randn({24, 61}, gen).narrow(0, begin, end - begin);
+    torch::Tensor h = torch::tanh(torch::matmul(x, w.t()) + b);
+    torch::Tensor loss = h.pow(2).mean();
+    if (!skip_odd || step % 2 == 0) loss = loss + torch::matmul(h, skip.t()).pow(2).mean();
+    return loss;
+  }
+  std::vector<float> Flat() {
+    torch::Tensor f = torch::cat({w.detach().flatten(), b.detach().flatten(),
+                                  skip.detach().flatten()});
+    return std::vector<float>(f.data_ptr<float>(), f.data_ptr<float>() + f.numel());
+  }
+};
+
+std::vector<float> TrainPieces(int n, bool shard, int staging, bool skip_odd,
+                               MemoryReport* mem = nullptr) {
+  InProcessWorld world(n, absl::Seconds(20));
+  std::vector<std::unique_ptr<Communicator>> comms;
+  for (int r = 0; r < n; ++r) comms.push_back(world.Connect(r));
+  std::vector<std::vector<float>> out(n);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r) {
+    threads.emplace_back([&, r] {
+      PieceModel m(11, skip_odd);
+      ShardedOptimizerOptions o = HandOptimizerOptions(shard);
+      o.plan.bucket_cap_elements = 300;
+      o.max_grad_norm = 0.05;  // clips
+      o.grad_staging_buffers = staging;
+      auto opt = ShardedOptimizer::Create(m.named(), o, comms[r].get());
+      ASSERT_TRUE(opt.ok()) << opt.status();
+      const int64_t per = 24 / n;
+      for (int step = 0; step < 5; ++step) {
+        (*opt)->ZeroGrad();
+        m.Loss(step, r * per, (r + 1) * per).backward();
+        auto res = (*opt)->Step();
+        ASSERT_TRUE(res.ok()) << res.status();
+      }
+      if (r == 0 && mem != nullptr) *mem = (*opt)->memory();
+      out[r] = m.Flat();
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 1; r < n; ++r) EXPECT_EQ(out[r], out[0]) << "rank " << r;
+  return out[0];
+}
+
+TEST(ShardGradientsTest, TensorsLargerThanABucketAreReducedInPieces) {
+  for (int n : {2, 3, 4}) {
+    for (bool skip_odd : {false, true}) {
+      const std::vector<float> full = TrainPieces(n, false, 2, skip_odd);
+      ASSERT_FALSE(full.empty());
+      for (int staging : {1, 2}) {
+        MemoryReport mem;
+        EXPECT_EQ(TrainPieces(n, true, staging, skip_odd, &mem), full)
+            << n << " ranks, " << staging << " staging, skip on odd steps " << skip_odd;
+        if (skip_odd) continue;
+        // A piece: the per-rank share of a bucket of the cap (300 + N x 64),
+        // rounded up to the 64-element alignment. Every bucket but b's
+        // (50 elements: one aligned chunk of 64) is reduced in pieces.
+        const int64_t piece = ((300 + n * 64 + n - 1) / n + 63) / 64 * 64;
+        EXPECT_EQ(mem.grad_bytes, mem.param_bytes / n + staging * piece * (n - 1) * 4)
+            << n << " ranks, " << staging << " staging";
+      }
+    }
+  }
+}
+
 // The memory report: sharded gradients take 1/N of the full buffer plus the
-// staging: room for two buckets of the cap or the largest bucket, whichever is
-// more, of the other ranks' chunks only ((N-1)/N of a bucket; this rank's
-// chunk is reduced in place), and never more than the two largest buckets.
-// The tiny model with 4096-element buckets: its 256 x 256 weight (72% of the
-// model) is a bucket of its own, so staging is (N-1)/N of it; the small model
-// is one bucket: (N-1)/N of that.
+// staging arena: room for two buckets of the cap of the other ranks' chunks
+// only ((N-1)/N of a bucket; this rank's chunk is reduced in place), never
+// more than the two largest buckets need. A tensor larger than a bucket of
+// the cap is reduced in pieces (a bucket of the cap each), so however large
+// it is it stages one piece. The tiny model with 4096-element buckets: its
+// 256 x 256 weight (72% of the model) and 64 x 256 weight are reduced in
+// pieces; the small model is one bucket.
 TEST(ShardGradientsTest, GradientBytesFollowTheWorldSize) {
  for (const char* name : {"tiny", "small"}) {
   for (int n : {2, 4}) {
@@ -845,6 +947,7 @@ TEST(ShardGradientsTest, GradientBytesFollowTheWorldSize) {
     for (int r = 0; r < n; ++r) comms.push_back(world.Connect(r));
     std::vector<MemoryReport> mem(n);
     std::vector<int64_t> caps;  // capacity_per_rank of every bucket
+    std::vector<bool> single;   // a bucket of one tensor
     std::vector<std::thread> threads;
     for (int r = 0; r < n; ++r) {
       threads.emplace_back([&, r] {
@@ -863,17 +966,29 @@ TEST(ShardGradientsTest, GradientBytesFollowTheWorldSize) {
         }
         mem[r] = (*opt)->memory();
         if (r == 0) {
-          for (const Bucket& b : (*opt)->layout().buckets()) caps.push_back(b.capacity_per_rank);
+          for (const Bucket& b : (*opt)->layout().buckets()) {
+            caps.push_back(b.capacity_per_rank);
+            single.push_back(b.params.size() == 1);
+          }
         }
       });
     }
     for (auto& t : threads) t.join();
     const int64_t full = mem[0].param_bytes;  // the full gradient buffer's size
-    std::sort(caps.rbegin(), caps.rend());
-    const int64_t two_largest = (caps[0] + (caps.size() > 1 ? caps[1] : 0)) * (n - 1);
-    const int64_t two_of_the_cap = 2 * ((4096 + n * 64 + n - 1) / n) * (n - 1);
+    // A piece: a bucket of the cap's per-rank share (cap + N x 64 alignment),
+    // rounded up to the alignment.
+    const int64_t piece = ((4096 + n * 64 + n - 1) / n + 63) / 64 * 64;
+    std::vector<int64_t> stages;  // per bucket, per staged chunk
+    for (size_t b = 0; b < caps.size(); ++b) {
+      stages.push_back(single[b] && caps[b] > piece ? piece : caps[b]);
+    }
+    std::sort(stages.rbegin(), stages.rend());
+    const int64_t two_largest = (stages[0] + (stages.size() > 1 ? stages[1] : 0)) * (n - 1);
     const int64_t staging =
-        std::max(caps[0] * (n - 1), std::min(two_largest, two_of_the_cap)) * 4;
+        std::max(stages[0] * (n - 1), std::min(two_largest, 2 * piece * (n - 1))) * 4;
+    if (std::string(name) == "tiny") {
+      EXPECT_LT(staging, full / 8) << "staging is bounded by pieces";
+    }
     for (int r = 0; r < n; ++r) {
       EXPECT_EQ(mem[r].grad_bytes, full / n + staging) << name << ", " << n << " ranks, rank " << r;
     }

@@ -122,10 +122,10 @@ class ParityTest(unittest.TestCase):
     def test_shard_gradients(self):
         # ZeRO-2: same tolerances as with full gradients; less gradient
         # memory per rank at 2 ranks than the full buffer, everything counted:
-        # the owned half plus staging for the other rank's chunks, at least
-        # the largest tensor's (the mlp's 64x64 weight is 58% of its 7k
-        # parameters: 0.8x; resnet18's largest is 21%: 0.7x); no .grad left
-        # after backward.
+        # the owned half plus staging for two buckets of the other rank's
+        # chunks; tensors larger than a bucket (the mlp's 64x64 weight, 58%
+        # of its 7k parameters, with 1 KB buckets; resnet18's 3x3x512x512)
+        # go in pieces, so 0.57x and 0.50x; no .grad left after backward.
         for args in (["--model=mlp", "--clip=1.0", "--onecycle", "--bucket-mb=0.001"],
                      ["--model=mlp", "--accumulate=3", "--bucket-mb=0.001"],
                      ["--model=mlp", "--overlap", "--clip=1.0", "--bucket-mb=0.001"],
@@ -136,7 +136,7 @@ class ParityTest(unittest.TestCase):
                   f"gradient bytes {ratio:.2f}x of the full buffer")
             self.assertLess(r["max_rel_diff"], TOL)
             self.assertEqual(r["grads_after_backward"], 0)
-            self.assertLess(ratio, 0.85 if "--model=mlp" in args else 0.72)
+            self.assertLess(ratio, 0.60 if "--model=mlp" in args else 0.55)
         r = launch(2, "--scenario=parity", "--shard-gradients", "--bf16", "--steps=5", "--lr=1e-3")
         self.assertLess(r["max_rel_diff"], 2e-2)
         tmp = tempfile.mkdtemp()

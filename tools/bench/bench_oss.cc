@@ -66,6 +66,7 @@
 #include "client/comm/host_communicator.h"
 #include "client/comm/kv_store.h"
 #include "client/models.h"
+#include "client/host_allocator.h"
 #include "client/sharded_optimizer.h"
 #include "common/malloc_tuning.h"
 #include "common/planner.h"
@@ -173,6 +174,7 @@ int RunWorker(const Flags& f) {
   const int steps = static_cast<int>(f.Int("steps", 5).value_or(5));
   const int warmup = static_cast<int>(f.Int("warmup", 6).value_or(6));
   (void)ApplyMallocMode(MallocMode::kTuned);
+  InstallHostAllocator();  // part of the tuned mode, as in shardopt_train
   at::set_num_threads(1);
   (void)LimitBlasThreads(1);  // OMP_NUM_THREADS=1 is set by the parent too
   FileKeyValueStore store(f.Str("store", "/tmp"));
@@ -236,20 +238,24 @@ int RunWorker(const Flags& f) {
       if (thread->joinable()) thread->join();
     }
   } joiner{&stop_metrics, &heartbeat};
-  // shardopt_zero2[:cap=N][:staging=N]: variants side by side in one run.
+  // shardopt_zero2[:cap=N][:staging=N][:pieces=0|1]: variants side by side in one run.
   const std::vector<std::string> row_parts = absl::StrSplit(row, ':');
   const bool zero2 = row_parts[0] == "shardopt_zero2";
   int64_t zero2_bucket_cap = f.Int("zero2-bucket-cap", 2 << 20).value_or(2 << 20);
   int zero2_staging = 2;
+  bool zero2_pieces = true;
   for (size_t i = 1; i < row_parts.size(); ++i) {
     int64_t v = 0;
     const std::string& part = row_parts[i];
     const bool cap = absl::StartsWith(part, "cap=") && absl::SimpleAtoi(part.substr(4), &v) && v > 0;
     const bool staging = absl::StartsWith(part, "staging=") && absl::SimpleAtoi(part.substr(8), &v) && v > 0;
-    if (!zero2 || (!cap && !staging)) {
-      std::fprintf(stderr, "bad row '%s' (variants: shardopt_zero2:cap=N:staging=N)\n", row.c_str());
+    const bool pieces = part == "pieces=0" || part == "pieces=1";
+    if (!zero2 || (!cap && !staging && !pieces)) {
+      std::fprintf(stderr, "bad row '%s' (variants: shardopt_zero2:cap=N:staging=N:pieces=0|1)\n",
+                   row.c_str());
       return 2;
     }
+    if (pieces) zero2_pieces = part == "pieces=1";
     if (cap) zero2_bucket_cap = v;
     if (staging) zero2_staging = static_cast<int>(v);
   }
@@ -264,6 +270,7 @@ int RunWorker(const Flags& f) {
       o.shard_gradients = true;
       o.plan.bucket_cap_elements = zero2_bucket_cap;
       o.grad_staging_buffers = zero2_staging;
+      o.reduce_large_gradients_in_pieces = zero2_pieces;
     }
     auto s = ShardedOptimizer::Create(named, o, observed ? recording.get() : comm->get());
     if (!s.ok()) {
@@ -554,8 +561,8 @@ the forward and its layer waits). --png draws the chart with tools/bench/plot_os
 heartbeat metrics cost (README, "Flight recorder"); --rows=...,shardopt_overlap adds the
 all-gathers overlapping the next forward (its fwd+bwd column includes those waits, which its
 exposed-comm column counts too); shardopt_zero2 adds gradient sharding to that (the "grads"
-column: gradient buffers per rank; shardopt_zero2:cap=N:staging=N rows compare bucket caps
-and staging buffer counts side by side). --ranks=4 runs 4 processes per row (on 2 cores: for the
+column: gradient buffers per rank; shardopt_zero2:cap=N:staging=N:pieces=0|1 rows compare bucket
+caps, staging buffer counts and tensors larger than a bucket staged whole (pieces=0) side by side). --ranks=4 runs 4 processes per row (on 2 cores: for the
 memory columns, not for speed). compute_only runs forward and backward alone (no
 communication, no optimizer) and prints every row as a fraction of it: the ceiling.
 Transport: --transport (default gloo) for every row; ROW@shm or ROW@gloo runs one row over
@@ -586,9 +593,9 @@ int RunParent(const Flags& f, const std::string& self) {
                  "bench_oss: need --rounds >= 1, --steps >= 1, --warmup >= 0, 1 <= --ranks <= 16\n");
     return 2;
   }
-  std::printf("bench_oss: %d ranks, %s (rows without @TRANSPORT), 1 thread per rank, %s\n", ranks,
-              transport == "shm" ? "shared memory" : "Gloo over 127.0.0.1",
-              DescribeMallocMode(MallocMode::kTuned).c_str());
+  std::printf("bench_oss: %d ranks, %s (rows without @TRANSPORT), 1 thread per rank, %s; %s\n",
+              ranks, transport == "shm" ? "shared memory" : "Gloo over 127.0.0.1",
+              DescribeMallocMode(MallocMode::kTuned).c_str(), DescribeHostAllocator());
   std::printf("%d rounds x (%d warm-up + %d timed steps) per row, rows interleaved (rotated)\n\n", rounds,
               warmup, steps);
   nlohmann::json all;
@@ -669,7 +676,8 @@ int RunParent(const Flags& f, const std::string& self) {
     std::fflush(stdout);
   }
   all["setup"] = {{"ranks", ranks}, {"omp_num_threads", 1}, {"zero2_bucket_cap", zero2_cap}, {"threads_per_rank", 1}, {"transport", transport == "shm" ? "shm (ShmCommunicator); rows @gloo: gloo tcp 127.0.0.1" : "gloo tcp 127.0.0.1; rows @shm: ShmCommunicator"},
-                  {"malloc", DescribeMallocMode(MallocMode::kTuned)}, {"rounds", rounds},
+                  {"malloc", DescribeMallocMode(MallocMode::kTuned)},
+                  {"host_allocator", DescribeHostAllocator()}, {"rounds", rounds},
                   {"steps", steps}, {"warmup", warmup}, {"optimizer", "adam lr 1e-4 fp32"}};
   const std::string json = f.Str("json", "");
   if (!json.empty()) {

@@ -23,6 +23,7 @@
 #include "client/models.h"
 #include "client/rank_agent.h"
 #include "client/sharded_optimizer.h"
+#include "client/host_allocator.h"
 #include "common/malloc_tuning.h"
 #include "tools/cli/flags.h"
 
@@ -467,6 +468,7 @@ int Main(int argc, char** argv) {
   Config c;
   if (int rc = ParseConfig(argc, argv, &c); rc >= 0) return rc;
   if (absl::Status s = ApplyMallocMode(c.malloc_mode); !s.ok()) return Fail(c.rank, s.ToString());
+  if (c.malloc_mode == MallocMode::kTuned) InstallHostAllocator();
   at::set_num_threads(static_cast<int>(c.threads));
   (void)LimitBlasThreads(static_cast<int>(c.threads));  // OpenBLAS keeps its own pool
   auto model = MakeModel(c.model_name, 42);
@@ -474,9 +476,12 @@ int Main(int argc, char** argv) {
   const int64_t batch = c.has_batch ? c.batch_flag : (*model)->batch_per_rank();
   const ShardedOptimizerOptions opt = OptimizerOptions(c);
   if (c.rank == 0) {
-    std::printf("shardopt_train: %d ranks, model %s, %s lr %g, batch %lld/rank, %lld steps; %s\n", c.world,
-                (*model)->name().c_str(), c.kind.c_str(), c.lr, static_cast<long long>(batch),
-                static_cast<long long>(c.steps), DescribeMallocMode(c.malloc_mode).c_str());
+    std::printf("shardopt_train: %d ranks, model %s, %s lr %g, batch %lld/rank, %lld steps; %s%s%s\n",
+                c.world, (*model)->name().c_str(), c.kind.c_str(), c.lr,
+                static_cast<long long>(batch), static_cast<long long>(c.steps),
+                DescribeMallocMode(c.malloc_mode).c_str(),
+                c.malloc_mode == MallocMode::kTuned ? "; " : "",
+                c.malloc_mode == MallocMode::kTuned ? DescribeHostAllocator() : "");
     std::fflush(stdout);
   }
   auto creds = MakeChannelCredentials(c.tls);

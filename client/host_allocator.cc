@@ -1,0 +1,154 @@
+#include "client/host_allocator.h"
+
+#include <c10/core/CPUAllocator.h>
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <new>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/synchronization/mutex.h"
+
+namespace shardopt {
+
+namespace {
+
+constexpr size_t kPage = 4096;
+// Each mapping starts with a header; the tensor's data follows it, aligned
+// as LibTorch wants (64 bytes).
+constexpr size_t kHeaderBytes = 64;
+
+struct BlockHeader {
+  size_t map_bytes;
+  LargeBlockCachingAllocator* owner;
+  BlockHeader* next;  // in a kept list
+};
+static_assert(sizeof(BlockHeader) <= kHeaderBytes, "header too large");
+
+}  // namespace
+
+struct LargeBlockCachingAllocator::Impl {
+  explicit Impl(size_t limit) : keep_limit(limit) {}
+  const size_t keep_limit;
+  mutable absl::Mutex mu;
+  // Kept blocks by mapping size, chained through their headers (keeping one
+  // allocates nothing).
+  absl::flat_hash_map<size_t, BlockHeader*> kept ABSL_GUARDED_BY(mu);
+  HostAllocatorStats stats ABSL_GUARDED_BY(mu);
+};
+
+LargeBlockCachingAllocator::LargeBlockCachingAllocator(size_t keep_limit_bytes)
+    : impl_(new Impl(keep_limit_bytes)) {}
+
+LargeBlockCachingAllocator::~LargeBlockCachingAllocator() {
+  ReleaseKept();
+  // impl_ is left: blocks still in use find their owner through it.
+}
+
+namespace {
+
+void DeleteBlock(void* ctx);
+
+}  // namespace
+
+c10::DataPtr LargeBlockCachingAllocator::allocate(size_t n) const {
+  if (n < kLargeBlockBytes) return c10::GetDefaultCPUAllocator()->allocate(n);
+  const size_t map_bytes = (n + kHeaderBytes + kPage - 1) / kPage * kPage;
+  BlockHeader* h = nullptr;
+  {
+    absl::MutexLock lock(&impl_->mu);
+    auto it = impl_->kept.find(map_bytes);
+    if (it != impl_->kept.end() && it->second != nullptr) {
+      h = it->second;
+      it->second = h->next;
+      impl_->stats.kept_bytes -= static_cast<int64_t>(map_bytes);
+      ++impl_->stats.reuses;
+    }
+  }
+  if (h == nullptr) {
+    void* p = mmap(nullptr, map_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) throw std::bad_alloc();
+    h = static_cast<BlockHeader*>(p);
+    h->map_bytes = map_bytes;
+    h->owner = const_cast<LargeBlockCachingAllocator*>(this);
+    absl::MutexLock lock(&impl_->mu);
+    impl_->stats.mapped_bytes += static_cast<int64_t>(map_bytes);
+    impl_->stats.peak_mapped_bytes =
+        std::max(impl_->stats.peak_mapped_bytes, impl_->stats.mapped_bytes);
+    ++impl_->stats.maps;
+  }
+  h->next = nullptr;
+  void* data = reinterpret_cast<char*>(h) + kHeaderBytes;
+  return c10::DataPtr(data, h, &DeleteBlock, c10::Device(c10::DeviceType::CPU));
+}
+
+namespace {
+
+void DeleteBlock(void* ctx) {
+  auto* h = static_cast<BlockHeader*>(ctx);
+  h->owner->Keep(h);
+}
+
+}  // namespace
+
+void LargeBlockCachingAllocator::Keep(void* block) {
+  auto* h = static_cast<BlockHeader*>(block);
+  const size_t map_bytes = h->map_bytes;
+  {
+    absl::MutexLock lock(&impl_->mu);
+    if (impl_->stats.kept_bytes + static_cast<int64_t>(map_bytes) <=
+        static_cast<int64_t>(impl_->keep_limit)) {
+      BlockHeader*& head = impl_->kept[map_bytes];
+      h->next = head;
+      head = h;
+      impl_->stats.kept_bytes += static_cast<int64_t>(map_bytes);
+      return;
+    }
+    impl_->stats.mapped_bytes -= static_cast<int64_t>(map_bytes);
+  }
+  munmap(h, map_bytes);
+}
+
+HostAllocatorStats LargeBlockCachingAllocator::stats() const {
+  absl::MutexLock lock(&impl_->mu);
+  return impl_->stats;
+}
+
+void LargeBlockCachingAllocator::ReleaseKept() {
+  absl::flat_hash_map<size_t, BlockHeader*> kept;
+  {
+    absl::MutexLock lock(&impl_->mu);
+    kept.swap(impl_->kept);
+    for (const auto& [bytes, head] : kept) {
+      for (BlockHeader* h = head; h != nullptr; h = h->next) {
+        impl_->stats.kept_bytes -= static_cast<int64_t>(bytes);
+        impl_->stats.mapped_bytes -= static_cast<int64_t>(bytes);
+      }
+    }
+  }
+  for (const auto& [bytes, head] : kept) {
+    for (BlockHeader* h = head; h != nullptr;) {
+      BlockHeader* next = h->next;
+      munmap(h, bytes);
+      h = next;
+    }
+  }
+}
+
+LargeBlockCachingAllocator* InstallHostAllocator() {
+  // Never destroyed: tensors freed during static destruction still return
+  // their blocks to it.
+  static LargeBlockCachingAllocator* const allocator = [] {
+    auto* a = new LargeBlockCachingAllocator();
+    c10::SetCPUAllocator(a, /*priority=*/1);
+    return a;
+  }();
+  return allocator;
+}
+
+const char* DescribeHostAllocator() {
+  return "LibTorch CPU tensors of 1 MiB or more: own mappings, kept for reuse by size "
+         "(client/host_allocator.h)";
+}
+
+}  // namespace shardopt
