@@ -4,6 +4,7 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <new>
 
 #include "absl/container/flat_hash_map.h"
@@ -51,41 +52,60 @@ void DeleteBlock(void* ctx);
 
 }  // namespace
 
+// Every block, small or large, carries a header just before its data: the
+// data pointer is also the DataPtr's context and what raw_deleter() gets
+// (oneDNN allocates through raw_allocate()/raw_deallocate(), which need both).
 c10::DataPtr LargeBlockCachingAllocator::allocate(size_t n) const {
-  if (n < kLargeBlockBytes) return c10::GetDefaultCPUAllocator()->allocate(n);
-  const size_t map_bytes = (n + kHeaderBytes + kPage - 1) / kPage * kPage;
+  const c10::Device cpu(c10::DeviceType::CPU);
+  if (n == 0) return c10::DataPtr(nullptr, nullptr, &DeleteBlock, cpu);
   BlockHeader* h = nullptr;
-  {
-    absl::MutexLock lock(&impl_->mu);
-    auto it = impl_->kept.find(map_bytes);
-    if (it != impl_->kept.end() && it->second != nullptr) {
-      h = it->second;
-      it->second = h->next;
-      impl_->stats.kept_bytes -= static_cast<int64_t>(map_bytes);
-      ++impl_->stats.reuses;
+  if (n < kLargeBlockBytes) {
+    void* base = nullptr;
+    if (posix_memalign(&base, kHeaderBytes, n + kHeaderBytes) != 0) throw std::bad_alloc();
+    h = static_cast<BlockHeader*>(base);
+    h->map_bytes = 0;  // from malloc
+  } else {
+    const size_t map_bytes = (n + kHeaderBytes + kPage - 1) / kPage * kPage;
+    {
+      absl::MutexLock lock(&impl_->mu);
+      auto it = impl_->kept.find(map_bytes);
+      if (it != impl_->kept.end() && it->second != nullptr) {
+        h = it->second;
+        it->second = h->next;
+        impl_->stats.kept_bytes -= static_cast<int64_t>(map_bytes);
+        ++impl_->stats.reuses;
+      }
+    }
+    if (h == nullptr) {
+      void* p =
+          mmap(nullptr, map_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      if (p == MAP_FAILED) throw std::bad_alloc();
+      h = static_cast<BlockHeader*>(p);
+      h->map_bytes = map_bytes;
+      absl::MutexLock lock(&impl_->mu);
+      impl_->stats.mapped_bytes += static_cast<int64_t>(map_bytes);
+      impl_->stats.peak_mapped_bytes =
+          std::max(impl_->stats.peak_mapped_bytes, impl_->stats.mapped_bytes);
+      ++impl_->stats.maps;
     }
   }
-  if (h == nullptr) {
-    void* p = mmap(nullptr, map_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (p == MAP_FAILED) throw std::bad_alloc();
-    h = static_cast<BlockHeader*>(p);
-    h->map_bytes = map_bytes;
-    h->owner = const_cast<LargeBlockCachingAllocator*>(this);
-    absl::MutexLock lock(&impl_->mu);
-    impl_->stats.mapped_bytes += static_cast<int64_t>(map_bytes);
-    impl_->stats.peak_mapped_bytes =
-        std::max(impl_->stats.peak_mapped_bytes, impl_->stats.mapped_bytes);
-    ++impl_->stats.maps;
-  }
+  h->owner = const_cast<LargeBlockCachingAllocator*>(this);
   h->next = nullptr;
   void* data = reinterpret_cast<char*>(h) + kHeaderBytes;
-  return c10::DataPtr(data, h, &DeleteBlock, c10::Device(c10::DeviceType::CPU));
+  return c10::DataPtr(data, data, &DeleteBlock, cpu);
 }
+
+c10::DeleterFnPtr LargeBlockCachingAllocator::raw_deleter() const { return &DeleteBlock; }
 
 namespace {
 
-void DeleteBlock(void* ctx) {
-  auto* h = static_cast<BlockHeader*>(ctx);
+void DeleteBlock(void* data) {
+  if (data == nullptr) return;
+  auto* h = reinterpret_cast<BlockHeader*>(static_cast<char*>(data) - kHeaderBytes);
+  if (h->map_bytes == 0) {
+    std::free(h);
+    return;
+  }
   h->owner->Keep(h);
 }
 

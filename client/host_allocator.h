@@ -15,7 +15,9 @@
 // This allocator gives each block of at least kLargeBlockBytes its own
 // anonymous mapping and, when the tensor is freed, keeps the mapping for the
 // next request of the same size (up to a cap on what it keeps unused).
-// Smaller blocks go to LibTorch's default allocator. Same-size reuse is what
+// Smaller blocks come from malloc (with a 64-byte header, as every block has
+// one: oneDNN frees through raw_deleter(), which gets the data pointer
+// only). Same-size reuse is what
 // a training loop needs, and no small allocation can split a large block.
 // This is PyTorch's CUDA caching allocator idea (exact sizes only) for host
 // memory; LibTorch ships none for the CPU (c10's mobile CPUCachingAllocator
@@ -48,7 +50,7 @@ class LargeBlockCachingAllocator final : public c10::Allocator {
   ~LargeBlockCachingAllocator() override;
 
   c10::DataPtr allocate(size_t n) const override;
-  c10::DeleterFnPtr raw_deleter() const override { return nullptr; }
+  c10::DeleterFnPtr raw_deleter() const override;
 
   HostAllocatorStats stats() const;
   // Unmaps every kept block (blocks in use are unaffected).

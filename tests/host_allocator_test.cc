@@ -1,5 +1,6 @@
 // LargeBlockCachingAllocator: large blocks in their own mappings, reused by
-// size; small ones from LibTorch's default allocator; what it keeps bounded.
+// size; small ones from malloc; what it keeps bounded; raw_allocate() /
+// raw_deallocate() (oneDNN's way in) for both.
 #include "client/host_allocator.h"
 
 #include <gtest/gtest.h>
@@ -40,10 +41,26 @@ TEST(HostAllocatorTest, LargeBlocksAreReusedBySizeAndSmallOnesPassThrough) {
   EXPECT_EQ(s.kept_bytes, s.mapped_bytes) << "all freed: everything mapped is kept";
   EXPECT_GE(s.peak_mapped_bytes, static_cast<int64_t>(19 * kMiB));
   {
-    c10::DataPtr small = a.allocate(4096);  // LibTorch's default allocator
+    c10::DataPtr small = a.allocate(4096);  // malloc
     ASSERT_NE(small.get(), nullptr);
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(small.get()) % 64, 0u);
+    EXPECT_EQ(small.get(), small.get_context());
     EXPECT_EQ(a.stats().maps, 3);
+    c10::DataPtr none = a.allocate(0);
+    EXPECT_EQ(none.get(), nullptr);
   }
+  // oneDNN allocates through raw_allocate() and frees through raw_deleter(),
+  // which gets the data pointer only: small and large.
+  for (size_t n : {size_t{100}, 4 * kMiB}) {
+    void* p = a.raw_allocate(n);
+    ASSERT_NE(p, nullptr);
+    std::memset(p, 7, n);
+    a.raw_deallocate(p);
+  }
+  EXPECT_EQ(a.stats().maps, 4);
+  void* again = a.raw_allocate(4 * kMiB);
+  EXPECT_EQ(a.stats().maps, 4) << "the raw-freed block was kept and is reused";
+  a.raw_deallocate(again);
   a.ReleaseKept();
   EXPECT_EQ(a.stats().kept_bytes, 0);
   EXPECT_EQ(a.stats().mapped_bytes, 0);
@@ -108,6 +125,13 @@ TEST(HostAllocatorTest, InstalledItServesLibTorchTensors) {
   EXPECT_LT(s.maps - maps0, 12) << "a handful of sizes, mapped once each";
   torch::Tensor small = torch::ones({16});
   EXPECT_EQ(small.sum().item<float>(), 16.0f);
+  // Convolutions go through oneDNN, which allocates with raw_allocate().
+  torch::nn::Conv2d conv(torch::nn::Conv2dOptions(64, 64, 3).padding(1));
+  for (int step = 0; step < 3; ++step) {
+    torch::Tensor y = conv->forward(torch::randn({8, 64, 32, 32}));  // 2 MiB activations
+    y.pow(2).mean().backward();
+  }
+  EXPECT_TRUE(torch::isfinite(conv->weight.grad()).all().item<bool>());
 }
 
 }  // namespace
