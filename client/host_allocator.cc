@@ -4,6 +4,7 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdlib>
 #include <new>
 
@@ -19,9 +20,15 @@ constexpr size_t kPage = 4096;
 // as LibTorch wants (64 bytes).
 constexpr size_t kHeaderBytes = 64;
 
+// Marks a header as ours: a block LibTorch's default allocator handed out
+// before InstallHostAllocator() (oneDNN frees through whichever allocator is
+// current) has none, and goes back to free().
+constexpr uint64_t kMagic = 0x73686172646f7074;  // "shardopt"
+
 struct BlockHeader {
-  size_t map_bytes;
-  LargeBlockCachingAllocator* owner;
+  uint64_t magic;
+  size_t map_bytes;  // 0: from malloc
+  LargeBlockCachingAllocator::Impl* owner;
   BlockHeader* next;  // in a kept list
 };
 static_assert(sizeof(BlockHeader) <= kHeaderBytes, "header too large");
@@ -30,8 +37,10 @@ static_assert(sizeof(BlockHeader) <= kHeaderBytes, "header too large");
 
 struct LargeBlockCachingAllocator::Impl {
   explicit Impl(size_t limit) : keep_limit(limit) {}
+  void Keep(BlockHeader* h);
   const size_t keep_limit;
   mutable absl::Mutex mu;
+  bool destroyed ABSL_GUARDED_BY(mu) = false;  // the allocator is gone: unmap on free
   // Kept blocks by mapping size, chained through their headers (keeping one
   // allocates nothing).
   absl::flat_hash_map<size_t, BlockHeader*> kept ABSL_GUARDED_BY(mu);
@@ -42,8 +51,13 @@ LargeBlockCachingAllocator::LargeBlockCachingAllocator(size_t keep_limit_bytes)
     : impl_(new Impl(keep_limit_bytes)) {}
 
 LargeBlockCachingAllocator::~LargeBlockCachingAllocator() {
+  {
+    absl::MutexLock lock(&impl_->mu);
+    impl_->destroyed = true;
+  }
   ReleaseKept();
-  // impl_ is left: blocks still in use find their owner through it.
+  // impl_ is left (a few bytes): blocks still in use reach it from their
+  // headers when they are freed, and are unmapped then.
 }
 
 namespace {
@@ -89,7 +103,8 @@ c10::DataPtr LargeBlockCachingAllocator::allocate(size_t n) const {
       ++impl_->stats.maps;
     }
   }
-  h->owner = const_cast<LargeBlockCachingAllocator*>(this);
+  h->magic = kMagic;
+  h->owner = impl_;
   h->next = nullptr;
   void* data = reinterpret_cast<char*>(h) + kHeaderBytes;
   return c10::DataPtr(data, data, &DeleteBlock, cpu);
@@ -102,7 +117,12 @@ namespace {
 void DeleteBlock(void* data) {
   if (data == nullptr) return;
   auto* h = reinterpret_cast<BlockHeader*>(static_cast<char*>(data) - kHeaderBytes);
+  if (h->magic != kMagic) {  // not ours: LibTorch's default allocator's
+    std::free(data);
+    return;
+  }
   if (h->map_bytes == 0) {
+    h->magic = 0;
     std::free(h);
     return;
   }
@@ -111,20 +131,19 @@ void DeleteBlock(void* data) {
 
 }  // namespace
 
-void LargeBlockCachingAllocator::Keep(void* block) {
-  auto* h = static_cast<BlockHeader*>(block);
+void LargeBlockCachingAllocator::Impl::Keep(BlockHeader* h) {
   const size_t map_bytes = h->map_bytes;
   {
-    absl::MutexLock lock(&impl_->mu);
-    if (impl_->stats.kept_bytes + static_cast<int64_t>(map_bytes) <=
-        static_cast<int64_t>(impl_->keep_limit)) {
-      BlockHeader*& head = impl_->kept[map_bytes];
+    absl::MutexLock lock(&mu);
+    if (!destroyed &&
+        stats.kept_bytes + static_cast<int64_t>(map_bytes) <= static_cast<int64_t>(keep_limit)) {
+      BlockHeader*& head = kept[map_bytes];
       h->next = head;
       head = h;
-      impl_->stats.kept_bytes += static_cast<int64_t>(map_bytes);
+      stats.kept_bytes += static_cast<int64_t>(map_bytes);
       return;
     }
-    impl_->stats.mapped_bytes -= static_cast<int64_t>(map_bytes);
+    stats.mapped_bytes -= static_cast<int64_t>(map_bytes);
   }
   munmap(h, map_bytes);
 }

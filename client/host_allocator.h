@@ -55,12 +55,11 @@ class LargeBlockCachingAllocator final : public c10::Allocator {
   HostAllocatorStats stats() const;
   // Unmaps every kept block (blocks in use are unaffected).
   void ReleaseKept();
-  // For the deleter of a block this allocator mapped: keeps it or unmaps it.
-  void Keep(void* block);
+
+  struct Impl;  // what a block's header points to; outlives the allocator
 
  private:
-  struct Impl;
-  Impl* impl_;  // never freed while tensors may point into it (see Install)
+  Impl* impl_;  // never freed: blocks freed after the allocator reach it
 };
 
 // Makes `LargeBlockCachingAllocator` LibTorch's CPU allocator for this

@@ -636,6 +636,11 @@ absl::Status ShardedOptimizer::BeginStep() {
   }
   const int nb = static_cast<int>(layout_.buckets().size());
   while (next_launch_ < nb) LaunchReduceScatterLocked(launch_order_[next_launch_++]);
+  if (!hook_error_.ok()) {  // a reduction failed while a launch waited for staging room
+    absl::Status s = hook_error_;
+    hook_error_ = absl::OkStatus();
+    return s;
+  }
   return absl::OkStatus();
 }
 
@@ -1294,7 +1299,10 @@ void ShardedOptimizer::AcquireStagingLocked(int b) {
     torch::Tensor buf;
     if (length > 0) {
       Region region;
-      buf = StageLocked(length, &region, &overflow_buf_[b]);
+      // A bucket reduced in pieces reached out of its turn is staged whole in
+      // a buffer of its own (counted): waiting for the arena, or growing it
+      // to fit, would undo what pieces save.
+      buf = StageLocked(length, &region, &overflow_buf_[b], /*in_arena=*/!PiecewiseLocked(b));
       if (region.length > 0) {
         region_[b] = region;
         placed_.push_back(b);
@@ -1308,11 +1316,11 @@ void ShardedOptimizer::AcquireStagingLocked(int b) {
 }
 
 torch::Tensor ShardedOptimizer::StageLocked(int64_t length, Region* region,
-                                            torch::Tensor* own_buffer) {
+                                            torch::Tensor* own_buffer, bool in_arena) {
   const auto opts = param_flat_.options().dtype(ScalarTypeOf(comm_type_));
   int64_t begin = 0;
-  bool placed = PlaceLocked(length, &begin);
-  while (!placed && !(in_flight_.empty() && pieces_.empty())) {
+  bool placed = in_arena && PlaceLocked(length, &begin);
+  while (in_arena && !placed && !(in_flight_.empty() && pieces_.empty())) {
     if (!in_flight_.empty()) {
       ReclaimOldestLocked();  // may fail, and then drop the arena: allocated below
     } else {                  // the pieces of the bucket being launched
@@ -1323,7 +1331,7 @@ torch::Tensor ShardedOptimizer::StageLocked(int64_t length, Region* region,
     }
     placed = PlaceLocked(length, &begin);
   }
-  if (!placed && staging_.defined() && !placed_.empty() && hook_error_.ok()) {
+  if (in_arena && !placed && staging_.defined() && !placed_.empty() && hook_error_.ok()) {
     CompactStagingLocked();
     placed = PlaceLocked(length, &begin);
   }
@@ -1337,10 +1345,12 @@ torch::Tensor ShardedOptimizer::StageLocked(int64_t length, Region* region,
   }
   // Buckets backward reached early but cannot reduce yet (they go in launch
   // order) hold the arena: a buffer of its own, counted.
-  int64_t end = 0;
-  for (int p : placed_) end = std::max(end, region_[p].begin + region_[p].length);
-  for (const StagedPiece& p : pieces_) end = std::max(end, p.region.begin + p.region.length);
-  overflow_shortfall_ = std::max(overflow_shortfall_, length - (staging_elements_ - end));
+  if (in_arena) {
+    int64_t end = 0;
+    for (int p : placed_) end = std::max(end, region_[p].begin + region_[p].length);
+    for (const StagedPiece& p : pieces_) end = std::max(end, p.region.begin + p.region.length);
+    overflow_shortfall_ = std::max(overflow_shortfall_, length - (staging_elements_ - end));
+  }
   *own_buffer = torch::empty({length}, opts);
   overflow_bytes_ += length * ElementSize(comm_type_);
   if (overflow_bytes_ > overflow_peak_bytes_) {
@@ -1397,6 +1407,9 @@ void ShardedOptimizer::LaunchShardedLocked(int b) {
     // No gradient reached it (ready_ would have launched it in pieces).
     return LaunchPiecesLocked(b, torch::Tensor());
   }
+  // (A bucket reduced in pieces with its chunks in place, staged whole or
+  // accumulated, is launched in the same pieces below: every rank must issue
+  // the same collectives, whichever way its gradient came.)
   Trace(TraceEvent::kReduceScatterStart, b, -1);
   AcquireStagingLocked(b);
   // Parameters this backward gave no gradient: what earlier micro-batches
@@ -1413,8 +1426,24 @@ void ShardedOptimizer::LaunchShardedLocked(int b) {
     }
   }
   std::vector<void*> ptrs(world_);
-  for (int r = 0; r < world_; ++r) ptrs[r] = chunks_[b][r].data_ptr();
   CollectiveBucketScope tag(b);  // for the flight recorder
+  if (PiecewiseLocked(b)) {
+    const int64_t elem = ElementSize(comm_type_);
+    for (int64_t at = 0; at < bk.capacity_per_rank; at += piece_elements_) {
+      const int64_t n = std::min(piece_elements_, bk.capacity_per_rank - at);
+      for (int r = 0; r < world_; ++r) {
+        ptrs[r] = static_cast<char*>(chunks_[b][r].data_ptr()) + at * elem;
+      }
+      StagedPiece piece;  // its memory is the bucket's (freed when it is reclaimed)
+      piece.bucket = b;
+      piece.handle = comm_->ReduceScatterChunks(ptrs, n, comm_type_, ReduceOp::kAverage);
+      rs_handles_[b] = piece.handle;
+      pieces_.push_back(std::move(piece));
+    }
+    in_flight_.push_back(b);
+    return;
+  }
+  for (int r = 0; r < world_; ++r) ptrs[r] = chunks_[b][r].data_ptr();
   rs_handles_[b] =
       comm_->ReduceScatterChunks(ptrs, bk.capacity_per_rank, comm_type_, ReduceOp::kAverage);
   in_flight_.push_back(b);
@@ -1456,11 +1485,12 @@ void ShardedOptimizer::LaunchPiecesLocked(int b, const torch::Tensor& flat_grad)
     if (hi < from + n) dst.narrow(0, hi - from, from + n - hi).zero_();
   };
   torch::Tensor own = owner_->owned_grad(b);
+  in_accum_[b] = false;  // reduced into the owned gradients, not from accum_flat_
   for (int64_t at = 0; at < cap; at += piece_elements_) {
     const int64_t n = std::min(piece_elements_, cap - at);
     StagedPiece piece;
     piece.bucket = b;
-    torch::Tensor buf = StageLocked((world_ - 1) * n, &piece.region, &piece.own);
+    torch::Tensor buf = StageLocked((world_ - 1) * n, &piece.region, &piece.own, /*in_arena=*/true);
     if (!hook_error_.ok()) {  // waiting for room found a failed reduction
       ReleaseOwnBufferLocked(&piece.own);
       return;
@@ -1508,6 +1538,15 @@ absl::Status ShardedOptimizer::FailStagingLocked(const absl::Status& s) {
   return s;
 }
 
+// Bucket `b`'s reduction failed: collectives may still write into its
+// chunks (a buffer of its own, the arena, accum_flat_), so they stay alive.
+void ShardedOptimizer::AbandonChunksLocked(int b) {
+  for (const torch::Tensor& c : chunks_[b]) abandoned_.push_back(c);
+  ReleaseOwnBufferLocked(&overflow_buf_[b]);  // a chunk's memory, so kept in abandoned_
+  FreeStagingLocked(b);
+  UpdateGradBytesLocked();
+}
+
 // Waits for pieces_[index] and gives its staging back.
 absl::Status ShardedOptimizer::WaitPieceLocked(size_t index) {
   StagedPiece& p = pieces_[index];
@@ -1534,20 +1573,16 @@ absl::Status ShardedOptimizer::ReclaimLocked(int b) {
       ++i;
       continue;
     }
-    absl::Status s = WaitPieceLocked(i);
+    absl::Status s = WaitPieceLocked(i);  // on failure: arena and pieces abandoned
     if (!s.ok()) {
-      FreeStagingLocked(b);
+      AbandonChunksLocked(b);
       return s;
     }
   }
   absl::Status s = rs_handles_[b]->Wait(options_.timeout);
   if (!s.ok()) {
-    // Its chunks may still be written into: kept alive with the arena.
-    for (const torch::Tensor& c : chunks_[b]) abandoned_.push_back(c);
-    ReleaseOwnBufferLocked(&overflow_buf_[b]);  // a chunk, so kept in abandoned_
+    AbandonChunksLocked(b);
     (void)FailStagingLocked(s);
-    FreeStagingLocked(b);
-    UpdateGradBytesLocked();
     return absl::Status(s.code(), absl::StrCat("rank ", rank_, ": reduce-scatter of bucket ", b,
                                                " failed: ", s.message()));
   }

@@ -298,10 +298,13 @@ class ShardedOptimizer {
   // (waiting for reductions in flight while there is no room, compacting
   // filling buckets when nothing is in flight), else a buffer of its own
   // (counted). Returns the buffer; *region is set when it is in the arena.
-  torch::Tensor StageLocked(int64_t length, Region* region, torch::Tensor* own_buffer);
+  // in_arena false: a buffer of its own at once.
+  torch::Tensor StageLocked(int64_t length, Region* region, torch::Tensor* own_buffer,
+                            bool in_arena);
   void ReleaseOwnBufferLocked(torch::Tensor* own_buffer);
   absl::Status WaitPieceLocked(size_t index);
   absl::Status FailStagingLocked(const absl::Status& s);
+  void AbandonChunksLocked(int bucket);
   absl::Status ReclaimLocked(int bucket);
   void ReclaimFinishedLocked();
   void ResetBackwardStateLocked(bool needs_zero_grad);

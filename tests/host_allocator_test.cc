@@ -3,6 +3,7 @@
 // raw_deallocate() (oneDNN's way in) for both.
 #include "client/host_allocator.h"
 
+#include <c10/core/CPUAllocator.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -103,6 +104,29 @@ TEST(HostAllocatorTest, ThreadsAllocateAndFreeConcurrently) {
   EXPECT_EQ(s.maps + s.reuses, 800);
   EXPECT_LE(s.maps, 4 * 3) << "each thread holds one block at a time: at most one per size each";
   a.ReleaseKept();
+}
+
+// Blocks may outlive the allocator that made them (tensors freed late): they
+// are unmapped or freed then, not kept for an allocator that is gone. A
+// block of LibTorch's default allocator freed through this one's
+// raw_deleter() (oneDNN frees through whichever allocator is current) goes
+// back to free().
+TEST(HostAllocatorTest, BlocksOutliveTheAllocatorAndForeignBlocksGoBackToFree) {
+  c10::DataPtr big, small;
+  {
+    LargeBlockCachingAllocator a(64 * kMiB);
+    big = a.allocate(2 * kMiB);
+    small = a.allocate(100);
+  }
+  std::memset(big.get(), 1, 2 * kMiB);  // still mapped
+  std::memset(small.get(), 1, 100);
+  big.clear();
+  small.clear();
+  LargeBlockCachingAllocator b(64 * kMiB);
+  void* foreign = c10::GetDefaultCPUAllocator()->raw_allocate(4096);
+  std::memset(foreign, 0, 4096);
+  b.raw_deleter()(foreign);
+  EXPECT_EQ(b.stats().mapped_bytes, 0);
 }
 
 // Installed, it is LibTorch's CPU allocator: a training-like loop that

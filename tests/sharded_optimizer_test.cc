@@ -931,6 +931,51 @@ TEST(ShardGradientsTest, TensorsLargerThanABucketAreReducedInPieces) {
   }
 }
 
+// Whether a bucket goes in pieces must not depend on when its gradient came:
+// every rank has to issue the same collectives. Here "gate" (registered last,
+// so its bucket is reduced first) gets a gradient on rank 0 only; on rank 1
+// w's bucket is therefore complete before its turn and staged whole, on rank
+// 0 it is reduced from autograd's gradient. Both must send it in the same
+// pieces: parameters equal full gradients bit for bit (and no rank hangs).
+TEST(ShardGradientsTest, PiecesAreTheSameOnEveryRankWhicheverWayTheGradientCame) {
+  auto train = [](bool shard) {
+    InProcessWorld world(2, absl::Seconds(20));
+    std::vector<std::unique_ptr<Communicator>> comms;
+    for (int r = 0; r < 2; ++r) comms.push_back(world.Connect(r));
+    std::vector<std::vector<float>> out(2);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < 2; ++r) {
+      threads.emplace_back([&, r] {
+        PieceModel m(13, false);
+        at::Generator gen = at::detail::createCPUGenerator(5);
+        torch::Tensor gate = (torch::randn({8}, gen) * 0.1).set_requires_grad(true);
+        auto named = m.named();
+        named.push_back({"gate", gate});
+        ShardedOptimizerOptions o = HandOptimizerOptions(shard);
+        o.plan.bucket_cap_elements = 300;
+        auto opt = ShardedOptimizer::Create(named, o, comms[r].get());
+        ASSERT_TRUE(opt.ok()) << opt.status();
+        for (int step = 0; step < 4; ++step) {
+          (*opt)->ZeroGrad();
+          torch::Tensor loss = m.Loss(step, r * 12, r * 12 + 12);
+          if (r == 0) loss = loss + gate.pow(2).sum();
+          loss.backward();
+          auto res = (*opt)->Step();
+          ASSERT_TRUE(res.ok()) << "rank " << r << ", step " << step << ": " << res.status();
+        }
+        out[r] = m.Flat();
+        out[r].push_back(gate.detach().sum().item<float>());
+      });
+    }
+    for (auto& t : threads) t.join();
+    EXPECT_EQ(out[0], out[1]);
+    return out[0];
+  };
+  const std::vector<float> full = train(false);
+  ASSERT_FALSE(full.empty());
+  EXPECT_EQ(train(true), full);
+}
+
 // The memory report: sharded gradients take 1/N of the full buffer plus the
 // staging arena: room for two buckets of the cap of the other ranks' chunks
 // only ((N-1)/N of a bucket; this rank's chunk is reduced in place), never
