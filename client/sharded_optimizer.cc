@@ -614,11 +614,7 @@ void ShardedOptimizer::ResetBackwardStateLocked(bool needs_zero_grad) {
 absl::Status ShardedOptimizer::BeginStep() {
   absl::MutexLock lock(&hook_state_->mu);
   Trace(TraceEvent::kStepBegin, -1, -1);
-  if (!hook_error_.ok()) {
-    absl::Status s = hook_error_;
-    hook_error_ = absl::OkStatus();
-    return s;
-  }
+  SHARDOPT_RETURN_IF_ERROR(TakeHookErrorLocked());
   if (grad_after_step_) {
     return absl::FailedPreconditionError(
         "gradients were accumulated on top of the previous step's reduced gradients: call "
@@ -636,12 +632,13 @@ absl::Status ShardedOptimizer::BeginStep() {
   }
   const int nb = static_cast<int>(layout_.buckets().size());
   while (next_launch_ < nb) LaunchReduceScatterLocked(launch_order_[next_launch_++]);
-  if (!hook_error_.ok()) {  // a reduction failed while a launch waited for staging room
-    absl::Status s = hook_error_;
-    hook_error_ = absl::OkStatus();
-    return s;
-  }
-  return absl::OkStatus();
+  return TakeHookErrorLocked();  // a reduction failed while a launch waited for staging room
+}
+
+absl::Status ShardedOptimizer::TakeHookErrorLocked() {
+  absl::Status s = hook_error_;
+  hook_error_ = absl::OkStatus();
+  return s;
 }
 
 // Waits for bucket `b`'s reduce-scatter; its owned range of grad_flat_ then
@@ -1436,9 +1433,7 @@ void ShardedOptimizer::LaunchShardedLocked(int b) {
       }
       StagedPiece piece;  // its memory is the bucket's (freed when it is reclaimed)
       piece.bucket = b;
-      piece.handle = comm_->ReduceScatterChunks(ptrs, n, comm_type_, ReduceOp::kAverage);
-      rs_handles_[b] = piece.handle;
-      pieces_.push_back(std::move(piece));
+      LaunchPieceLocked(ptrs, n, std::move(piece));
     }
     in_flight_.push_back(b);
     return;
@@ -1503,11 +1498,17 @@ void ShardedOptimizer::LaunchPiecesLocked(int b, const torch::Tensor& flat_grad)
       ptrs[r] = dst.data_ptr();
     }
     CollectiveBucketScope tag(b);  // for the flight recorder
-    piece.handle = comm_->ReduceScatterChunks(ptrs, n, comm_type_, ReduceOp::kAverage);
-    rs_handles_[b] = piece.handle;
-    pieces_.push_back(std::move(piece));
+    LaunchPieceLocked(ptrs, n, std::move(piece));
   }
   in_flight_.push_back(b);
+}
+
+// One piece's reduce-scatter; the bucket's handle is its last piece's.
+void ShardedOptimizer::LaunchPieceLocked(const std::vector<void*>& chunks, int64_t count,
+                                         StagedPiece piece) {
+  piece.handle = comm_->ReduceScatterChunks(chunks, count, comm_type_, ReduceOp::kAverage);
+  rs_handles_[piece.bucket] = piece.handle;
+  pieces_.push_back(std::move(piece));
 }
 
 void ShardedOptimizer::FreeStagingLocked(int b) {

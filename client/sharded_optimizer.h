@@ -294,6 +294,9 @@ class ShardedOptimizer {
   void LaunchShardedLocked(int bucket);
   bool PiecewiseLocked(int bucket) const;
   void LaunchPiecesLocked(int bucket, const torch::Tensor& flat_grad);
+  struct StagedPiece;
+  void LaunchPieceLocked(const std::vector<void*>& chunks, int64_t count, StagedPiece piece);
+  absl::Status TakeHookErrorLocked();
   // Gives a staged collective `length` elements: a region of the arena
   // (waiting for reductions in flight while there is no room, compacting
   // filling buckets when nothing is in flight), else a buffer of its own
