@@ -238,29 +238,33 @@ int RunWorker(const Flags& f) {
       if (thread->joinable()) thread->join();
     }
   } joiner{&stop_metrics, &heartbeat};
-  // shardopt_zero2[:cap=N][:staging=N][:pieces=0|1]: variants side by side in one run.
+  // shardopt_zero2[:cap=N][:staging=N][:pieces=0|1][:overlap=0|1]: variants side by side in one run.
   const std::vector<std::string> row_parts = absl::StrSplit(row, ':');
   const bool zero2 = row_parts[0] == "shardopt_zero2";
   int64_t zero2_bucket_cap = f.Int("zero2-bucket-cap", 2 << 20).value_or(2 << 20);
   int zero2_staging = 2;
   bool zero2_pieces = true;
+  bool zero2_overlap = true;
   for (size_t i = 1; i < row_parts.size(); ++i) {
     int64_t v = 0;
     const std::string& part = row_parts[i];
     const bool cap = absl::StartsWith(part, "cap=") && absl::SimpleAtoi(part.substr(4), &v) && v > 0;
     const bool staging = absl::StartsWith(part, "staging=") && absl::SimpleAtoi(part.substr(8), &v) && v > 0;
     const bool pieces = part == "pieces=0" || part == "pieces=1";
-    if (!zero2 || (!cap && !staging && !pieces)) {
-      std::fprintf(stderr, "bad row '%s' (variants: shardopt_zero2:cap=N:staging=N:pieces=0|1)\n",
+    const bool ovl = part == "overlap=0" || part == "overlap=1";
+    if (!zero2 || (!cap && !staging && !pieces && !ovl)) {
+      std::fprintf(stderr,
+                   "bad row '%s' (variants: shardopt_zero2:cap=N:staging=N:pieces=0|1:overlap=0|1)\n",
                    row.c_str());
       return 2;
     }
     if (pieces) zero2_pieces = part == "pieces=1";
+    if (ovl) zero2_overlap = part == "overlap=1";
     if (cap) zero2_bucket_cap = v;
     if (staging) zero2_staging = static_cast<int>(v);
   }
-  const bool overlap = row == "shardopt_overlap" || zero2;
-  if (row == "shardopt" || overlap || observed) {
+  const bool overlap = row == "shardopt_overlap" || (zero2 && zero2_overlap);
+  if (row == "shardopt" || overlap || zero2 || observed) {
     ShardedOptimizerOptions o;
     o.adam.lr = lr;
     // shardopt_overlap: Step() returns with the all-gathers in flight; each
@@ -546,7 +550,7 @@ std::vector<nlohmann::json> RunPair(const std::string& self, const std::string& 
 
 constexpr char kUsage[] = R"(usage: bench_oss [--models=mlp,resnet101] [--rows=ddp,ddp_fused,oss_ddp,shardopt]
                  [--rounds=3] [--steps=5] [--warmup=6] [--ranks=2] [--zero2-bucket-cap=N]
-                 [--transport=gloo|shm] [--json=PATH] [--png=PATH]
+                 [--transport=gloo|shm] [--ref=ROW] [--json=PATH] [--png=PATH]
 
 fairscale's OSS benchmark table on CPU: 2 ranks (processes, Gloo over 127.0.0.1,
 1 compute thread each, tuned malloc), rows interleaved round by round (each round one row later), each
@@ -561,10 +565,14 @@ the forward and its layer waits). --png draws the chart with tools/bench/plot_os
 heartbeat metrics cost (README, "Flight recorder"); --rows=...,shardopt_overlap adds the
 all-gathers overlapping the next forward (its fwd+bwd column includes those waits, which its
 exposed-comm column counts too); shardopt_zero2 adds gradient sharding to that (the "grads"
-column: gradient buffers per rank; shardopt_zero2:cap=N:staging=N:pieces=0|1 rows compare bucket
-caps, staging buffer counts and tensors larger than a bucket staged whole (pieces=0) side by side). --ranks=4 runs 4 processes per row (on 2 cores: for the
+column: gradient buffers per rank; shardopt_zero2:cap=N:staging=N:pieces=0|1:overlap=0|1 rows compare bucket
+caps, staging buffer counts, tensors larger than a bucket staged whole (pieces=0) and gradient sharding
+without the overlapped all-gathers (overlap=0: shardopt plus shard_gradients) side by side). --ranks=4 runs 4 processes per row (on 2 cores: for the
 memory columns, not for speed). compute_only runs forward and backward alone (no
 communication, no optimizer) and prints every row as a fraction of it: the ceiling.
+--ref=ROW adds paired ratios: for each round, every row's median over ROW's median in the same
+round (the rows of a round run back to back), then the median of those ratios with the lowest and
+highest; the JSON has them ("paired") and every row's per-round medians (samples_per_s_by_round).
 Transport: --transport (default gloo) for every row; ROW@shm or ROW@gloo runs one row over
 that transport (e.g. --rows=ddp,shardopt,ddp@shm,shardopt@shm); "vs ddp" is against the
 plain ddp row, and the JSON's vs_ddp_same_transport against ddp@TRANSPORT when it ran.
@@ -580,6 +588,11 @@ int RunParent(const Flags& f, const std::string& self) {
   const int ranks = static_cast<int>(f.Int("ranks", 2).value_or(2));
   const int64_t zero2_cap = f.Int("zero2-bucket-cap", 2 << 20).value_or(2 << 20);
   const std::string transport = f.Str("transport", "gloo");
+  const std::string ref = f.Str("ref", "");
+  if (!ref.empty() && std::find(rows.begin(), rows.end(), ref) == rows.end()) {
+    std::fprintf(stderr, "bench_oss: --ref=%s is not one of --rows\n", ref.c_str());
+    return 2;
+  }
   for (const std::string& row : rows) {
     const size_t at = row.find('@');
     const std::string t = at == std::string::npos ? transport : row.substr(at + 1);
@@ -601,6 +614,8 @@ int RunParent(const Flags& f, const std::string& self) {
   nlohmann::json all;
   for (const std::string& model : models) {
     std::map<std::string, std::vector<nlohmann::json>> runs;
+    // row -> samples/s of every timed step of every rank, one vector per round.
+    std::map<std::string, std::vector<std::vector<double>>> by_round;
     for (int round = 0; round < rounds; ++round) {
       // Each round starts one row later: a row's place in the round (what ran
       // just before it) moves its throughput by several percent here, so no
@@ -609,7 +624,10 @@ int RunParent(const Flags& f, const std::string& self) {
         const std::string& row = rows[(i + round) % rows.size()];
         std::fprintf(stderr, "  %s round %d/%d: %s...\n", model.c_str(), round + 1, rounds,
                      row.c_str());
+        by_round[row].emplace_back();
         for (auto& j : RunPair(self, model, row, steps, warmup, ranks, zero2_cap, transport)) {
+          const double batch = j["batch"].get<double>();
+          for (double s : j["step_s"]) by_round[row].back().push_back(batch / s);
           runs[row].push_back(j);
         }
       }
@@ -661,6 +679,28 @@ int RunParent(const Flags& f, const std::string& self) {
                   state / 1048576, grads / 1048576, Median(sent) / 1048576, Median(fb), Median(cm),
                   Median(op));
     }
+    for (const std::string& row : rows) {
+      std::vector<double> medians;
+      for (const auto& v : by_round[row]) medians.push_back(Median(v));
+      all[model][row]["samples_per_s_by_round"] = medians;
+    }
+    if (!ref.empty()) {
+      // Paired: each round ran the rows back to back, so a row's median over
+      // the reference's in the same round cancels what drifts between rounds
+      // (the machine's load), which the pooled medians above do not.
+      std::printf("paired vs %s (median of per-round ratios [lowest, highest] over %d rounds):\n",
+                  ref.c_str(), rounds);
+      for (const std::string& row : rows) {
+        std::vector<double> ratios;
+        for (int i = 0; i < rounds; ++i) {
+          ratios.push_back(Median(by_round[row][i]) / Median(by_round[ref][i]));
+        }
+        const double med = Median(ratios);
+        const auto [lo, hi] = std::minmax_element(ratios.begin(), ratios.end());
+        std::printf("  %-30s %.3fx [%.3f, %.3f]\n", row.c_str(), med, *lo, *hi);
+        all[model][row]["paired"] = {{"ref", ref}, {"median_ratio", med}, {"ratios", ratios}};
+      }
+    }
     if (all[model].contains("compute_only")) {
       const double ceiling = all[model]["compute_only"]["samples_per_s"].get<double>();
       std::printf("ceiling (compute_only: forward + backward, nothing else):");
@@ -707,7 +747,7 @@ int main(int argc, char** argv) {
   using namespace shardopt;
   auto f = Flags::Parse(argc, argv, {"worker", "rank", "world", "row", "model", "steps", "warmup",
                                      "store", "out", "models", "rows", "rounds", "json", "png", "ranks", "zero2-bucket-cap",
-                                     "transport", "help"});
+                                     "transport", "ref", "help"});
   if (!f.ok()) {
     std::fprintf(stderr, "bench_oss: %s\n", std::string(f.status().message()).c_str());
     return 2;

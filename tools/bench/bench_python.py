@@ -4,7 +4,7 @@ gradient sharding, shard_gradients=True: the row shardopt_zero2).
 
     bazel build //python:shardopt
     PYTHONPATH=bazel-bin/python /usr/bin/python3 tools/bench/bench_python.py [--json out.json]
-        [--rows=ddp,ddp_zero,shardopt,shardopt_zero2,compute_only,shardopt@gloo]
+        [--rows=ddp,ddp_zero,shardopt,shardopt_zero2,compute_only,shardopt@gloo] [--ref=ROW]
 
 2 ranks on this machine over gloo (torchrun's environment contract), one
 thread per rank, the allocator tuned identically for every row (glibc
@@ -229,6 +229,10 @@ def main():
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--launch-timeout", type=float, default=300.0,
                    help="seconds one (row, round) may take before it is killed and retried")
+    p.add_argument("--ref", default=None,
+                   help="add paired ratios against this row: each round's samples/s over the "
+                        "row's in the same round (rows of a round run back to back), then their "
+                        "median with the lowest and highest")
     p.add_argument("--json", default=None, help="write the results here")
     # worker mode (internal)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -245,6 +249,8 @@ def main():
             p.error(f"unknown row {r!r} (rows: {', '.join(ROWS)})")
         if at and (not base.startswith("shardopt") or transport not in ("gloo", "shm")):
             p.error(f"row {r!r}: only shardopt rows take @gloo or @shm")
+    if a.ref is not None and a.ref not in rows:
+        p.error(f"--ref={a.ref} is not one of --rows")
     report = {"world_size": a.world, "rounds": a.rounds, "steps": a.steps, "models": {}}
     for model in a.models.split(","):
         per_row = {r: [] for r in rows}
@@ -280,6 +286,19 @@ def main():
                   f"{s['step_s'] * 1e3:8.0f} {exposed:>8s} {s['state_bytes'] / 2**20:10.1f} "
                   f"{s['grad_bytes'] / 2**20:10.1f} "
                   f"{s['peak_rss_bytes'] / 2**20:13.0f}")
+        def per_round(r):
+            return [sum(x["samples_per_s"] for x in res) / len(res) for res in per_row[r]]
+        for r in rows:
+            summary[r]["samples_per_s_by_round"] = per_round(r)
+        if a.ref is not None:
+            print(f"paired vs {a.ref} (median of per-round ratios [lowest, highest] over "
+                  f"{a.rounds} rounds):")
+            for r in rows:
+                ratios = [x / y for x, y in zip(per_round(r), per_round(a.ref))]
+                summary[r]["paired"] = {"ref": a.ref, "median_ratio": statistics.median(ratios),
+                                        "ratios": ratios}
+                print(f"  {r:19s} {statistics.median(ratios):.3f}x "
+                      f"[{min(ratios):.3f}, {max(ratios):.3f}]")
         if "compute_only" in summary:
             ceiling = summary["compute_only"]["samples_per_s"]
             for r in rows:
