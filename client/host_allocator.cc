@@ -4,6 +4,7 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <new>
@@ -174,16 +175,23 @@ void LargeBlockCachingAllocator::ReleaseKept() {
   }
 }
 
+namespace {
+std::atomic<LargeBlockCachingAllocator*> g_installed{nullptr};
+}  // namespace
+
 LargeBlockCachingAllocator* InstallHostAllocator() {
   // Never destroyed: tensors freed during static destruction still return
   // their blocks to it.
   static LargeBlockCachingAllocator* const allocator = [] {
     auto* a = new LargeBlockCachingAllocator();
     c10::SetCPUAllocator(a, /*priority=*/1);
+    g_installed.store(a);
     return a;
   }();
   return allocator;
 }
+
+LargeBlockCachingAllocator* InstalledHostAllocator() { return g_installed.load(); }
 
 const char* DescribeHostAllocator() {
   return "LibTorch CPU tensors of 1 MiB or more: own mappings, kept for reuse by size "

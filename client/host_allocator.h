@@ -67,6 +67,9 @@ class LargeBlockCachingAllocator final : public c10::Allocator {
 // before the model is built. Idempotent; the allocator lives until exit.
 LargeBlockCachingAllocator* InstallHostAllocator();
 
+// The allocator InstallHostAllocator() installed, or nullptr before that.
+LargeBlockCachingAllocator* InstalledHostAllocator();
+
 // One line for start-up logs and benchmark setups.
 const char* DescribeHostAllocator();
 

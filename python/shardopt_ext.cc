@@ -18,6 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "client/checkpoint/checkpoint.h"
+#include "client/host_allocator.h"
 #include "client/checkpoint/torch_interop.h"
 #include "client/comm/flight_recorder.h"
 #include "client/comm/host_communicator.h"
@@ -526,6 +527,22 @@ PYBIND11_MODULE(_C, m) {
 #else
   m.attr("has_cuda") = false;  // the Bazel build: Debian's torch has no CUDA
 #endif
+  m.def("install_host_allocator", [] {
+    InstallHostAllocator();
+    return std::string(DescribeHostAllocator());
+  });
+  m.def("host_allocator_stats", [] {
+    py::dict d;
+    LargeBlockCachingAllocator* a = InstalledHostAllocator();
+    if (a == nullptr) return d;
+    const HostAllocatorStats st = a->stats();
+    d["mapped_bytes"] = st.mapped_bytes;
+    d["kept_bytes"] = st.kept_bytes;
+    d["peak_mapped_bytes"] = st.peak_mapped_bytes;
+    d["maps"] = st.maps;
+    d["reuses"] = st.reuses;
+    return d;
+  });
   py::class_<PyCommunicator, std::shared_ptr<PyCommunicator>>(m, "Communicator")
       .def_property_readonly("rank", [](const PyCommunicator& c) { return c.comm->rank(); })
       .def_property_readonly("world_size",

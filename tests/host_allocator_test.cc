@@ -132,8 +132,11 @@ TEST(HostAllocatorTest, BlocksOutliveTheAllocatorAndForeignBlocksGoBackToFree) {
 // Installed, it is LibTorch's CPU allocator: a training-like loop that
 // allocates the same large tensors every step maps them once.
 TEST(HostAllocatorTest, InstalledItServesLibTorchTensors) {
+  LargeBlockCachingAllocator* before = InstalledHostAllocator();
   LargeBlockCachingAllocator* a = InstallHostAllocator();
   ASSERT_EQ(a, InstallHostAllocator()) << "idempotent";
+  EXPECT_TRUE(before == nullptr || before == a);  // nullptr unless a test before installed it
+  EXPECT_EQ(InstalledHostAllocator(), a);
   const int64_t maps0 = a->stats().maps;
   torch::Tensor w = torch::randn({512, 512}, torch::requires_grad());  // 1 MiB
   for (int step = 0; step < 5; ++step) {

@@ -237,12 +237,20 @@ def main():
     p.add_argument("--save-at", type=int, default=5)
     p.add_argument("--resume", action="store_true")
     p.add_argument("--params-out")
+    p.add_argument("--host-allocator", action="store_true",
+                   help="shardopt.install_host_allocator() first")
     p.add_argument("--out", required=True)
     a = p.parse_args()
     torch.set_num_threads(1)
+    if a.host_allocator:
+        if shardopt.host_allocator_stats() != {}:
+            raise SystemExit("host_allocator_stats() before install_host_allocator() is not {}")
+        shardopt.install_host_allocator()
+        shardopt.install_host_allocator()  # idempotent
     ctx = shardopt.init(timeout=60)
     res = {"world_size": ctx.world_size}
     globals()["scenario_" + a.scenario](a, res)
+    res["host_allocator_stats"] = shardopt.host_allocator_stats()
     if ctx.rank == 0:
         with open(a.out, "w") as f:
             json.dump(res, f)

@@ -5,6 +5,7 @@ gradient sharding, shard_gradients=True: the row shardopt_zero2).
     bazel build //python:shardopt
     PYTHONPATH=bazel-bin/python /usr/bin/python3 tools/bench/bench_python.py [--json out.json]
         [--rows=ddp,ddp_zero,shardopt,shardopt_zero2,compute_only,shardopt@gloo] [--ref=ROW]
+        [--allocator=glibc|shardopt]
 
 2 ranks on this machine over gloo (torchrun's environment contract), one
 thread per rank, the allocator tuned identically for every row (glibc
@@ -52,6 +53,9 @@ def worker(a):
     import torch.distributed as dist
     import torch.nn as nn
     torch.set_num_threads(1)
+    if a.allocator == "shardopt":  # every row alike, before anything large is allocated
+        import shardopt
+        shardopt.install_host_allocator()
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo")
     torch.manual_seed(0)
@@ -169,7 +173,8 @@ def launch(a, model, row, world):
         logs.append(tempfile.TemporaryFile(mode="w+"))
         procs.append(subprocess.Popen(
             [sys.executable, __file__, "--worker", "--model", model, "--row", row,
-             "--steps", str(a.steps), "--warmup", str(a.warmup), "--out", out],
+             "--steps", str(a.steps), "--warmup", str(a.warmup), "--out", out,
+             "--allocator", a.allocator],
             env=env, stdout=logs[-1], stderr=subprocess.STDOUT))
     # Poll every rank: one that fails ends the others at once (they would wait
     # in a collective for gloo's 30-minute timeout), and its log is shown.
@@ -229,6 +234,10 @@ def main():
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--launch-timeout", type=float, default=300.0,
                    help="seconds one (row, round) may take before it is killed and retried")
+    p.add_argument("--allocator", choices=("glibc", "shardopt"), default="glibc",
+                   help="glibc: glibc's heap with the tuned tunables (every row); shardopt: "
+                        "also shardopt.install_host_allocator() in every row's processes, DDP's "
+                        "included (large CPU tensors in their own mappings, reused by size)")
     p.add_argument("--ref", default=None,
                    help="add paired ratios against this row: each round's samples/s over the "
                         "row's in the same round (rows of a round run back to back), then their "
@@ -251,7 +260,8 @@ def main():
             p.error(f"row {r!r}: only shardopt rows take @gloo or @shm")
     if a.ref is not None and a.ref not in rows:
         p.error(f"--ref={a.ref} is not one of --rows")
-    report = {"world_size": a.world, "rounds": a.rounds, "steps": a.steps, "models": {}}
+    report = {"world_size": a.world, "rounds": a.rounds, "steps": a.steps, "models": {},
+              "allocator": a.allocator, "glibc_tunables": TUNABLES}
     for model in a.models.split(","):
         per_row = {r: [] for r in rows}
         for rnd in range(a.rounds):
@@ -271,7 +281,8 @@ def main():
                       f"({time.time() - t:.0f} s)", file=sys.stderr, flush=True)
         summary = {r: summarize(per_row[r]) for r in rows}
         report["models"][model] = summary
-        print(f"\n{model}, {a.world} ranks, median of {a.rounds} rounds x {a.steps} steps:")
+        print(f"\n{model}, {a.world} ranks, median of {a.rounds} rounds x {a.steps} steps, "
+              f"allocator {a.allocator}:")
         print(f"{'row':19s} {'samples/s/rank':>22s} {'vs ddp':>7s} {'vs zero':>8s} "
               f"{'fwd ms':>7s} {'bwd ms':>7s} {'step ms':>8s} {'exposed':>8s} "
               f"{'state MiB':>10s} {'grads MiB':>10s} {'peak RSS MiB':>13s}")
