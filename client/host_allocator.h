@@ -14,13 +14,14 @@
 //
 // This allocator gives each block of at least kLargeBlockBytes its own
 // anonymous mapping and, when the tensor is freed, keeps the mapping for the
-// next request of the same size (up to a cap on what it keeps unused).
+// next request that fits it (the smallest kept block of at least the size
+// and at most twice it), up to a cap on what it keeps unused.
 // Smaller blocks come from malloc (with a 64-byte header, as every block has
 // one: oneDNN frees through raw_deleter(), which gets the data pointer
-// only). Same-size reuse is what
-// a training loop needs, and no small allocation can split a large block.
-// This is PyTorch's CUDA caching allocator idea (exact sizes only) for host
-// memory; LibTorch ships none for the CPU (c10's mobile CPUCachingAllocator
+// only). A training loop asks for the same sizes every step, so after the
+// first steps nothing is mapped, and no small allocation can split a large
+// block. This is PyTorch's CUDA caching allocator idea (best fit without
+// splitting blocks) for host memory; LibTorch ships none for the CPU (c10's mobile CPUCachingAllocator
 // is not in Debian's build), hence ours.
 #ifndef SHARDOPT_CLIENT_HOST_ALLOCATOR_H_
 #define SHARDOPT_CLIENT_HOST_ALLOCATOR_H_
@@ -38,6 +39,7 @@ struct HostAllocatorStats {
   int64_t peak_mapped_bytes = 0;
   int64_t maps = 0;               // mmap calls (cache misses)
   int64_t reuses = 0;             // large requests served from kept blocks
+  int64_t reuses_larger = 0;      // of those, from a larger block (best fit, <= 2x)
 };
 
 class LargeBlockCachingAllocator final : public c10::Allocator {

@@ -541,6 +541,7 @@ PYBIND11_MODULE(_C, m) {
     d["peak_mapped_bytes"] = st.peak_mapped_bytes;
     d["maps"] = st.maps;
     d["reuses"] = st.reuses;
+    d["reuses_larger"] = st.reuses_larger;
     return d;
   });
   py::class_<PyCommunicator, std::shared_ptr<PyCommunicator>>(m, "Communicator")

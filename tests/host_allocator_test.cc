@@ -35,7 +35,7 @@ TEST(HostAllocatorTest, LargeBlocksAreReusedBySizeAndSmallOnesPassThrough) {
     EXPECT_EQ(a.stats().kept_bytes, 0);
     c10::DataPtr q = a.allocate(8 * kMiB);  // none kept now: a new mapping
     EXPECT_NE(q.get(), p.get());
-    c10::DataPtr other = a.allocate(3 * kMiB);  // another size never takes this one
+    c10::DataPtr other = a.allocate(3 * kMiB);  // nothing kept: mapped
     EXPECT_EQ(a.stats().maps, 3);
   }
   const HostAllocatorStats s = a.stats();
@@ -52,19 +52,63 @@ TEST(HostAllocatorTest, LargeBlocksAreReusedBySizeAndSmallOnesPassThrough) {
   }
   // oneDNN allocates through raw_allocate() and frees through raw_deleter(),
   // which gets the data pointer only: small and large.
-  for (size_t n : {size_t{100}, 4 * kMiB}) {
+  for (size_t n : {size_t{100}, 20 * kMiB}) {  // 20 MiB: no kept block fits
     void* p = a.raw_allocate(n);
     ASSERT_NE(p, nullptr);
     std::memset(p, 7, n);
     a.raw_deallocate(p);
   }
   EXPECT_EQ(a.stats().maps, 4);
-  void* again = a.raw_allocate(4 * kMiB);
+  void* again = a.raw_allocate(20 * kMiB);
   EXPECT_EQ(a.stats().maps, 4) << "the raw-freed block was kept and is reused";
   a.raw_deallocate(again);
   a.ReleaseKept();
   EXPECT_EQ(a.stats().kept_bytes, 0);
   EXPECT_EQ(a.stats().mapped_bytes, 0);
+}
+
+// A request no kept block of its size serves takes the smallest kept block
+// of at least its size and at most twice it (resident already, so no new
+// memory), never a block more than twice its size; a block freed goes back
+// under its own size.
+TEST(HostAllocatorTest, ARequestTakesTheSmallestKeptBlockThatFitsUpToTwiceItsSize) {
+  LargeBlockCachingAllocator a(256 * kMiB);
+  void* b5 = nullptr;
+  void* b8 = nullptr;
+  {
+    c10::DataPtr p8 = a.allocate(8 * kMiB), p5 = a.allocate(5 * kMiB), p3 = a.allocate(3 * kMiB);
+    b5 = p5.get();
+    b8 = p8.get();
+  }
+  const int64_t mapped = a.stats().mapped_bytes;
+  EXPECT_EQ(a.stats().kept_bytes, mapped);
+  EXPECT_EQ(a.stats().maps, 3);
+  {
+    c10::DataPtr x = a.allocate(4 * kMiB);
+    EXPECT_EQ(x.get(), b5) << "the smallest that fits: 5 MiB, not 8";
+    std::memset(x.get(), 1, 4 * kMiB);
+    c10::DataPtr y = a.allocate(4 * kMiB);
+    EXPECT_EQ(y.get(), b8) << "8 MiB is at most twice 4 MiB";
+    c10::DataPtr z = a.allocate(1 * kMiB);  // 3 MiB is more than twice: a new mapping
+    EXPECT_NE(z.get(), nullptr);
+    const HostAllocatorStats s = a.stats();
+    EXPECT_EQ(s.maps, 4);
+    EXPECT_EQ(s.reuses, 2);
+    EXPECT_EQ(s.reuses_larger, 2);
+    EXPECT_GT(s.kept_bytes, static_cast<int64_t>(3 * kMiB));  // the 3 MiB block only
+    EXPECT_LT(s.kept_bytes, static_cast<int64_t>(4 * kMiB));
+  }
+  {
+    // Freed under their own sizes: an 8 MiB request gets the 8 MiB block back.
+    c10::DataPtr p = a.allocate(8 * kMiB);
+    EXPECT_EQ(p.get(), b8);
+    EXPECT_EQ(a.stats().reuses_larger, 2);
+  }
+  const HostAllocatorStats s = a.stats();
+  EXPECT_EQ(s.kept_bytes, s.mapped_bytes);
+  a.ReleaseKept();
+  EXPECT_EQ(a.stats().mapped_bytes, 0);
+  EXPECT_EQ(a.stats().kept_bytes, 0);
 }
 
 TEST(HostAllocatorTest, WhatItKeepsIsBounded) {
