@@ -88,8 +88,8 @@ c10::DataPtr LargeBlockCachingAllocator::allocate(size_t n) const {
       // memory, where mapping a new block would add the request's size.
       // (Exact sizes only kept 1627 MiB peak for a torchvision resnet101
       // under DDP, whose phases free and ask for different sizes; glibc's
-      // heap, 1247.) Not larger: a small tensor must not hold a block that
-      // its own size class will ask for again.
+      // heap, 1247.) No block beyond twice the size: a small tensor must not
+      // hold a large block that a request of the large size wants back.
       auto it = impl_->kept.lower_bound(map_bytes);
       if (it != impl_->kept.end() && it->first <= 2 * map_bytes) {
         h = it->second;

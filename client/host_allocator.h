@@ -21,8 +21,8 @@
 // only). A training loop asks for the same sizes every step, so after the
 // first steps nothing is mapped, and no small allocation can split a large
 // block. This is PyTorch's CUDA caching allocator idea (best fit without
-// splitting blocks) for host memory; LibTorch ships none for the CPU (c10's mobile CPUCachingAllocator
-// is not in Debian's build), hence ours.
+// splitting blocks) for host memory; LibTorch ships none for the CPU (c10's
+// mobile CPUCachingAllocator is not in Debian's build), hence ours.
 #ifndef SHARDOPT_CLIENT_HOST_ALLOCATOR_H_
 #define SHARDOPT_CLIENT_HOST_ALLOCATOR_H_
 

@@ -679,10 +679,10 @@ int RunParent(const Flags& f, const std::string& self) {
                   state / 1048576, grads / 1048576, Median(sent) / 1048576, Median(fb), Median(cm),
                   Median(op));
     }
+    std::map<std::string, std::vector<double>> round_medians;
     for (const std::string& row : rows) {
-      std::vector<double> medians;
-      for (const auto& v : by_round[row]) medians.push_back(Median(v));
-      all[model][row]["samples_per_s_by_round"] = medians;
+      for (const auto& v : by_round[row]) round_medians[row].push_back(Median(v));
+      all[model][row]["samples_per_s_by_round"] = round_medians[row];
     }
     if (!ref.empty()) {
       // Paired: each round ran the rows back to back, so a row's median over
@@ -693,7 +693,7 @@ int RunParent(const Flags& f, const std::string& self) {
       for (const std::string& row : rows) {
         std::vector<double> ratios;
         for (int i = 0; i < rounds; ++i) {
-          ratios.push_back(Median(by_round[row][i]) / Median(by_round[ref][i]));
+          ratios.push_back(round_medians[row][i] / round_medians[ref][i]);
         }
         const double med = Median(ratios);
         const auto [lo, hi] = std::minmax_element(ratios.begin(), ratios.end());

@@ -237,7 +237,7 @@ def main():
     p.add_argument("--allocator", choices=("glibc", "shardopt"), default="glibc",
                    help="glibc: glibc's heap with the tuned tunables (every row); shardopt: "
                         "also shardopt.install_host_allocator() in every row's processes, DDP's "
-                        "included (large CPU tensors in their own mappings, reused by size)")
+                        "included (large CPU tensors in their own mappings, reused best-fit)")
     p.add_argument("--ref", default=None,
                    help="add paired ratios against this row: each round's samples/s over the "
                         "row's in the same round (rows of a round run back to back), then their "
@@ -297,15 +297,15 @@ def main():
                   f"{s['step_s'] * 1e3:8.0f} {exposed:>8s} {s['state_bytes'] / 2**20:10.1f} "
                   f"{s['grad_bytes'] / 2**20:10.1f} "
                   f"{s['peak_rss_bytes'] / 2**20:13.0f}")
-        def per_round(r):
-            return [sum(x["samples_per_s"] for x in res) / len(res) for res in per_row[r]]
-        for r in rows:
-            summary[r]["samples_per_s_by_round"] = per_round(r)
+        for r in rows:  # per round: the mean over ranks
+            summary[r]["samples_per_s_by_round"] = [
+                sum(x["samples_per_s"] for x in res) / len(res) for res in per_row[r]]
         if a.ref is not None:
             print(f"paired vs {a.ref} (median of per-round ratios [lowest, highest] over "
                   f"{a.rounds} rounds):")
             for r in rows:
-                ratios = [x / y for x, y in zip(per_round(r), per_round(a.ref))]
+                ratios = [x / y for x, y in zip(summary[r]["samples_per_s_by_round"],
+                                                summary[a.ref]["samples_per_s_by_round"])]
                 summary[r]["paired"] = {"ref": a.ref, "median_ratio": statistics.median(ratios),
                                         "ratios": ratios}
                 print(f"  {r:19s} {statistics.median(ratios):.3f}x "

@@ -58,8 +58,8 @@ flags (a malformed or out-of-range value is refused, naming the flag; exit statu
                        fp32 as DDP's bucket; 2097152 with --shard-gradients=on)
   --threads=N          compute threads per rank, 1..256 (default 1)
   --malloc=MODE        tuned | default (default tuned: freed memory stays in the process,
-                       LibTorch tensors of 1 MiB or more in their own mappings, reused by
-                       size; default: glibc and LibTorch as they are; README, "Allocator")
+                       LibTorch tensors of 1 MiB or more in their own mappings, reused
+                       best-fit; default: glibc and LibTorch as they are; README, "Allocator")
   --overlap=on|off     on: Step() returns with the parameter all-gathers in flight and each
                        layer waits for its own before its forward (default on)
   --shard-gradients=on|off
