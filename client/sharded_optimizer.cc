@@ -12,6 +12,7 @@
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
@@ -49,6 +50,51 @@ int64_t NowNs() {
       .count();
 }
 
+// Runs `fn` before autograd accumulates a parameter's gradient.
+class LambdaPreHook : public torch::autograd::FunctionPreHook {
+ public:
+  explicit LambdaPreHook(std::function<void()> fn) : fn_(std::move(fn)) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
+    fn_();
+    return grads;
+  }
+
+ private:
+  std::function<void()> fn_;
+};
+
+bool IsAllZero(const torch::Tensor& t) {
+  if (t.scalar_type() == torch::kFloat && t.is_contiguous() && t.is_cpu()) {
+    const float* d = t.data_ptr<float>();
+    const int64_t n = t.numel();
+    for (int64_t i = 0; i < n; ++i) {
+      if (d[i] != 0.0f) return false;
+    }
+    return true;
+  }
+  return !t.ne(0).any().item<bool>();
+}
+
+// The sum of squares of a gradient in double precision (a float sum loses
+// ~1e-5 relative on millions of elements; torch's clip_grad_norm_ is ~1e-6).
+double SquaredSum(const torch::Tensor& g) {
+  if (g.scalar_type() == torch::kFloat && g.is_contiguous() && g.is_cpu()) {
+    const float* d = g.data_ptr<float>();
+    const int64_t n = g.numel();
+    double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+      for (int k = 0; k < 8; ++k) {
+        const double x = d[i + k];
+        acc[k] += x * x;
+      }
+    }
+    for (; i < n; ++i) acc[0] += static_cast<double>(d[i]) * d[i];
+    return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+  }
+  return g.to(torch::kDouble).pow(2).sum().item<double>();
+}
+
 ElementType ElementTypeOf(torch::ScalarType t) {
   return t == torch::kBFloat16 ? ElementType::kBFloat16 : ElementType::kFloat32;
 }
@@ -59,6 +105,46 @@ std::string ShapeString(const std::vector<int64_t>& shape) {
 
 // One line per fact that must agree across ranks; the first differing line
 // names what differs.
+// One line per parameter group with every hyper-parameter the update uses
+// (%.17g: equal text means equal doubles).
+std::string DescribeGroups(OptimizerKind kind, const std::vector<HyperParameters>& groups) {
+  std::string out;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const HyperParameters& h = groups[g];
+    if (kind == OptimizerKind::kSgd) {
+      absl::StrAppendFormat(&out, "group %d: lr=%.17g momentum=%.17g dampening=%.17g "
+                            "weight_decay=%.17g nesterov=%d\n", g, h.sgd.lr, h.sgd.momentum,
+                            h.sgd.dampening, h.sgd.weight_decay, h.sgd.nesterov ? 1 : 0);
+    } else {
+      absl::StrAppendFormat(&out, "group %d: lr=%.17g betas=(%.17g, %.17g) eps=%.17g "
+                            "weight_decay=%.17g\n", g, h.adam.lr, h.adam.beta1, h.adam.beta2,
+                            h.adam.eps, h.adam.weight_decay);
+    }
+  }
+  return out;
+}
+
+uint64_t Fnv1a(const std::string& s) {
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : s) {
+    h ^= c;
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
+// The first line where two descriptions differ, as "rank 0 has 'X', rank R has 'Y'".
+std::string FirstDifference(const std::string& theirs, const std::string& mine, int rank) {
+  std::vector<std::string> a = absl::StrSplit(theirs, '\n');
+  std::vector<std::string> b = absl::StrSplit(mine, '\n');
+  for (size_t i = 0; i < std::max(a.size(), b.size()); ++i) {
+    const std::string x = i < a.size() ? a[i] : "(nothing)";
+    const std::string y = i < b.size() ? b[i] : "(nothing)";
+    if (x != y) return absl::StrCat("rank 0 has '", x, "', rank ", rank, " has '", y, "'");
+  }
+  return "";
+}
+
 std::string DescribeModel(const Layout& layout, const ShardedOptimizerOptions& o) {
   std::string out = absl::StrCat("options optimizer=", OptimizerKindName(o.kind),
                                  " bucket_cap=", o.plan.bucket_cap_elements,
@@ -68,6 +154,9 @@ std::string DescribeModel(const Layout& layout, const ShardedOptimizerOptions& o
                                  " max_grad_norm=", o.max_grad_norm,
                                  " shard_gradients=", o.shard_gradients, "\n");
   absl::StrAppend(&out, "groups ", std::max<size_t>(1, o.groups.size()), "\n");
+  absl::StrAppend(&out, DescribeGroups(o.kind, o.groups.empty()
+                                                   ? std::vector<HyperParameters>{{o.adam, o.sgd}}
+                                                   : o.groups));
   for (size_t i = 0; i < layout.params().size(); ++i) {
     const ParamSpec& p = layout.params()[i];
     absl::StrAppend(&out, "param ", p.name, "\t", ShapeString(p.shape), " ", DTypeName(p.dtype),
@@ -203,6 +292,8 @@ ShardedOptimizer::~ShardedOptimizer() {
     if (h) (void)h->Wait(options_.timeout);
   }
   for (const Deferred& d : deferred_) (void)d.handle->Wait(options_.timeout);
+  if (hyper_handle_) (void)hyper_handle_->Wait(options_.timeout);
+  if (norm_handle_) (void)norm_handle_->Wait(options_.timeout);
 }
 
 absl::Status ShardedOptimizer::WaitOrAbort(const CommHandlePtr& handle, const char* what,
@@ -217,18 +308,63 @@ absl::Status ShardedOptimizer::WaitOrAbort(const CommHandlePtr& handle, const ch
                                              " failed: ", s.message()));
 }
 
-absl::Status ShardedOptimizer::CheckSameModelOnAllRanks() {
-  const std::string mine = DescribeModel(layout_, options_);
+// Rank 0's `mine` into *theirs on every rank.
+absl::Status ShardedOptimizer::BroadcastText(const std::string& mine, const char* what,
+                                             std::string* theirs) {
   int64_t len = static_cast<int64_t>(mine.size());
   // Host buffers: the communicator stages them where it moves device memory (NCCL).
   SHARDOPT_RETURN_IF_ERROR(
-      WaitOrAbort(comm_->Broadcast(&len, sizeof(len), ElementType::kByte, 0), "model check", -1));
+      WaitOrAbort(comm_->Broadcast(&len, sizeof(len), ElementType::kByte, 0), what, -1));
   if (len < 0 || len > (int64_t{1} << 30)) {
-    return absl::DataLossError("model check: rank 0 sent a corrupt description length");
+    return absl::DataLossError(absl::StrCat(what, ": rank 0 sent a corrupt description length"));
   }
-  std::string theirs = rank_ == 0 ? mine : std::string(static_cast<size_t>(len), '\0');
-  SHARDOPT_RETURN_IF_ERROR(WaitOrAbort(
-      comm_->Broadcast(theirs.data(), len, ElementType::kByte, 0), "model check", -1));
+  *theirs = rank_ == 0 ? mine : std::string(static_cast<size_t>(len), '\0');
+  return WaitOrAbort(comm_->Broadcast(theirs->data(), len, ElementType::kByte, 0), what, -1);
+}
+
+// Every step: the ranks agree on a hash of every group's hyper-parameters
+// (schedulers and param_groups edits happen on each rank on its own; a rank
+// with other values would update its shard with them and nothing would
+// show). Launched before the step's updates, waited for at its end, so it
+// costs one small all-reduce that hides behind the reductions.
+absl::Status ShardedOptimizer::LaunchHyperAgreement() {
+  std::vector<HyperParameters> groups;
+  for (int g = 0; g < owner_->num_groups(); ++g) groups.push_back(owner_->group(g));
+  hyper_text_ = DescribeGroups(options_.kind, groups);
+  const uint64_t h = Fnv1a(hyper_text_);
+  for (int i = 0; i < 3; ++i) {
+    hyper_hash_[i] = static_cast<float>((h >> (21 * i)) & 0x1FFFFF);  // exact in a float
+    hyper_hash_[i + 3] = -hyper_hash_[i];
+  }
+  hyper_handle_ = comm_->AllReduce(hyper_hash_, 6, ElementType::kFloat32, ReduceOp::kMax);
+  return absl::OkStatus();
+}
+
+absl::Status ShardedOptimizer::FinishHyperAgreement(int64_t step) {
+  if (hyper_handle_ == nullptr) return absl::OkStatus();
+  CommHandlePtr handle = std::move(hyper_handle_);
+  hyper_handle_ = nullptr;
+  SHARDOPT_RETURN_IF_ERROR(WaitOrAbort(handle, "hyper-parameter agreement", -1));
+  bool same = true;
+  for (int i = 0; i < 3; ++i) same = same && hyper_hash_[i] == -hyper_hash_[i + 3];
+  if (same) return absl::OkStatus();
+  // Every rank saw the difference: rank 0's values go to all, each names its own.
+  std::string theirs;
+  SHARDOPT_RETURN_IF_ERROR(BroadcastText(hyper_text_, "hyper-parameter agreement", &theirs));
+  std::string detail = FirstDifference(theirs, hyper_text_, rank_);
+  if (detail.empty()) {
+    detail = "another rank's differ from rank 0's (its error names the group and both values)";
+  }
+  return absl::FailedPreconditionError(absl::StrCat(
+      "ranks disagree on hyper-parameters at step ", step, ": ", detail,
+      ". Every rank must build the optimizer with the same values and change them (schedulers, "
+      "param_groups edits) the same way at the same step"));
+}
+
+absl::Status ShardedOptimizer::CheckSameModelOnAllRanks() {
+  const std::string mine = DescribeModel(layout_, options_);
+  std::string theirs;
+  SHARDOPT_RETURN_IF_ERROR(BroadcastText(mine, "model check", &theirs));
   std::string detail;
   if (theirs != mine) {
     std::vector<std::string> a = absl::StrSplit(theirs, '\n');
@@ -395,6 +531,12 @@ absl::Status ShardedOptimizer::InstallHooks(
           }
           return outputs;
         }));
+    if (!options_.shard_gradients) {
+      acc->add_pre_hook(std::make_unique<LambdaPreHook>([state, index] {
+        absl::MutexLock lock(&state->mu);
+        if (state->owner != nullptr) state->owner->BeforeGradLocked(index);
+      }));
+    }
     grad_accumulators_.push_back(std::move(acc));
   }
   return absl::OkStatus();
@@ -410,6 +552,31 @@ std::vector<TraceEvent> ShardedOptimizer::TakeTrace() {
   std::vector<TraceEvent> out;
   out.swap(trace_);
   return out;
+}
+
+// The first gradient after a step that zero_grad() through the optimizer
+// did not follow. model.zero_grad() (zeroes in place or sets None), or
+// `p.grad = None` for every parameter, is a zero_grad() too: if every
+// gradient is None or zero, this backward starts from zero as after
+// ZeroGrad() (views left stale by None are zeroed). Otherwise gradients
+// would be accumulated on top of the last step's, and Step() says so.
+void ShardedOptimizer::BeforeGradLocked(int /*param*/) {
+  if (!needs_zero_grad_ || options_.shard_gradients) return;
+  std::vector<size_t> stale;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!grad_views_[i].defined()) continue;
+    const torch::Tensor& g = params_[i].grad();
+    if (!g.defined()) {
+      stale.push_back(i);
+    } else if (!IsAllZero(g)) {
+      return;
+    } else if (!g.is_same(grad_views_[i])) {
+      stale.push_back(i);  // replaced by a zero tensor: as None
+    }
+  }
+  at::NoGradGuard no_grad;
+  for (size_t i : stale) grad_views_[i].zero_();
+  ResetBackwardStateLocked(/*needs_zero_grad=*/false);
 }
 
 void ShardedOptimizer::OnGradReady(int param) {
@@ -432,6 +599,7 @@ void ShardedOptimizer::OnGradReady(int param) {
   }
   Trace(TraceEvent::kGradReady, b, param);
   ++grads_seen_;
+  grad_version_ = grad_flat_._version();  // Step() checks nothing wrote to them since
   if (needs_zero_grad_) {
     grad_after_step_ = true;
     return;
@@ -601,6 +769,7 @@ void ShardedOptimizer::ResetBackwardStateLocked(bool needs_zero_grad) {
   std::fill(rs_handles_.begin(), rs_handles_.end(), nullptr);
   next_launch_ = 0;
   grads_seen_ = 0;
+  grad_version_ = -1;
   needs_zero_grad_ = needs_zero_grad;
   if (!needs_zero_grad) {
     grad_after_step_ = false;
@@ -617,14 +786,22 @@ absl::Status ShardedOptimizer::BeginStep() {
   SHARDOPT_RETURN_IF_ERROR(TakeHookErrorLocked());
   if (grad_after_step_) {
     return absl::FailedPreconditionError(
-        "gradients were accumulated on top of the previous step's reduced gradients: call "
-        "ZeroGrad() after Step() and before the next backward");
+        "gradients were accumulated on top of the previous step's reduced gradients: zero "
+        "them after step() and before the next backward (optimizer.zero_grad(), "
+        "model.zero_grad() or p.grad = None; ZeroGrad() in C++)");
+  }
+  if (grad_version_ >= 0 && grad_flat_.defined() && grad_flat_._version() != grad_version_) {
+    return absl::FailedPreconditionError(
+        "the gradients were changed between backward and step() (torch.nn.utils."
+        "clip_grad_norm_, GradScaler.unscale_, a DistributedDataParallel wrapper, or other code "
+        "writing to .grad): shardopt reduces each gradient during backward, so the change is "
+        "lost or applied twice; clip with max_grad_norm= and do not wrap the model in DDP");
   }
   if (accumulated_while_syncing_) {
     return absl::FailedPreconditionError(
         "several backward passes ran with gradient sync on, so buckets were reduced before "
-        "all gradients were accumulated: call SetGradientSync(false) before all but the last "
-        "backward");
+        "all gradients were accumulated: run all micro-batches but the last inside "
+        "`with optimizer.no_sync():` (SetGradientSync(false) in C++)");
   }
   if (grads_seen_ == 0) {
     return absl::FailedPreconditionError(
@@ -667,10 +844,7 @@ absl::Status ShardedOptimizer::FinishReduce(int b, double* local_sq) {
   }
   torch::Tensor g = owner_->owned_grad(b);
   if (comm_scratch_.defined()) g.copy_(owner_->OwnedRange(comm_scratch_, b));
-  if (device_.is_cpu()) {
-    const double norm = g.norm().item<double>();
-    *local_sq += norm * norm;
-  }
+  if (device_.is_cpu()) *local_sq += SquaredSum(g);
   return absl::OkStatus();
 }
 
@@ -697,16 +871,21 @@ absl::Status ShardedOptimizer::LaunchGlobalNorm(double local_sq) {
   if (!device_.is_cpu()) {
     SHARDOPT_ASSIGN_OR_RETURN(local_sq, owner_->SquaredGradNorm());
   }
-  // A member: a collective that timed out may still write into it.
-  norm_sq_ = static_cast<float>(local_sq);
-  norm_handle_ = comm_->AllReduce(&norm_sq_, 1, ElementType::kFloat32, ReduceOp::kSum);
+  // Each rank's double, gathered and summed in rank order on every rank (the
+  // same bits everywhere; a float sum lost ~1e-7 relative per rank). A
+  // member: a collective that timed out may still write into it.
+  norm_parts_.assign(world_, 0.0);
+  norm_parts_[rank_] = local_sq;
+  norm_handle_ = comm_->AllGather(norm_parts_.data(), sizeof(double), ElementType::kByte);
   return absl::OkStatus();
 }
 
 absl::StatusOr<double> ShardedOptimizer::FinishGlobalNorm() {
   SHARDOPT_RETURN_IF_ERROR(WaitOrAbort(norm_handle_, "gradient norm", -1));
   norm_handle_ = nullptr;
-  return static_cast<double>(std::sqrt(norm_sq_));  // float, as torch's total norm
+  double sum = 0.0;
+  for (double part : norm_parts_) sum += part;
+  return std::sqrt(sum);
 }
 
 absl::StatusOr<double> ShardedOptimizer::GlobalNorm(double local_sq) {
@@ -958,6 +1137,7 @@ absl::StatusOr<StepResult> ShardedOptimizer::Step() {
   const int nb = static_cast<int>(layout_.buckets().size());
   StepResult result;
   result.step = step_ + 1;
+  SHARDOPT_RETURN_IF_ERROR(LaunchHyperAgreement());
   // Gathers waited for since the last step (forward pre-hooks), and backward
   // waiting for a staging buffer (shard_gradients), are exposed
   // communication of this step.
@@ -1002,6 +1182,7 @@ absl::StatusOr<StepResult> ShardedOptimizer::Step() {
   result.comm_wait_seconds = wait_ns_ * 1e-9;
   result.update_seconds = update_ns * 1e-9;
   if (!result.grad_norm_pending) last_norm_ = {result.step, result.grad_norm, result.clipped};
+  SHARDOPT_RETURN_IF_ERROR(FinishHyperAgreement(result.step));
   if (!order_agreed_) SHARDOPT_RETURN_IF_ERROR(AgreeLaunchOrder());
   EndStep(result.step);
   if (in_agreed_order) {

@@ -271,6 +271,10 @@ class ShardedOptimizer {
   absl::Status CreateShardOwner();
   absl::Status InstallHooks(const std::vector<std::pair<std::string, torch::Tensor>>& params);
   void OnGradReady(int param);
+  void BeforeGradLocked(int param);
+  absl::Status LaunchHyperAgreement();
+  absl::Status FinishHyperAgreement(int64_t step);
+  absl::Status BroadcastText(const std::string& mine, const char* what, std::string* theirs);
   void BucketCompleteLocked(int bucket);
   void LaunchReadyBucketsLocked();
   absl::Status AgreeLaunchOrder();
@@ -369,7 +373,11 @@ class ShardedOptimizer {
   std::vector<CommHandlePtr> ag_handles_;  // training thread only
   std::unordered_map<const void*, int> bucket_of_;  // parameter (TensorImpl) -> bucket
   CommHandlePtr norm_handle_;
-  float norm_sq_ = 0.0f;
+  std::vector<double> norm_parts_;  // per rank: squared norm of its owned gradients
+  int64_t grad_version_ = -1;  // grad_flat_'s version after the last gradient arrived
+  float hyper_hash_[6] = {0, 0, 0, 0, 0, 0};  // hash of the groups, then its negation
+  std::string hyper_text_;                    // what was hashed
+  CommHandlePtr hyper_handle_;
   int64_t gather_wait_ns_ = 0;  // gathers waited for outside Step()
   int next_launch_ = 0;            // position in launch_order_
   // The order buckets are reduced in, the same on every rank: bucket order in

@@ -391,6 +391,27 @@ class PyOptimizer {
     py::gil_scoped_release release;
     opt_->ZeroGrad();
   }
+  // Collective: rank `root`'s bytes of `t` (contiguous, on the CPU or the
+  // optimizer's device) into `t` on every rank, over the optimizer's
+  // communicator (module buffers, as DistributedDataParallel broadcasts them).
+  void Broadcast(torch::Tensor t, int root) {
+    Communicator* comm = opt_->communicator();
+    if (root < 0 || root >= comm->world_size()) throw py::value_error("root is outside the world");
+    if (!t.is_contiguous()) throw py::value_error("broadcast needs a contiguous tensor");
+    if (comm->world_size() == 1 || t.numel() == 0) return;
+    absl::Status s;
+    {
+      py::gil_scoped_release release;
+      CommHandlePtr h = comm->Broadcast(t.data_ptr(), static_cast<int64_t>(t.nbytes()),
+                                        ElementType::kByte, root);
+      s = h->Wait(opt_->options().timeout);
+      if (!s.ok()) comm->Abort(s);
+    }
+    if (!s.ok()) {
+      Raise(absl::Status(s.code(), absl::StrCat("rank ", comm->rank(),
+                                                ": buffer broadcast failed: ", s.message())));
+    }
+  }
   void SetGradSync(bool on) { opt_->SetGradientSync(on); }
   int NumGroups() const { return opt_->num_groups(); }
   py::dict Group(int g) const {
@@ -577,6 +598,7 @@ PYBIND11_MODULE(_C, m) {
       .def("fail", &PyOptimizer::Fail)
       .def_property_readonly("abort_reason", &PyOptimizer::abort_reason)
       .def("zero_grad", &PyOptimizer::ZeroGrad)
+      .def("broadcast", &PyOptimizer::Broadcast, py::arg("tensor"), py::arg("root") = 0)
       .def("set_grad_sync", &PyOptimizer::SetGradSync)
       .def("num_groups", &PyOptimizer::NumGroups)
       .def("group", &PyOptimizer::Group)

@@ -21,8 +21,8 @@ check() {  # check NAME CONDITION...
 }
 rank_pid() {  # rank_pid JOBTAG RANK: the pid of that rank of the job started with --job-id=JOBTAG
   for p in $(pgrep -f "shardopt_train"); do
-    if tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -qx "SHARDOPT_JOB_ID=$1" &&
-       tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -qx "RANK=$2"; then echo "$p"; fi
+    if tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -x "SHARDOPT_JOB_ID=$1" >/dev/null &&
+       tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -x "RANK=$2" >/dev/null; then echo "$p"; fi
   done
 }
 wait_addr() {  # wait_addr FILE: until shardrun has written its address

@@ -41,7 +41,7 @@ wait_for "torch.distributed all_reduce" "$tmp/job.log" 60 || fail "job did not s
 victim=""
 for _ in $(seq 1 100); do
   victim=$(pgrep -f "shardrun_job.py" | while read -r p; do
-    tr '\0' '\n' </proc/$p/environ 2>/dev/null | grep -qx "RANK=1" && echo "$p"; done | head -1)
+    tr '\0' '\n' </proc/$p/environ 2>/dev/null | grep -x "RANK=1" >/dev/null && echo "$p"; done | sed -n 1p)
   [[ -n $victim ]] && break; sleep 0.1
 done
 [[ -n $victim ]] || fail "rank 1's process not found"

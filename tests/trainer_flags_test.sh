@@ -152,7 +152,7 @@ nonfinite() {  # nonfinite NPROC
   check "non-finite, $n rank(s): shardrun gives the reason" \
     grep -qE 'shardrun: job failed: rank [0-9]+: non-finite .* at step [0-9]+' "$log"
   check "non-finite, $n rank(s): never reports done" bash -c "! grep -q 'done:' '$log'"
-  step=$(grep -oE 'non-finite [a-z ]+ \([^)]*\) at step [0-9]+' "$log" | head -n 1 | grep -oE '[0-9]+$')
+  step=$(grep -oE 'non-finite [a-z ]+ \([^)]*\) at step [0-9]+' "$log" | sed -n 1p | grep -oE '[0-9]+$')
   if [[ -n "$step" ]]; then
     local poisoned=0
     for d in "$tmp/nf$n"/step-*; do

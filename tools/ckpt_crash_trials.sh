@@ -23,8 +23,8 @@ for t in $(seq 1 "$trials"); do
     0) target=$run; what="shardrun+coordinator" ;;
     *) r=$(( RANDOM % 2 )); what="rank $r"
        target=$(for p in $(pgrep -f shardopt_train); do
-         tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -qx "SHARDOPT_JOB_ID=crash$t" &&
-         tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -qx "RANK=$r" && echo "$p"; done) ;;
+         tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -x "SHARDOPT_JOB_ID=crash$t" >/dev/null &&
+         tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -x "RANK=$r" >/dev/null && echo "$p"; done) ;;
   esac
   kill -9 $target 2>/dev/null
   wait $run 2>/dev/null

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Installs exactly the Debian packages shardopt's build and tests need.
-# Skips what is already installed (checked with dpkg -s); fails loudly, naming the
-# package, when an install fails. Safe to run repeatedly.
+# Skips what is already installed (checked with dpkg-query, one call, no pipe:
+# `dpkg -s P | grep -q` under pipefail fails at random when grep exits first
+# and dpkg dies of SIGPIPE); fails loudly, naming the package, when an install
+# fails. Safe to run repeatedly.
 set -euo pipefail
 
 PACKAGES=(
@@ -39,9 +41,17 @@ case "${1:-}" in
   *) echo "setup: unknown argument '$1' (see --help)" >&2; exit 2 ;;
 esac
 
+# "ii " when installed (db:Status-Abbrev); anything else (or an unknown
+# package, where dpkg-query fails) is missing.
+installed() {
+  local status
+  status=$(dpkg-query -W -f='${db:Status-Abbrev}' "$1" 2>/dev/null) || return 1
+  [[ $status == "ii "* ]]
+}
+
 missing=()
 for p in "${PACKAGES[@]}"; do
-  if ! dpkg -s "$p" 2>/dev/null | grep -q '^Status: install ok installed'; then
+  if ! installed "$p"; then
     missing+=("$p")
   fi
 done
@@ -69,7 +79,7 @@ if ! $SUDO apt-get install -y -q --no-install-recommends "${missing[@]}"; then
   done
 fi
 for p in "${missing[@]}"; do
-  if ! dpkg -s "$p" 2>/dev/null | grep -q '^Status: install ok installed'; then
+  if ! installed "$p"; then
     echo "setup: FAILED: package '$p' is not installed after apt-get" >&2
     exit 1
   fi

@@ -45,8 +45,8 @@ at_step $(( steps / 4 )); rss_start=$(rss); rss_start_step=$s
 at_step $(( steps / 2 )); rss_mid=$(rss)
 killed_at=$s
 victim=$(for p in $(pgrep -f shardopt_train); do
-  tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -qx "RANK=1" &&
-  tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -qx "SHARDOPT_COORDINATOR=$addr" && echo $p; done)
+  tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -x "RANK=1" >/dev/null &&
+  tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -x "SHARDOPT_COORDINATOR=$addr" >/dev/null && echo $p; done)
 kill -9 $victim
 wait $run
 killed_at=$(grep -o 'step [0-9]*/' "$tmp/soak.log" | tail -n 1 | tr -dc '0-9')
@@ -55,7 +55,7 @@ saved=${latest#step-}
 echo "   killed rank 1 after step $killed_at; last committed checkpoint: $latest"
 echo "3. resume from it"
 train resumed --ckpt-dir="$tmp/soak" --ckpt-every="$every" --resume="$tmp/soak" || { echo "resume failed"; exit 1; }
-grep -o 'resumed from .*' "$tmp/resumed.log" | head -1 | sed 's/^/   /'
+grep -o 'resumed from .*' "$tmp/resumed.log" | sed -n 1p | sed 's/^/   /'
 $B/shardctl consolidate "$tmp/ref" "$tmp/ref.safetensors" >/dev/null 2>&1
 $B/shardctl consolidate "$tmp/soak" "$tmp/soak.safetensors" >/dev/null 2>&1
 if cmp -s "$tmp/ref.safetensors" "$tmp/soak.safetensors"; then same="bitwise identical"; else same="DIFFERENT"; fi

@@ -65,11 +65,13 @@ absl::StatusOr<std::vector<std::string>> GatherStrings(Communicator* comm, const
 
 // Every rank learns whether all succeeded.
 absl::Status AgreeOnSuccess(Communicator* comm, const absl::Status& mine, const char* what,
-                            absl::Duration timeout) {
+                            absl::Duration timeout, bool* agreed_failure = nullptr) {
   auto failed = std::make_shared<float>(mine.ok() ? 0.0f : 1.0f);
   absl::Status s =
       WaitSafely(comm, comm->AllReduce(failed.get(), 1, ElementType::kFloat32, ReduceOp::kMax), timeout, failed);
   if (!s.ok()) return s;
+  // The agreement itself worked: every rank knows the step failed.
+  if (*failed > 0 && agreed_failure != nullptr) *agreed_failure = true;
   if (!mine.ok()) return mine;
   if (*failed > 0) {
     return absl::AbortedError(absl::StrCat(what, " failed on another rank (see its error)"));
@@ -291,6 +293,17 @@ absl::StatusOr<std::string> SaveCheckpoint(ShardedOptimizer& opt, const std::str
   const int rank = comm->rank();
   const int64_t step = opt.step_count();
   const std::string dir = absl::StrCat(root, "/step-", step);
+  // A save that fails removes what it wrote, so failed saves (a full disk)
+  // leave no empty step-N/ behind; a directory that was there before is left.
+  const bool existed = fs->Kind(dir) != EntryKind::kMissing;
+  auto discard = [&](absl::Status s) {
+    if (!existed) {
+      if (rank == 0) (void)fs->Remove(dir + "/manifest.json");  // first: never looks complete
+      (void)fs->Remove(absl::StrCat(dir, "/", ShardName(rank, comm->world_size())));
+      (void)fs->RemoveDir(dir);  // succeeds for the last rank to get here
+    }
+    return s;
+  };
 
   // 1. Every rank writes its shard.
   auto written = WriteShard(opt, fs, dir, step);
@@ -298,10 +311,17 @@ absl::StatusOr<std::string> SaveCheckpoint(ShardedOptimizer& opt, const std::str
   if (!wrote.ok()) {
     wrote = absl::Status(wrote.code(), absl::StrCat("rank ", rank, ": writing its shard failed: ", wrote.message()));
   }
-  SHARDOPT_RETURN_IF_ERROR(AgreeOnSuccess(comm, wrote, "writing a shard", timeout));
+  // Removed only when every rank learned of the failure: after a collective
+  // that failed, rank 0 might still commit with this rank's shard.
+  bool agreed_failure = false;
+  if (absl::Status s = AgreeOnSuccess(comm, wrote, "writing a shard", timeout, &agreed_failure); !s.ok()) {
+    return agreed_failure ? discard(s) : s;
+  }
 
   // 2. Rank 0 writes the manifest once every shard is durable, then LATEST.
-  SHARDOPT_ASSIGN_OR_RETURN(auto fragments, GatherStrings(comm, ToJson(*written).dump(), timeout));
+  auto gathered = GatherStrings(comm, ToJson(*written).dump(), timeout);
+  if (!gathered.ok()) return gathered.status();
+  const std::vector<std::string>& fragments = *gathered;
   absl::Status committed;
   if (rank == 0) {
     auto m = BuildManifest(opt, step, fragments, options);
@@ -309,7 +329,9 @@ absl::StatusOr<std::string> SaveCheckpoint(ShardedOptimizer& opt, const std::str
     if (committed.ok()) committed = WriteFileAtomically(fs, dir + "/manifest.json", SerializeManifest(*m));
     if (committed.ok()) committed = WriteFileAtomically(fs, root + "/LATEST", absl::StrCat("step-", step, "\n"));
   }
-  absl::Status agreed = AgreeOnSuccess(comm, committed, "committing the checkpoint", timeout);
+  absl::Status agreed = AgreeOnSuccess(comm, committed, "committing the checkpoint", timeout, &agreed_failure);
+  // Rank 0 said it could not commit: nothing names this directory.
+  if (agreed_failure) return discard(agreed);
   if (!agreed.ok() && committed.ok()) {
     // The agreement itself failed (a peer died or timed out after rank 0
     // committed). If LATEST names this checkpoint, it is complete: say so

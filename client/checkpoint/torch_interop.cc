@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "client/checkpoint/checkpoint.h"
 #include "client/comm/in_process_communicator.h"
 #include "client/sharded_optimizer.h"
@@ -327,7 +328,8 @@ absl::StatusOr<TorchCheckpoint> ReadTorchCheckpointUnguarded(const std::string& 
   SHARDOPT_RETURN_IF_ERROR(ReadState(sd, indices, kind, optimizer_file, &out));
   for (const auto& [name, states] : out.state) {
     for (const auto& [s, t] : states) {
-      if (t.numel() != out.params[name].numel()) {
+      if (t.numel() != out.params[name].numel() ||
+          (t.dim() > 1 && t.sizes() != out.params[name].sizes())) {
         return Bad(optimizer_file, absl::StrCat("'", s, "' of '", name, "' has ", t.numel(), " elements, the parameter ",
                                                 out.params[name].numel()));
       }
@@ -362,6 +364,14 @@ absl::Status FillFromTorch(ShardedOptimizer& opt, const TorchCheckpoint& t, cons
     if (it->second.numel() != layout.placement(p.param).numel) {
       return Bad(file, absl::StrCat("parameter '", spec.name, "' has ", it->second.numel(), " elements, this model ",
                                     layout.placement(p.param).numel));
+    }
+    // Same element count is not enough: an [8,16] tensor would load into a
+    // [16,8] parameter without a word (the sharded and safetensors paths
+    // compare shapes too).
+    if (it->second.sizes().vec() != spec.shape) {
+      return Bad(file, absl::StrCat("parameter '", spec.name, "' has shape [",
+                                    absl::StrJoin(it->second.sizes(), ","), "], this model [",
+                                    absl::StrJoin(spec.shape, ","), "]"));
     }
     ShardedOptimizer::OwnedSlice slice = opt.owned_slice(p.bucket);
     std::memcpy(slice.master + p.rank_offset, it->second.data_ptr<float>() + p.param_offset, p.length * 4);

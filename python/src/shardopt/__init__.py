@@ -32,7 +32,106 @@ __all__ = ["init", "Context", "ShardedOptimizer", "StepStats", "install_host_all
            "host_allocator_stats"]
 
 _KINDS = ("adam", "adamw", "sgd")
+_FLT_MAX = 3.4028234663852886e38
+
+
+def _kind_of(optimizer) -> str:
+    """'adam', 'adamw' or 'sgd' from a name or a torch.optim class."""
+    if isinstance(optimizer, str):
+        if optimizer not in _KINDS:
+            raise ValueError(f"unknown optimizer {optimizer!r}: expected one of {', '.join(_KINDS)}"
+                             " or torch.optim.Adam / AdamW / SGD")
+        return optimizer
+    if isinstance(optimizer, type):
+        for cls, kind in ((torch.optim.AdamW, "adamw"), (torch.optim.Adam, "adam"),
+                          (torch.optim.SGD, "sgd")):
+            if optimizer is cls:
+                return kind
+        raise NotImplementedError(
+            f"shardopt has fused updates for torch.optim.Adam, AdamW and SGD only; "
+            f"{optimizer.__module__}.{optimizer.__name__} is not supported yet (see "
+            "docs/migration.md, 'What is not supported'): use ZeroRedundancyOptimizer for it")
+    raise TypeError(f"optimizer must be a name ({', '.join(_KINDS)}) or a torch.optim class, "
+                    f"not {type(optimizer).__name__}")
+
+
+# torch.optim options shardopt's kernels do not have: accepted at their
+# defaults (scripts pass them explicitly), refused otherwise.
+_TORCH_DEFAULTS = {"amsgrad": False, "maximize": False, "foreach": None, "capturable": False,
+                   "differentiable": False, "fused": None, "process_group": None, "group": None,
+                   "parameters_as_bucket_view": None, "overlap_with_ddp": False,
+                   "broadcast_buffer_size": None, "broadcast_fp16": False, "force_broadcast_object": False}
+
+
+def _check_torch_kwargs(kwargs: Dict[str, Any], kind: str) -> None:
+    for key, value in kwargs.items():
+        if key not in _TORCH_DEFAULTS:
+            raise TypeError(f"ShardedOptimizer got an unexpected keyword argument {key!r}")
+        if key in ("process_group", "group") and value is not None:
+            import torch.distributed as dist
+            if not (dist.is_initialized() and value is dist.group.WORLD):
+                raise ValueError(f"{key}=: shardopt shards over every rank of the job; only the "
+                                 "default group (None or dist.group.WORLD) is supported")
+            continue
+        if key in ("parameters_as_bucket_view", "broadcast_buffer_size", "fused", "foreach"):
+            continue  # layout and kernel choices: shardopt's own
+        if value != _TORCH_DEFAULTS[key]:
+            raise ValueError(f"{key}={value!r} is not supported by shardopt's {kind} "
+                             f"(only {key}={_TORCH_DEFAULTS[key]!r})")
+
+
+def _is_ddp(module) -> bool:
+    from torch.nn.parallel import DistributedDataParallel
+    return isinstance(module, DistributedDataParallel)
 _META_GROUPS = "shardopt.param_groups"
+_META_BUFFERS = "shardopt.buffers"
+
+
+def _encode_buffers(module: torch.nn.Module) -> str:
+    """Module buffers as JSON: name, dtype, shape, base64 of the raw bytes
+    (no pickle: loading a checkpoint never runs code)."""
+    import base64
+    out = []
+    for name, b in module.named_buffers():
+        if b is None:
+            continue
+        t = b.detach().cpu().contiguous()
+        raw = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        out.append({"name": name, "dtype": str(t.dtype).replace("torch.", ""),
+                    "shape": list(t.shape), "data": base64.b64encode(raw).decode("ascii")})
+    return json.dumps(out)
+
+
+def _decode_buffers(module: torch.nn.Module, text: str, where: str) -> None:
+    import base64
+    try:
+        saved = json.loads(text)
+        assert isinstance(saved, list)
+    except (ValueError, AssertionError):
+        raise ValueError(f"{where}: the saved module buffers are corrupt") from None
+    own = dict(module.named_buffers())
+    for entry in saved:
+        name = entry.get("name") if isinstance(entry, dict) else None
+        if name not in own:
+            raise ValueError(f"{where}: holds buffer {name!r}, which this module does not have")
+        b = own[name]
+        dtype = getattr(torch, str(entry.get("dtype")), None)
+        shape = entry.get("shape")
+        if dtype != b.dtype or not isinstance(shape, list) or list(b.shape) != shape:
+            raise ValueError(f"{where}: buffer {name!r} is {entry.get('dtype')} {shape}, this "
+                             f"module's {str(b.dtype).replace('torch.', '')} {list(b.shape)}")
+        raw = base64.b64decode(entry.get("data", ""), validate=True)
+        if len(raw) != b.numel() * b.element_size():
+            raise ValueError(f"{where}: buffer {name!r} holds {len(raw)} bytes, expected "
+                             f"{b.numel() * b.element_size()}")
+        if b.numel():
+            with torch.no_grad():
+                b.copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype)
+                        .view(b.shape))
+    missing = [n for n in own if n not in {e.get("name") for e in saved}]
+    if missing:
+        print(f"shardopt: {where} has no saved value for buffer {missing[0]!r} "
+              f"({len(missing)} missing): kept as is", file=sys.stderr)
 
 
 @dataclass
@@ -42,7 +141,7 @@ class Context:
     rank: int
     world_size: int
     local_rank: int
-    launcher: str  # "shardrun", "torchrun" or "single"
+    launcher: str  # "shardrun", "torchrun", "torch.distributed" (a process group the script made) or "single"
     control_plane: bool
     job_id: str = ""
     # How ranks exchange gradients and parameters: "auto" (shared memory when
@@ -97,6 +196,17 @@ def _token() -> str:
     if not token:
         raise ValueError(f"token file '{path}' is empty")
     return token
+
+
+def _torch_world() -> int:
+    """The world size of torch.distributed's default process group (0: none)."""
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return 0
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0
+    return dist.get_world_size()
 
 
 def _default_store():
@@ -154,7 +264,10 @@ def init(timeout: float = 300.0, transport: Optional[str] = None) -> Context:
     """
     global _context
     if _context is not None:
-        return _context
+        if not (_context.world_size == 1 and _torch_world() > 1):
+            return _context
+        # init() ran before the script's init_process_group: join its job now.
+        _context = None
     if not (timeout > 0):
         raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
     if transport is None:
@@ -165,12 +278,30 @@ def init(timeout: float = 300.0, transport: Optional[str] = None) -> Context:
         raise ValueError(f"transport {transport!r} is not one of {', '.join(_TRANSPORTS)}")
     world = _env_int("WORLD_SIZE", 1)
     rank = _env_int("RANK", 0)
+    # A default process group the script initialised (mp.spawn with
+    # init_process_group(init_method=..., rank=r, world_size=w), no
+    # RANK/WORLD_SIZE variables) is the job: adopted, never overridden by
+    # one rank's defaults; a contradiction with the environment is refused.
+    adopted = False
+    if _torch_world() > 0:
+        import torch.distributed as dist
+        pg_rank, pg_world = dist.get_rank(), dist.get_world_size()
+        for var, env_v, pg_v in (("WORLD_SIZE", "WORLD_SIZE" in os.environ and world, pg_world),
+                                 ("RANK", "RANK" in os.environ and rank, pg_rank)):
+            if env_v is not False and env_v != pg_v:
+                raise ValueError(f"torch.distributed's default process group is rank {pg_rank} of "
+                                 f"{pg_world}, but the environment says {var}={env_v}: launch "
+                                 "and init_process_group must agree")
+        adopted = "WORLD_SIZE" not in os.environ and pg_world > 1
+        world, rank = pg_world, pg_rank
     local_rank = _env_int("LOCAL_RANK", rank)
     if world < 1 or not 0 <= rank < world:
         raise ValueError(f"RANK={rank} is outside WORLD_SIZE={world}")
     launcher = "single"
     if world > 1 or "MASTER_PORT" in os.environ:
         launcher = "shardrun" if os.environ.get("SHARDOPT_COORDINATOR") else "torchrun"
+        if adopted:
+            launcher = "torch.distributed"
     if launcher == "shardrun":
         job_id = os.environ.get("SHARDOPT_JOB_ID", "job")
         _context = Context(rank, world, local_rank, launcher, True, job_id, transport)
@@ -189,7 +320,7 @@ def init(timeout: float = 300.0, transport: Optional[str] = None) -> Context:
             raise ValueError(f"torch.distributed is rank {dist.get_rank()} of "
                              f"{dist.get_world_size()}, the environment says {rank} of {world}")
     control_plane = False
-    if launcher == "torchrun" and rank == 0:
+    if launcher in ("torchrun", "torch.distributed") and rank == 0:
         print("shardopt: no shardopt coordinator in this job (not launched by shardrun): "
               "the control plane (shardctl, heartbeats, set-lr) is off", file=sys.stderr)
     _context = Context(rank, world, local_rank, launcher, control_plane, transport=transport)
@@ -213,7 +344,7 @@ def _is_named_pair(x) -> bool:
             and isinstance(x[1], torch.Tensor))
 
 
-def _split_group(params, g: int) -> Tuple[List[str], List[torch.Tensor]]:
+def _split_group(params, g: int, module_names=None) -> Tuple[List[str], List[torch.Tensor]]:
     names, tensors = [], []
     if isinstance(params, torch.Tensor):
         raise TypeError("params must be an iterable of (name, tensor) pairs or of tensors, "
@@ -223,7 +354,7 @@ def _split_group(params, g: int) -> Tuple[List[str], List[torch.Tensor]]:
             names.append(x[0])
             tensors.append(x[1])
         elif isinstance(x, torch.Tensor):
-            names.append(f"group{g}.param{i}")
+            names.append((module_names or {}).get(id(x), f"group{g}.param{i}"))
             tensors.append(x)
         else:
             raise TypeError(f"parameter {i} of group {g} is a {type(x).__name__}: expected a "
@@ -267,7 +398,7 @@ class ShardedOptimizer(Optimizer):
     in a full-size buffer that lives only until the next step.
     """
 
-    def __init__(self, params, optimizer: str = "adamw", lr: float = 1e-3,
+    def __init__(self, params, optimizer="adamw", lr: float = 1e-3,
                  betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: Optional[float] = None, momentum: float = 0.0,
                  dampening: float = 0.0, nesterov: bool = False, max_grad_norm: float = 0.0,
@@ -277,15 +408,38 @@ class ShardedOptimizer(Optimizer):
                  module: Optional[torch.nn.Module] = None,
                  overlap_param_gather: Optional[bool] = None,
                  shard_gradients: bool = False,
-                 context: Optional[Context] = None):
-        if optimizer not in _KINDS:
-            raise ValueError(f"unknown optimizer {optimizer!r}: expected one of {', '.join(_KINDS)}")
+                 context: Optional[Context] = None,
+                 broadcast_buffers: Optional[bool] = None,
+                 batch_size: int = 0,
+                 optim=None, optimizer_class=None, **torch_kwargs):
+        # fairscale OSS (optim=torch.optim.X) and ZeroRedundancyOptimizer
+        # (optimizer_class=torch.optim.X, or second positional) signatures.
+        for given in (optim, optimizer_class):
+            if given is not None:
+                optimizer = given
+        optimizer = _kind_of(optimizer)
+        _check_torch_kwargs(torch_kwargs, optimizer)
         if weight_decay is None:
             weight_decay = 1e-2 if optimizer == "adamw" else 0.0
         for name, v in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay),
                         ("momentum", momentum), ("max_grad_norm", max_grad_norm)):
-            if not isinstance(v, (int, float)) or not v >= 0 or v == float("inf"):
-                raise ValueError(f"invalid {name} {v!r}: must be >= 0 and finite")
+            if isinstance(v, torch.Tensor) and v.numel() == 1:
+                v = v.item()
+            if not isinstance(v, (int, float)) or not 0 <= v <= _FLT_MAX:
+                raise ValueError(f"invalid {name} {v!r}: must be >= 0 and at most "
+                                 f"{_FLT_MAX:.8g} (the kernels compute in float32)")
+        if not isinstance(batch_size, int) or batch_size < 0:
+            raise ValueError(f"batch_size must be an int >= 0 (samples per rank per step), "
+                             f"got {batch_size!r}")
+        if module is not None and _is_ddp(module):
+            raise ValueError("module is wrapped in DistributedDataParallel: shardopt reduces the "
+                             "gradients itself, so DDP would all-reduce them a second time; pass "
+                             "the model without the DDP wrapper (ddp_model.module)")
+        if broadcast_buffers is None:
+            broadcast_buffers = module is not None
+        if broadcast_buffers and module is None:
+            raise ValueError("broadcast_buffers needs module= (the model whose buffers rank 0 "
+                             "broadcasts before each forward, as DistributedDataParallel does)")
         if not (len(betas) == 2 and all(0.0 <= b < 1.0 for b in betas)):
             raise ValueError(f"invalid betas {betas!r}: each must be in [0, 1)")
         if not isinstance(shard_gradients, bool):
@@ -308,10 +462,17 @@ class ShardedOptimizer(Optimizer):
                             amsgrad=False, maximize=False, foreach=None, capturable=False,
                             differentiable=False, fused=False)
         # Normalise to groups of (names, tensors).
+        if isinstance(params, (set, frozenset)):
+            raise TypeError("params is a set: its order differs between processes, so ranks "
+                            "would pair different tensors; pass a list (model.named_parameters())")
         params = list(params)
         if not params:
             raise ValueError("the optimizer got an empty parameter list")
         raw_groups = params if isinstance(params[0], dict) else [{"params": params}]
+        # Unnamed tensors take their names in `module`, so ranks that pass
+        # them in different orders are told apart (positions would match).
+        module_names = ({id(p): n for n, p in module.named_parameters()}
+                        if module is not None else {})
         names: List[str] = []
         tensors: List[torch.Tensor] = []
         param_group: List[int] = []
@@ -323,7 +484,10 @@ class ShardedOptimizer(Optimizer):
                 if key != "params" and key not in defaults:
                     raise ValueError(f"parameter group {g} has unknown option {key!r} for "
                                      f"{optimizer} (known: {', '.join(_hyper_keys(optimizer))})")
-            n, t = _split_group(group["params"], g)
+            if isinstance(group["params"], (set, frozenset)):
+                raise TypeError(f"parameter group {g}'s params is a set: its order differs between "
+                                "processes; pass a list")
+            n, t = _split_group(group["params"], g, module_names)
             if not t:
                 raise ValueError(f"parameter group {g} has no parameters")
             names += n
@@ -373,15 +537,26 @@ class ShardedOptimizer(Optimizer):
         self._pushed = [self._hyper(g) for g in self.param_groups]
         self._initialised = True
         self._hooks = []
+        self._module = module
+        self._timeout = float(timeout)
+        self._consolidated = None  # (step, state_dict, rank): consolidate_state_dict()
+        self._broadcast_buffers = bool(broadcast_buffers)
+        self._sync_enabled = True
+        # DistributedDataParallel's rule: buffers are broadcast from rank 0
+        # before a forward iff the previous forward ran with grad enabled
+        # outside no_sync() (and once at construction).
+        self._require_forward_buffer_sync = True
         if overlap_param_gather:
             self._attach(module)
+        if module is not None:
+            self._attach_module(module)
         self._finished = False
         ctx = self._context
         if ctx.control_plane and not ctx._agent_taken:
             # shardctl checkpoint requests write under checkpoint_dir.
             ctx._agent_taken = True
             self._core.start_agent(_hostname(), _token(), os.fspath(checkpoint_dir or ""),
-                                   int(checkpoint_keep), 0, float(timeout))
+                                   int(checkpoint_keep), int(batch_size), float(timeout))
             _live.add(self)
         elif ctx.control_plane:
             print("shardopt: only the first ShardedOptimizer of a process joins the control "
@@ -402,6 +577,54 @@ class ShardedOptimizer(Optimizer):
                     lambda m, inputs, b=buckets: core.wait_buckets(b)))
         self._hooks.append(module._register_state_dict_hook(
             lambda m, sd, prefix, meta: core.wait_all()))
+
+    def _attach_module(self, module: torch.nn.Module) -> None:
+        """Buffers broadcast as DDP does; module.zero_grad() as zero_grad()."""
+        if self._broadcast_buffers:
+            self._sync_buffers()  # DDP syncs module states at construction
+            self._hooks.append(module.register_forward_pre_hook(
+                lambda m, inputs: self._before_forward()))
+            self._hooks.append(module.register_forward_hook(
+                lambda m, inputs, output: self._after_forward()))
+        # module.zero_grad() zeroes through the optimizer too (with
+        # shard_gradients the gradients live in the optimizer, where
+        # Module.zero_grad cannot see them).
+        core = self._core
+        original = module.zero_grad
+
+        def zero_grad(set_to_none: bool = False):
+            original(set_to_none)
+            core.zero_grad()
+            core.before_step()
+        zero_grad.__doc__ = original.__doc__
+        module.zero_grad = zero_grad
+
+    def _buffers(self) -> List[torch.Tensor]:
+        return [b for b in self._module.buffers() if b is not None and b.numel() > 0]
+
+    def _sync_buffers(self) -> None:
+        """Rank 0's module buffers into every rank's (coalesced per dtype)."""
+        if self.world_size == 1:
+            return
+        by_dtype: Dict[Any, List[torch.Tensor]] = {}
+        for b in self._buffers():
+            by_dtype.setdefault((b.dtype, b.device), []).append(b)
+        with torch.no_grad():
+            for bufs in by_dtype.values():
+                flat = torch.cat([b.detach().reshape(-1) for b in bufs])
+                self._core.broadcast(flat, 0)
+                offset = 0
+                for b in bufs:
+                    n = b.numel()
+                    b.copy_(flat[offset:offset + n].view_as(b))
+                    offset += n
+
+    def _before_forward(self) -> None:
+        if self._require_forward_buffer_sync:
+            self._sync_buffers()
+
+    def _after_forward(self) -> None:
+        self._require_forward_buffer_sync = torch.is_grad_enabled() and self._sync_enabled
 
     def wait_for_parameters(self) -> None:
         """Waits until every parameter has been all-gathered (only needed to
@@ -448,7 +671,8 @@ class ShardedOptimizer(Optimizer):
     @torch.no_grad()
     def step(self, closure=None, loss=None) -> StepStats:
         """Waits for the gradient reduce-scatters, updates this rank's shard
-        (fused kernels), all-gathers the parameters. Returns StepStats.
+        (fused kernels), all-gathers the parameters. Returns StepStats (also
+        kept in `last_stats`), or with a closure its loss, as torch.optim does.
 
         Under shardrun, pass the step's loss (`loss=`, or a closure) so that
         heartbeats report it and a non-finite loss on any rank stops every
@@ -468,7 +692,10 @@ class ShardedOptimizer(Optimizer):
             for g, group in enumerate(self.param_groups):
                 group["lr"] = new_lr
                 self._pushed[g] = self._hyper(group)
-        return StepStats(loss=loss, **r)
+        self._consolidated = None
+        self.last_stats = StepStats(loss=loss, **r)
+        # torch.optim's contract: step(closure) returns the closure's loss.
+        return loss if closure is not None else self.last_stats
 
     def finish(self) -> None:
         """Tells the control plane this rank finished (shardrun). Called at
@@ -491,10 +718,12 @@ class ShardedOptimizer(Optimizer):
         DistributedDataParallel.no_sync() does; the next backward outside
         reduces the accumulated sum."""
         self._core.set_grad_sync(False)
+        self._sync_enabled = False
         try:
             yield
         finally:
             self._core.set_grad_sync(True)
+            self._sync_enabled = True
 
     # -- checkpoints -----------------------------------------------------------
     def save_checkpoint(self, root: str, keep: int = 0) -> str:
@@ -503,6 +732,10 @@ class ShardedOptimizer(Optimizer):
         prunes older checkpoints."""
         self._sync_groups()
         meta = {_META_GROUPS: json.dumps([self._hyper(g) for g in self.param_groups])}
+        if self._module is not None:
+            # Rank 0's buffers (BatchNorm statistics): the ones every rank
+            # gets at the next forward under broadcast_buffers.
+            meta[_META_BUFFERS] = _encode_buffers(self._module)
         return self._core.save_checkpoint(os.fspath(root), meta, int(keep))
 
     def load_checkpoint(self, path: str) -> Dict[str, Any]:
@@ -521,12 +754,63 @@ class ShardedOptimizer(Optimizer):
             for g, h in enumerate(groups):
                 self._core.set_group(g, h)
         self._pull_groups()
+        buffers = info["metadata"].get(_META_BUFFERS)
+        if buffers is not None and self._module is not None:
+            _decode_buffers(self._module, buffers, os.fspath(path))
+        elif buffers is not None:
+            print("shardopt: the checkpoint holds module buffers; pass module= to restore them",
+                  file=sys.stderr)
+        self._consolidated = None
         return info
 
+    _JOIN_TIMEOUT = 30.0  # seconds every rank has to reach a collective state_dict call
+
+    def _join(self, what: str) -> None:
+        """Fails within seconds, naming the ranks that did not come, when a
+        collective call is made on some ranks only (`if rank == 0:
+        opt.state_dict()`), where torch.distributed's gloo group can tell."""
+        if self.world_size == 1 or _torch_world() != self.world_size:
+            return
+        import datetime
+        import torch.distributed as dist
+        if dist.get_backend() != "gloo":
+            return
+        wait = min(self._timeout, self._JOIN_TIMEOUT)
+        try:
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=wait), wait_all_ranks=True)
+        except RuntimeError as e:
+            raise RuntimeError(
+                f"{what} is collective: every rank must call it at the same point, and not all "
+                f"did within {wait:.0f} s ({str(e).strip().splitlines()[0]}). To save on one "
+                "rank: call opt.consolidate_state_dict(to=0) on every rank, then "
+                "opt.state_dict() on rank 0 only (or save_checkpoint() on every rank)") from None
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Collective (fairscale OSS / ZeroRedundancyOptimizer API): gathers
+        the whole state on rank `to`, whose state_dict() then returns it
+        without communicating, until the next step."""
+        if not isinstance(to, int) or not 0 <= to < self.world_size:
+            raise ValueError(f"to={to!r} is not a rank of this job (world size {self.world_size})")
+        self._join("consolidate_state_dict()")
+        sd = self._full_state_dict()
+        self._consolidated = (self._core.step_count, sd if self.rank == to else None, to)
+
     def state_dict(self) -> Dict[str, Any]:
-        """Collective. The whole state in torch.optim's format (as
-        torch.optim.AdamW / SGD's state_dict() of the same model): a fresh
-        torch optimizer can load it, and load_state_dict takes theirs."""
+        """The whole state in torch.optim's format (as torch.optim.AdamW /
+        SGD's state_dict() of the same model): a fresh torch optimizer can
+        load it, and load_state_dict takes theirs. Collective (every rank
+        calls it), unless consolidate_state_dict(to=R) ran since the last
+        step: then rank R gets the consolidated state and the others an error."""
+        if self._consolidated is not None and self._consolidated[0] == self._core.step_count:
+            _, sd, to = self._consolidated
+            if self.rank == to:
+                return sd
+            raise RuntimeError(f"the state was consolidated on rank {to} "
+                               f"(consolidate_state_dict(to={to})): call state_dict() there")
+        self._join("state_dict()")
+        return self._full_state_dict()
+
+    def _full_state_dict(self) -> Dict[str, Any]:
         self._sync_groups()
         full = self._core.full_state()
         step = self._core.step_count
@@ -556,6 +840,8 @@ class ShardedOptimizer(Optimizer):
         Adam / AdamW / SGD for the same parameters (same group sizes)."""
         if not isinstance(state_dict, dict) or "param_groups" not in state_dict:
             raise ValueError("not an optimizer state_dict (no 'param_groups')")
+        self._consolidated = None
+        self._join("load_state_dict()")
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups):
             raise ValueError(f"the state_dict has {len(groups)} parameter groups, this "

@@ -1,0 +1,224 @@
+"""One rank of tests/python/loops/loops_test.py: runs training-loop styles
+twice in this process, once as people write them with DistributedDataParallel
++ torch.optim (the oracle) and once ported to shardopt (optimizer line
+changed, DDP wrapper removed), on the same data, and compares parameters,
+buffers and losses. Launched torchrun-style (RANK, WORLD_SIZE, MASTER_*), or
+through torch.multiprocessing.spawn with init_process_group(init_method=...)
+and no RANK/WORLD_SIZE variables (--spawn)."""
+import argparse
+import copy
+import datetime
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import shardopt
+
+STEPS = 20
+
+
+class Mlp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(32, 64)
+        self.fc2 = nn.Linear(64, 64)
+        self.head = nn.Linear(64, 10)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.fc2(torch.tanh(self.fc1(x)))))
+
+
+class BnNet(nn.Module):
+    """Convolutions with BatchNorm: running statistics are buffers."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn1 = nn.BatchNorm2d(8)
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1)
+        self.bn2 = nn.BatchNorm2d(8)
+        self.head = nn.Linear(8, 10)
+
+    def forward(self, x):
+        x = F.relu(self.bn1(self.conv1(x)))
+        x = F.relu(self.bn2(self.conv2(x)))
+        return self.head(x.mean(dim=(2, 3)))
+
+
+def make_model(style):
+    torch.manual_seed(1234)
+    return BnNet() if style == "batchnorm" else Mlp()
+
+
+def batch(style, rank, step, micro=0):
+    g = torch.Generator().manual_seed(1000 * step + 100 * rank + micro)
+    if style == "batchnorm":
+        x = torch.randn(8, 3, 8, 8, generator=g)
+    else:
+        x = torch.randn(16, 32, generator=g)
+    return x, torch.randint(0, 10, (x.shape[0],), generator=g)
+
+
+def groups(model, names):
+    decay = [p for n, p in model.named_parameters() if not n.endswith("bias")]
+    no_decay = [p for n, p in model.named_parameters() if n.endswith("bias")]
+    if names:  # shardopt: (name, tensor) pairs keep checkpoints readable
+        decay = [(n, p) for n, p in model.named_parameters() if not n.endswith("bias")]
+        no_decay = [(n, p) for n, p in model.named_parameters() if n.endswith("bias")]
+    return [{"params": decay, "weight_decay": 0.05}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build(style, model, sharded):
+    """The optimizer (and scheduler) as the script builds it."""
+    if style == "groups_onecycle_clip":
+        if sharded:
+            opt = shardopt.ShardedOptimizer(groups(model, True), torch.optim.AdamW, lr=1e-3,
+                                            max_grad_norm=1.0, module=model)
+        else:
+            opt = torch.optim.AdamW(groups(model, False), lr=1e-3)
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=STEPS)
+        return opt, sched
+    if style == "sgd_nesterov":
+        kw = dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-4)
+        if sharded:
+            return shardopt.ShardedOptimizer(model.parameters(), optim=torch.optim.SGD,
+                                             module=model, **kw), None
+        return torch.optim.SGD(model.parameters(), **kw), None
+    if style == "zero_api":
+        # ZeroRedundancyOptimizer's signature: optimizer_class=, **defaults.
+        if sharded:
+            return shardopt.ShardedOptimizer(model.parameters(), optimizer_class=torch.optim.Adam,
+                                             lr=2e-3, module=model), None
+        return torch.optim.Adam(model.parameters(), lr=2e-3), None
+    if sharded:
+        return shardopt.ShardedOptimizer(model.named_parameters(), "adamw", lr=2e-3,
+                                         module=model), None
+    return torch.optim.AdamW(model.parameters(), lr=2e-3), None
+
+
+def train(style, sharded, rank):
+    model = make_model(style)
+    opt, sched = build(style, model, sharded)
+    net = model if sharded else DDP(model)
+    losses = []
+    for step in range(STEPS):
+        if style in ("accum_no_sync",):
+            # Two micro-batches; the first only accumulates locally.
+            ctx = opt.no_sync() if sharded else net.no_sync()
+            with ctx:
+                x, y = batch(style, rank, step, 0)
+                (F.cross_entropy(net(x), y) / 2).backward()
+            x, y = batch(style, rank, step, 1)
+            loss = F.cross_entropy(net(x), y) / 2
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        elif style == "closure":
+            x, y = batch(style, rank, step)
+
+            def closure():
+                opt.zero_grad()
+                out = F.cross_entropy(net(x), y)
+                out.backward()
+                return out
+            loss = opt.step(closure)
+        else:
+            x, y = batch(style, rank, step)
+            if style == "model_zero_grad":
+                net.zero_grad()
+            elif style == "model_zero_grad_none":
+                net.zero_grad(set_to_none=True)
+            elif style == "grad_none":
+                for p in model.parameters():
+                    p.grad = None
+            elif style == "set_to_none":
+                opt.zero_grad(set_to_none=True)
+            else:
+                opt.zero_grad()
+            loss = F.cross_entropy(net(x), y)
+            loss.backward()
+            if style == "groups_onecycle_clip" and not sharded:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+        if sched is not None:
+            sched.step()
+        losses.append(float(loss.detach()))
+    if sharded:
+        opt.wait_for_parameters()
+    # Evaluation under no_grad, as scripts do after training.
+    model.eval()
+    with torch.no_grad():
+        x, y = batch(style, rank, 999)
+        eval_loss = float(F.cross_entropy(net(x), y))
+    state = {n: t.detach().clone() for n, t in model.state_dict().items()}
+    return losses, eval_loss, state
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / max(float(b.norm()), 1e-12))
+
+
+def run(rank, world, styles, out):
+    shardopt.init()  # adopts the default process group the script made
+    results = {}
+    for style in styles:
+        ref_losses, ref_eval, ref_state = train(style, False, rank)
+        got_losses, got_eval, got_state = train(style, True, rank)
+        diffs = {n: rel(got_state[n], ref_state[n]) for n in ref_state}
+        worst = max(diffs, key=diffs.get)
+        loss_diff = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(got_losses, ref_losses))
+        # The same on every rank: gather each rank's parameter checksum.
+        sums = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
+        dist.all_gather(sums, torch.tensor([sum(float(t.double().sum()) for t in
+                                                got_state.values())], dtype=torch.float64))
+        results[style] = {
+            "worst_tensor": worst, "worst_rel": diffs[worst], "loss_rel": loss_diff,
+            "eval_rel": abs(got_eval - ref_eval) / max(abs(ref_eval), 1e-12),
+            "ranks_agree": len({float(s) for s in sums}) == 1,
+            "losses_ddp": ref_losses, "losses_shardopt": got_losses,
+        }
+        print(f"rank {rank} {style}: params/buffers {diffs[worst]:.2e} ({worst}), "
+              f"losses {loss_diff:.2e}, eval {results[style]['eval_rel']:.2e}", flush=True)
+        if rank == 0:
+            print(f"  losses ddp      {' '.join(f'{v:.6f}' for v in ref_losses)}")
+            print(f"  losses shardopt {' '.join(f'{v:.6f}' for v in got_losses)}", flush=True)
+    if rank == 0 and out:
+        with open(out, "w") as f:
+            json.dump(results, f)
+
+
+def spawned(rank, world, init_method, styles, out):
+    os.environ.pop("RANK", None)
+    os.environ.pop("WORLD_SIZE", None)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    run(rank, world, styles, out)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--styles", required=True)
+    ap.add_argument("--out", default="")
+    ap.add_argument("--spawn", type=int, default=0, help="world size for mp.spawn")
+    ap.add_argument("--init-method", default="")
+    a = ap.parse_args()
+    styles = a.styles.split(",")
+    if a.spawn:
+        import torch.multiprocessing as mp
+        mp.spawn(spawned, args=(a.spawn, a.init_method, styles, a.out), nprocs=a.spawn)
+        return
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    run(dist.get_rank(), dist.get_world_size(), styles, a.out)
+
+
+if __name__ == "__main__":
+    main()
