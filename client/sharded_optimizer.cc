@@ -9,6 +9,7 @@
 #include <limits>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
@@ -351,10 +352,10 @@ absl::Status ShardedOptimizer::FinishHyperAgreement(int64_t step) {
   // Every rank saw the difference: rank 0's values go to all, each names its own.
   std::string theirs;
   SHARDOPT_RETURN_IF_ERROR(BroadcastText(hyper_text_, "hyper-parameter agreement", &theirs));
-  std::string detail = FirstDifference(theirs, hyper_text_, rank_);
-  if (detail.empty()) {
-    detail = "another rank's differ from rank 0's (its error names the group and both values)";
-  }
+  std::string detail;
+  SHARDOPT_ASSIGN_OR_RETURN(detail, ShareDetail(FirstDifference(theirs, hyper_text_, rank_),
+                                                "hyper-parameter agreement"));
+  if (detail.empty()) detail = "their hashes differ";
   return absl::FailedPreconditionError(absl::StrCat(
       "ranks disagree on hyper-parameters at step ", step, ": ", detail,
       ". Every rank must build the optimizer with the same values and change them (schedulers, "
@@ -384,20 +385,32 @@ absl::Status ShardedOptimizer::CheckSameModelOnAllRanks() {
       break;
     }
   }
-  // Every rank learns whether any rank differs, so all fail together.
-  float flag = detail.empty() ? 0.0f : 1.0f;
-  SHARDOPT_RETURN_IF_ERROR(WaitOrAbort(
-      comm_->AllReduce(&flag, 1, ElementType::kFloat32, ReduceOp::kMax), "model check", -1));
+  // Every rank learns the first difference any rank found, so all fail
+  // together and each names the parameter or group and both values.
+  SHARDOPT_ASSIGN_OR_RETURN(detail, ShareDetail(detail, "model check"));
   if (!detail.empty()) {
     return absl::FailedPreconditionError(
         absl::StrCat("layout hash mismatch, refusing to train: ", detail));
   }
-  if (flag > 0.0f) {
-    return absl::FailedPreconditionError(
-        "layout hash mismatch, refusing to train: another rank's model differs from rank 0's "
-        "(its error names the parameter)");
-  }
   return absl::OkStatus();
+}
+
+// Every rank's `mine` (at most kDetailBytes, empty: nothing to say) to all;
+// returns the lowest rank's non-empty one, or "".
+absl::StatusOr<std::string> ShardedOptimizer::ShareDetail(const std::string& mine,
+                                                          const char* what) {
+  constexpr int64_t kDetailBytes = 1024;
+  detail_buf_.assign(static_cast<size_t>(kDetailBytes * world_), '\0');
+  std::memcpy(&detail_buf_[kDetailBytes * rank_], mine.data(),
+              std::min<size_t>(mine.size(), kDetailBytes - 1));
+  SHARDOPT_RETURN_IF_ERROR(WaitOrAbort(
+      comm_->AllGather(detail_buf_.data(), kDetailBytes, ElementType::kByte), what, -1));
+  for (int r = 0; r < world_; ++r) {
+    const char* d = &detail_buf_[kDetailBytes * r];
+    const size_t n = strnlen(d, kDetailBytes);
+    if (n > 0) return std::string(d, n);
+  }
+  return std::string();
 }
 
 absl::Status ShardedOptimizer::Init(

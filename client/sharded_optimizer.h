@@ -275,6 +275,7 @@ class ShardedOptimizer {
   absl::Status LaunchHyperAgreement();
   absl::Status FinishHyperAgreement(int64_t step);
   absl::Status BroadcastText(const std::string& mine, const char* what, std::string* theirs);
+  absl::StatusOr<std::string> ShareDetail(const std::string& mine, const char* what);
   void BucketCompleteLocked(int bucket);
   void LaunchReadyBucketsLocked();
   absl::Status AgreeLaunchOrder();
@@ -378,6 +379,7 @@ class ShardedOptimizer {
   float hyper_hash_[6] = {0, 0, 0, 0, 0, 0};  // hash of the groups, then its negation
   std::string hyper_text_;                    // what was hashed
   CommHandlePtr hyper_handle_;
+  std::string detail_buf_;  // ShareDetail's all-gather (a member: it may outlive a timeout)
   int64_t gather_wait_ns_ = 0;  // gathers waited for outside Step()
   int next_launch_ = 0;            // position in launch_order_
   // The order buckets are reduced in, the same on every rank: bucket order in

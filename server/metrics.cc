@@ -271,8 +271,13 @@ absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(Coordinator*
   server->impl_ = std::make_unique<Impl>();
   server->impl_->collectable = std::make_shared<JobCollectable>(coordinator);
   try {
-    server->impl_->exposer =
-        std::make_unique<prometheus::Exposer>(absl::StrCat(host_part, ":", port), /*num_threads=*/2);
+    // civetweb serves one connection per worker thread: with 2, two idle or
+    // half-sent connections (a scraper behind a slow proxy) blocked every
+    // scrape for ~17 s. Enough workers for a crowd of idle connections, and
+    // a request that does not arrive within 2 s frees its worker.
+    server->impl_->exposer = std::make_unique<prometheus::Exposer>(std::vector<std::string>{
+        "listening_ports", absl::StrCat(host_part, ":", port), "num_threads", "64",
+        "request_timeout_ms", "2000", "keep_alive_timeout_ms", "500"});
   } catch (const std::exception& e) {
     return absl::UnavailableError(
         absl::StrCat("cannot serve metrics on ", host_part, ":", port, ": ", e.what()));

@@ -8,6 +8,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <regex>
 #include <string>
 #include <thread>
@@ -253,6 +254,42 @@ TEST(MetricsServerTest, ServesTheLiveJobOnAnOsChosenPort) {
       << second.status();
   server->reset();
   EXPECT_EQ(HttpGet(port, "/metrics"), "");  // stopped
+}
+
+// Idle and half-sent connections (a slow proxy, a stuck scraper) do not
+// block scrapes: 50 of them stay open while a scrape runs every 100 ms.
+TEST(MetricsServerTest, IdleConnectionsDoNotBlockScrapes) {
+  FakeClock clock;
+  auto c = RunningJob(&clock, 1);
+  auto server = MetricsServer::Start(c.get(), "127.0.0.1", 0);
+  ASSERT_TRUE(server.ok()) << server.status();
+  const int port = (*server)->port();
+  std::vector<int> idle;
+  for (int i = 0; i < 50; ++i) {
+    const int fd = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(static_cast<uint16_t>(port));
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ASSERT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+    if (i % 2 == 0) {
+      const std::string half = "GET /metrics HTTP/1.1\r\nHost: 127.0";  // never finished
+      (void)!write(fd, half.data(), half.size());
+    }
+    idle.push_back(fd);
+  }
+  int answered = 0;
+  for (int i = 0; i < 30; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const std::string r = HttpGet(port, "/metrics");
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    EXPECT_NE(r.find("200 OK"), std::string::npos) << "scrape " << i << " after " << s << " s";
+    EXPECT_LT(s, 1.0) << "scrape " << i;
+    if (r.find("shardopt_rank_step") != std::string::npos) ++answered;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  EXPECT_EQ(answered, 30);
+  for (int fd : idle) close(fd);
 }
 
 }  // namespace

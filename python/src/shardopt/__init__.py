@@ -96,7 +96,7 @@ def _encode_buffers(module: torch.nn.Module) -> str:
         if b is None:
             continue
         t = b.detach().cpu().contiguous()
-        raw = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
         out.append({"name": name, "dtype": str(t.dtype).replace("torch.", ""),
                     "shape": list(t.shape), "data": base64.b64encode(raw).decode("ascii")})
     return json.dumps(out)
@@ -127,7 +127,7 @@ def _decode_buffers(module: torch.nn.Module, text: str, where: str) -> None:
         if b.numel():
             with torch.no_grad():
                 b.copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype)
-                        .view(b.shape))
+                        .reshape(b.shape))
     missing = [n for n in own if n not in {e.get("name") for e in saved}]
     if missing:
         print(f"shardopt: {where} has no saved value for buffer {missing[0]!r} "
