@@ -459,9 +459,8 @@ absl::Status ShardedOptimizer::Init(
   if (options_.shard_gradients) PrepareShardedGradients();
   async_ = options_.device_async_step;
   if (async_) {
-    norm_sq_t_ = torch::zeros({1}, on_device.dtype(torch::kFloat));
+    norm_parts_t_ = torch::zeros({world_}, on_device.dtype(torch::kDouble));
     if (!device_.is_cpu()) {
-      norm_sq_d_ = torch::zeros({1}, on_device.dtype(torch::kDouble));
       norm_host_ = torch::zeros({2, 2}, torch::TensorOptions().dtype(torch::kFloat).pinned_memory(true));
     }
   }
@@ -922,13 +921,15 @@ bool ShardedOptimizer::ClipGradients(double grad_norm) {
 // clip_grad_norm_'s float arithmetic, max_norm * reciprocal(norm + 1e-6)
 // clamped to 1, and applied, all without the host reading a value.
 absl::Status ShardedOptimizer::LaunchNormOnDevice(double local_sq) {
+  // Each rank's squared norm in double, in its slot; all-gathered and summed
+  // in rank order on the device (the same bits as the host path).
+  norm_parts_t_.zero_();
   if (device_.is_cpu()) {
-    norm_sq_t_.fill_(static_cast<float>(local_sq));
+    norm_parts_t_.data_ptr<double>()[rank_] = local_sq;
   } else {
-    SHARDOPT_RETURN_IF_ERROR(owner_->SquaredGradNormTo(norm_sq_d_.data_ptr<double>()));
-    norm_sq_t_.copy_(norm_sq_d_);
+    SHARDOPT_RETURN_IF_ERROR(owner_->SquaredGradNormTo(norm_parts_t_.data_ptr<double>() + rank_));
   }
-  norm_handle_ = comm_->AllReduce(norm_sq_t_.data_ptr(), 1, ElementType::kFloat32, ReduceOp::kSum);
+  norm_handle_ = comm_->AllGather(norm_parts_t_.data_ptr(), sizeof(double), ElementType::kByte);
   return absl::OkStatus();
 }
 
@@ -942,10 +943,13 @@ absl::Status ShardedOptimizer::FinishNormOnDevice(bool clip, StepResult* result)
   CommHandlePtr h = std::move(norm_handle_);
   norm_handle_ = nullptr;
   if (!Defer(h, "gradient norm", -1)) SHARDOPT_RETURN_IF_ERROR(WaitOrAbort(h, "gradient norm", -1));
-  torch::Tensor norm = norm_sq_t_.sqrt().reshape({});
+  torch::Tensor sum = norm_parts_t_.narrow(0, 0, 1).clone();
+  for (int r = 1; r < world_; ++r) sum.add_(norm_parts_t_.narrow(0, r, 1));
+  torch::Tensor norm = sum.sqrt_().reshape({});  // double
   torch::Tensor coef;
   if (clip) {
-    coef = (norm + 1e-6).reciprocal_().mul_(options_.max_grad_norm).clamp_max_(1.0);
+    // clip_grad_norm_'s float arithmetic on the float norm, as ClipGradients.
+    coef = (norm.to(torch::kFloat) + 1e-6).reciprocal_().mul_(options_.max_grad_norm).clamp_max_(1.0);
     owner_->ScaleGradients(coef);
   }
   RecordNormReading(result->step, norm, coef, result);
@@ -957,12 +961,13 @@ absl::Status ShardedOptimizer::FinishNormOnDevice(bool clip, StepResult* result)
 void ShardedOptimizer::RecordNormReading(int64_t step, const torch::Tensor& norm,
                                          const torch::Tensor& coef, StepResult* result) {
   if (device_.is_cpu()) {  // Step() records it as last_norm_, as without the option
-    result->grad_norm = norm.item<float>();
+    result->grad_norm = norm.item<double>();
     result->clipped = coef.defined() && !(coef.item<float>() >= 1.0f);
     return;
   }
   const int slot = static_cast<int>(step & 1);
-  torch::Tensor both = torch::stack({norm, coef.defined() ? coef : torch::ones_like(norm)});
+  const torch::Tensor norm_f = norm.to(torch::kFloat);
+  torch::Tensor both = torch::stack({norm_f, coef.defined() ? coef : torch::ones_like(norm_f)});
   norm_host_.select(0, slot).copy_(both, /*non_blocking=*/true);
   norm_fence_[slot] = options_.kernel_backend->RecordFence();
   norm_step_[slot] = step;

@@ -434,8 +434,7 @@ class ShardedOptimizer {
 
   // device_async_step (training thread only).
   bool async_ = false;          // the option, on a device that can use it
-  torch::Tensor norm_sq_t_;     // float32 [1] on device_: local, then global squared norm
-  torch::Tensor norm_sq_d_;     // float64 [1] on device_: the kernel's sum
+  torch::Tensor norm_parts_t_;  // float64 [world] on device_: each rank's squared norm
   torch::Tensor norm_host_;     // pinned float32 [2 slots][norm, coef] (GPU)
   std::unique_ptr<KernelBackend::Fence> norm_fence_[2];
   int64_t norm_step_[2] = {0, 0};

@@ -11,3 +11,6 @@ tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 export PYTHONPATH="$root/python"
 cd "$tmp" && timeout 1200 /usr/bin/python3 "$root/tests/python/loops/loops_test.py"
+rc=$?
+timeout 900 /usr/bin/python3 "$root/tests/python/loops/misuse_test.py" || rc=1
+exit $rc

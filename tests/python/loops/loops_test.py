@@ -5,11 +5,12 @@ the same model. Run by Bazel (//tests:python_loops_test) with PYTHONPATH at the
 built package; the losses of both runs are printed."""
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import unittest
+
+from launch import free_port, outputs, start_ranks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "loop_worker.py")
@@ -23,31 +24,15 @@ STYLES = [
     "set_to_none",           # opt.zero_grad(set_to_none=True)
     "closure",               # loss = opt.step(closure)
     "accum_no_sync",         # two micro-batches, the first under no_sync()
-    "groups_onecycle_clip",  # AdamW decay/no-decay groups + OneCycleLR + clipping (OSS optim=)
+    "groups_onecycle_clip",  # AdamW decay/no-decay groups + OneCycleLR + clipping (class as optimizer)
     "sgd_nesterov",          # SGD(momentum, nesterov, weight_decay) through optim=
     "zero_api",              # ZeroRedundancyOptimizer's optimizer_class= signature
     "batchnorm",             # BatchNorm buffers broadcast as DDP does; eval under no_grad
 ]
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def collect(procs, timeout):
-    logs, failed = [], False
-    for p in procs:
-        try:
-            o, _ = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            o, _ = p.communicate()
-            failed = True
-        logs.append(o)
-        failed |= p.returncode != 0
+    logs, failed = outputs(procs, timeout)
     text = "\n---\n".join(logs)
     print(text)
     if failed:
@@ -55,15 +40,7 @@ def collect(procs, timeout):
 
 
 def launch_env(world, styles, out, timeout=600):
-    port = str(free_port())
-    procs = []
-    for r in range(world):
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, WORKER, "--styles", ",".join(styles),
-                                       "--out", out], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
-    collect(procs, timeout)
+    collect(start_ranks(world, [WORKER, "--styles", ",".join(styles), "--out", out]), timeout)
 
 
 def launch_spawn(world, styles, out, timeout=600):

@@ -3,41 +3,21 @@
 the same result as PyTorch. Run by //tests:python_loops_test."""
 import json
 import os
-import socket
-import subprocess
-import sys
 import tempfile
 import unittest
+
+from launch import outputs, start_ranks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "misuse_worker.py")
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_case(case, world=2, timeout=120):
     """Returns each rank's RESULT dict."""
-    port = str(free_port())
-    tmp = tempfile.mkdtemp()
-    procs = []
-    for r in range(world):
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, WORKER, "--case", case, "--dir", tmp],
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True))
+    procs = start_ranks(world, [WORKER, "--case", case, "--dir", tempfile.mkdtemp()])
+    logs, _ = outputs(procs, timeout)
     results = []
-    for p in procs:
-        try:
-            out, _ = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise AssertionError(f"{case}: a rank hung")
+    for out in logs:
         lines = [l for l in out.splitlines() if l.startswith("RESULT ")]
         if not lines:
             raise AssertionError(f"{case}: no result:\n{out}")
