@@ -76,26 +76,6 @@ bool IsAllZero(const torch::Tensor& t) {
   return !t.ne(0).any().item<bool>();
 }
 
-// The sum of squares of a gradient in double precision (a float sum loses
-// ~1e-5 relative on millions of elements; torch's clip_grad_norm_ is ~1e-6).
-double SquaredSum(const torch::Tensor& g) {
-  if (g.scalar_type() == torch::kFloat && g.is_contiguous() && g.is_cpu()) {
-    const float* d = g.data_ptr<float>();
-    const int64_t n = g.numel();
-    double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-      for (int k = 0; k < 8; ++k) {
-        const double x = d[i + k];
-        acc[k] += x * x;
-      }
-    }
-    for (; i < n; ++i) acc[0] += static_cast<double>(d[i]) * d[i];
-    return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-  }
-  return g.to(torch::kDouble).pow(2).sum().item<double>();
-}
-
 ElementType ElementTypeOf(torch::ScalarType t) {
   return t == torch::kBFloat16 ? ElementType::kBFloat16 : ElementType::kFloat32;
 }
@@ -134,16 +114,24 @@ uint64_t Fnv1a(const std::string& s) {
   return h;
 }
 
-// The first line where two descriptions differ, as "rank 0 has 'X', rank R has 'Y'".
-std::string FirstDifference(const std::string& theirs, const std::string& mine, int rank) {
+// The first lines where two descriptions differ (false: none).
+bool FirstDifferentLines(const std::string& theirs, const std::string& mine, std::string* x,
+                         std::string* y) {
   std::vector<std::string> a = absl::StrSplit(theirs, '\n');
   std::vector<std::string> b = absl::StrSplit(mine, '\n');
   for (size_t i = 0; i < std::max(a.size(), b.size()); ++i) {
-    const std::string x = i < a.size() ? a[i] : "(nothing)";
-    const std::string y = i < b.size() ? b[i] : "(nothing)";
-    if (x != y) return absl::StrCat("rank 0 has '", x, "', rank ", rank, " has '", y, "'");
+    *x = i < a.size() ? a[i] : "(nothing)";
+    *y = i < b.size() ? b[i] : "(nothing)";
+    if (*x != *y) return true;
   }
-  return "";
+  return false;
+}
+
+// "rank 0 has 'X', rank R has 'Y'" for the first difference, or "".
+std::string FirstDifference(const std::string& theirs, const std::string& mine, int rank) {
+  std::string x, y;
+  if (!FirstDifferentLines(theirs, mine, &x, &y)) return "";
+  return absl::StrCat("rank 0 has '", x, "', rank ", rank, " has '", y, "'");
 }
 
 std::string DescribeModel(const Layout& layout, const ShardedOptimizerOptions& o) {
@@ -366,23 +354,13 @@ absl::Status ShardedOptimizer::CheckSameModelOnAllRanks() {
   const std::string mine = DescribeModel(layout_, options_);
   std::string theirs;
   SHARDOPT_RETURN_IF_ERROR(BroadcastText(mine, "model check", &theirs));
-  std::string detail;
-  if (theirs != mine) {
-    std::vector<std::string> a = absl::StrSplit(theirs, '\n');
-    std::vector<std::string> b = absl::StrSplit(mine, '\n');
-    for (size_t i = 0; i < std::max(a.size(), b.size()); ++i) {
-      const std::string x = i < a.size() ? a[i] : "(nothing)";
-      const std::string y = i < b.size() ? b[i] : "(nothing)";
-      if (x == y) continue;
-      if (absl::StartsWith(x, "param ") || absl::StartsWith(y, "param ")) {
-        const std::string name = (absl::StartsWith(x, "param ") ? x : y).substr(6);
-        detail = absl::StrCat("model differs from rank 0's at parameter '",
-                              name.substr(0, name.find('\t')), "': rank 0 has '", x,
-                              "', rank ", rank_, " has '", y, "'");
-      } else {
-        detail = absl::StrCat("rank 0 has '", x, "', rank ", rank_, " has '", y, "'");
-      }
-      break;
+  std::string detail, x, y;
+  if (FirstDifferentLines(theirs, mine, &x, &y)) {
+    detail = absl::StrCat("rank 0 has '", x, "', rank ", rank_, " has '", y, "'");
+    if (absl::StartsWith(x, "param ") || absl::StartsWith(y, "param ")) {
+      const std::string name = (absl::StartsWith(x, "param ") ? x : y).substr(6);
+      detail = absl::StrCat("model differs from rank 0's at parameter '",
+                            name.substr(0, name.find('\t')), "': ", detail);
     }
   }
   // Every rank learns the first difference any rank found, so all fail
@@ -856,7 +834,10 @@ absl::Status ShardedOptimizer::FinishReduce(int b, double* local_sq) {
   }
   torch::Tensor g = owner_->owned_grad(b);
   if (comm_scratch_.defined()) g.copy_(owner_->OwnedRange(comm_scratch_, b));
-  if (device_.is_cpu()) *local_sq += SquaredSum(g);
+  if (device_.is_cpu()) {
+    SHARDOPT_ASSIGN_OR_RETURN(const double sq, owner_->SquaredGradNorm(b));
+    *local_sq += sq;
+  }
   return absl::OkStatus();
 }
 

@@ -200,6 +200,14 @@ absl::StatusOr<double> ShardOwner::SquaredGradNorm() {
   return backend_->SquaredNorm(WholeSlices());
 }
 
+absl::StatusOr<double> ShardOwner::SquaredGradNorm(int bucket) {
+  if (bucket < 0 || bucket >= static_cast<int>(layout_.buckets().size())) {
+    return absl::OutOfRangeError(absl::StrCat("no bucket ", bucket));
+  }
+  const UpdateSlice slice = SliceOf(bucket, 0, layout_.buckets()[bucket].capacity_per_rank);
+  return backend_->SquaredNorm({&slice, 1});
+}
+
 absl::Status ShardOwner::SquaredGradNormTo(double* out) {
   return backend_->SquaredNormTo(WholeSlices(), out);
 }

@@ -76,6 +76,8 @@ class ShardOwner {
   // Sum of squares of the owned gradients of every bucket (this rank's part
   // of the global gradient norm).
   absl::StatusOr<double> SquaredGradNorm();
+  // The same for one bucket's owned gradients.
+  absl::StatusOr<double> SquaredGradNorm(int bucket);
   // The same sum written to `*out`: device memory for a device backend
   // (enqueued; the host does not wait), host memory otherwise.
   absl::Status SquaredGradNormTo(double* out);

@@ -4,48 +4,21 @@ MASTER_ADDR, MASTER_PORT). Run by Bazel (//tests:python_api_test) with
 PYTHONPATH pointing at the built package."""
 import json
 import os
-import socket
-import subprocess
-import sys
 import tempfile
 import unittest
 
 import torch
 
+from launch import outputs, start_ranks
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "parity_worker.py")
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(world, *args, timeout=300, env_extra=None):
     """Runs the worker on `world` ranks; returns rank 0's JSON result."""
-    tmp = tempfile.mkdtemp()
-    out = os.path.join(tmp, "result.json")
-    port = str(free_port())
-    procs = []
-    for r in range(world):
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1",
-                   **(env_extra or {}))
-        procs.append(subprocess.Popen([sys.executable, WORKER, "--out", out, *args], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    logs = []
-    failed = False
-    for p in procs:
-        try:
-            o, _ = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            o, _ = p.communicate()
-            failed = True
-        logs.append(o)
-        failed |= p.returncode != 0
+    out = os.path.join(tempfile.mkdtemp(), "result.json")
+    logs, failed = outputs(start_ranks(world, [WORKER, "--out", out, *args], env_extra), timeout)
     if failed:
         raise AssertionError("worker failed:\n" + "\n---\n".join(logs))
     with open(out) as f:

@@ -10,6 +10,7 @@ import sys
 import tempfile
 import unittest
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from launch import free_port, outputs, start_ranks
 
 HERE = os.path.dirname(os.path.abspath(__file__))

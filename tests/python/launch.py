@@ -1,5 +1,5 @@
 """Launching test workers on CPU ranks (127.0.0.1, OS-chosen ports), shared by
-loops_test.py and misuse_test.py."""
+api_test.py and loops/ (loops_test.py, misuse_test.py)."""
 import os
 import socket
 import subprocess
@@ -12,13 +12,14 @@ def free_port():
         return s.getsockname()[1]
 
 
-def start_ranks(world, argv):
+def start_ranks(world, argv, env_extra=None):
     """`world` processes of `argv` (after the interpreter), torchrun-style."""
     port = str(free_port())
     procs = []
     for r in range(world):
         env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1")
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1",
+                   **(env_extra or {}))
         procs.append(subprocess.Popen([sys.executable, *argv], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
     return procs
