@@ -300,6 +300,14 @@ absl::StatusOr<TorchCheckpoint> ReadTorchCheckpointUnguarded(const std::string& 
     }
   }
   if (sd == nullptr) {
+    // A refusal names the key that should have held the state.
+    for (const char* key : {"optimizer", "optimizer_state_dict"}) {
+      if (const PyValue* v = top->Find(std::string(key)); v != nullptr) {
+        return Bad(optimizer_file, absl::StrCat("key '", key, "' holds ", v->Describe(),
+                                                ", not an optimizer state_dict ('state', 'param_groups'): "
+                                                "save optimizer.state_dict(), not the optimizer"));
+      }
+    }
     return Bad(optimizer_file, absl::StrCat("is ", top->Describe(), ", neither an optimizer state_dict ('state', "
                                             "'param_groups') nor {'model': ..., 'optimizer': ...}"));
   }

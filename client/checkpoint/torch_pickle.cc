@@ -145,6 +145,8 @@ std::string PyValue::Describe() const {
       return "tuple";
     case Kind::kDict:
       return "dict";
+    case Kind::kObject:
+      return absl::StrCat("object of ", s, " (not read)");
     case Kind::kTensor:
       if (!tensor.defined()) return "tensor (undefined)";
       return absl::StrCat("tensor ", DtypeName(tensor.scalar_type()), " [", absl::StrJoin(tensor.sizes(), ", "), "]");
@@ -492,7 +494,8 @@ class Unpickler {
   absl::StatusOr<uint64_t> KeyId(const PyValue* k) {
     if (auto it = key_ids_.find(k); it != key_ids_.end()) return it->second;
     std::string canon;
-    if (callables_.count(k) || k->kind == Kind::kTuple || k->kind == Kind::kTensor) {
+    if (callables_.count(k) || k->kind == Kind::kTuple || k->kind == Kind::kTensor ||
+        k->kind == Kind::kObject) {
       canon = absl::StrCat("p", reinterpret_cast<uintptr_t>(k));  // by identity
     } else {
       switch (k->kind) {
@@ -542,8 +545,11 @@ class Unpickler {
     return absl::OkStatus();
   }
 
+  // The list or dict items are added to; nullptr for an opaque object (a
+  // list or dict subclass this reader does not rebuild: the items are dropped).
   absl::StatusOr<PyValue*> TopOfKind(Kind kind, absl::string_view what) {
     TP_ASSIGN_OR_RETURN(PyValue * top, Top());
+    if (top->kind == Kind::kObject) return nullptr;
     if (top->kind != kind || callables_.count(top) || storage_nodes_.count(top)) {
       return Unsupported(absl::StrCat(what, " on a ", DescribeNode(top)));
     }
@@ -825,14 +831,14 @@ class Unpickler {
         TP_ASSIGN_OR_RETURN(PyValuePtr item, Pop());
         TP_ASSIGN_OR_RETURN(PyValue * list, TopOfKind(Kind::kList, "APPEND"));
         TP_RETURN_IF_ERROR(Count(1));
-        list->items.push_back(std::move(item));
+        if (list != nullptr) list->items.push_back(std::move(item));
         return absl::OkStatus();
       }
       case 'e': {  // APPENDS
         TP_ASSIGN_OR_RETURN(std::vector<PyValuePtr> items, PopMark());
         TP_ASSIGN_OR_RETURN(PyValue * list, TopOfKind(Kind::kList, "APPENDS"));
         TP_RETURN_IF_ERROR(Count(items.size()));
-        list->items.insert(list->items.end(), std::make_move_iterator(items.begin()),
+        if (list != nullptr) list->items.insert(list->items.end(), std::make_move_iterator(items.begin()),
                            std::make_move_iterator(items.end()));
         return absl::OkStatus();
       }
@@ -840,12 +846,14 @@ class Unpickler {
         TP_ASSIGN_OR_RETURN(PyValuePtr value, Pop());
         TP_ASSIGN_OR_RETURN(PyValuePtr key, Pop());
         TP_ASSIGN_OR_RETURN(PyValue * dict, TopOfKind(Kind::kDict, "SETITEM"));
+        if (dict == nullptr) return Count(1);
         return SetItem(dict, std::move(key), std::move(value));
       }
       case 'u': {  // SETITEMS
         TP_ASSIGN_OR_RETURN(std::vector<PyValuePtr> items, PopMark());
         if (items.size() % 2) return Corrupt("SETITEMS with an odd number of items");
         TP_ASSIGN_OR_RETURN(PyValue * dict, TopOfKind(Kind::kDict, "SETITEMS"));
+        if (dict == nullptr) return Count(items.size() / 2);
         for (size_t k = 0; k < items.size(); k += 2) {
           TP_RETURN_IF_ERROR(SetItem(dict, std::move(items[k]), std::move(items[k + 1])));
         }
@@ -879,6 +887,9 @@ class Unpickler {
       case 0x81: {  // NEWOBJ: cls.__new__(cls, *args); only OrderedDict is a class here
         TP_ASSIGN_OR_RETURN(PyValuePtr args, Pop());
         TP_ASSIGN_OR_RETURN(PyValuePtr fn, Pop());
+        if (fn->kind == Kind::kObject) {  // a call of an opaque global: opaque, never run
+          return PushObject(fn->s);
+        }
         auto it = callables_.find(fn.get());
         if (it == callables_.end()) {
           return Unsupported(absl::StrCat("call of a ", DescribeNode(fn.get()), ", not of a whitelisted global"));
@@ -897,6 +908,7 @@ class Unpickler {
       case 'b': {  // BUILD: obj.__setstate__(state)
         TP_ASSIGN_OR_RETURN(PyValuePtr state, Pop());
         TP_ASSIGN_OR_RETURN(PyValue * obj, Top());
+        if (obj->kind == Kind::kObject) return absl::OkStatus();  // its state is dropped
         if (!ordered_dicts_.count(obj)) {
           return Unsupported(absl::StrCat("BUILD (setting the state) of a ", DescribeNode(obj),
                                           "; only an OrderedDict's (e.g. _metadata) is accepted"));
@@ -953,6 +965,17 @@ class Unpickler {
 
   // ---- globals
 
+  // A global this reader does not rebuild: an opaque object. Calling it,
+  // setting its state or filling it yields the same opaque object; nothing
+  // is imported or executed (it never imports code), and what it was given
+  // is dropped.
+  absl::Status PushObject(const std::string& name) {
+    TP_ASSIGN_OR_RETURN(PyValuePtr v, New(Kind::kObject));
+    v->s = name;
+    stack_.push_back(std::move(v));
+    return absl::OkStatus();
+  }
+
   absl::Status PushGlobal(absl::string_view module, absl::string_view name) {
     const std::string full = absl::StrCat(module, ".", name);
     Callable c;
@@ -998,11 +1021,7 @@ class Unpickler {
           }
         }
       }
-      if (!found) {
-        return Unsupported(absl::StrCat("global ", Quote(full),
-                                        " is not on the whitelist (this reader only rebuilds tensors, dicts, "
-                                        "lists and scalars; it never imports code)"));
-      }
+      if (!found) return PushObject(full);
     }
     TP_ASSIGN_OR_RETURN(PyValuePtr v, New(Kind::kNone));
     callables_.emplace(v.get(), std::move(c));

@@ -35,12 +35,16 @@ using PyValuePtr = std::shared_ptr<PyValue>;
 // two keys, a memoized list) are shared PyValues here too. A returned value is
 // acyclic and at most TorchReadLimits::max_depth deep.
 struct PyValue {
-  enum class Kind { kNone, kBool, kInt, kFloat, kString, kBytes, kList, kTuple, kDict, kTensor };
+  // kObject: an instance of a class, or the result of a call, that this
+  // reader does not rebuild (a scheduler's state, a bound method, an epoch
+  // counter class): `s` holds the global's name; nothing of it is executed
+  // or kept. Readers skip such values and name the key when they needed it.
+  enum class Kind { kNone, kBool, kInt, kFloat, kString, kBytes, kList, kTuple, kDict, kTensor, kObject };
   Kind kind = Kind::kNone;
   bool b = false;     // kBool
   int64_t i = 0;      // kInt
   double f = 0;       // kFloat
-  std::string s;      // kString (UTF-8), kBytes
+  std::string s;      // kString (UTF-8), kBytes; kObject: the class or function name
   std::vector<PyValuePtr> items;                           // kList, kTuple
   std::vector<std::pair<PyValuePtr, PyValuePtr>> entries;  // kDict, insertion order kept
   // kTensor: a contiguous CPU tensor (requires_grad false) that owns its
@@ -58,7 +62,7 @@ struct PyValue {
   bool IsNumber() const;
   double AsDouble() const;
   // "None", "bool", "int", "float", "str", "bytes", "list", "tuple", "dict",
-  // "tensor float32 [3, 4]": for error messages.
+  // "tensor float32 [3, 4]", "object of datetime.date (not read)": for error messages.
   std::string Describe() const;
 };
 

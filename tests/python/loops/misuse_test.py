@@ -3,9 +3,11 @@
 the same result as PyTorch. Run by //tests:python_loops_test."""
 import json
 import os
+import sys
 import tempfile
 import unittest
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from launch import outputs, start_ranks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -96,6 +98,11 @@ class MisuseTest(unittest.TestCase):
     def test_pt_file_shapes_checked(self):
         for res in run_case("pt_shape"):
             self.assertError(res, "has shape [", "this model [")
+
+    def test_pt_file_with_scheduler_and_extra_keys(self):
+        for res in run_case("pt_with_scheduler"):
+            self.assertEqual(res["max_diff"], 0.0)
+            self.assertIn("key 'optimizer' holds object of torch.optim.adamw.AdamW", res["refusal"])
 
 
 if __name__ == "__main__":

@@ -224,6 +224,50 @@ def case_pt_shape(rank, root):
     return error_of(lambda: opt.load_checkpoint(path))
 
 
+def case_pt_with_scheduler(rank, root):
+    """{'model', 'optimizer', 'scheduler', 'epoch'} in one torch.save file (the
+    scheduler's state pickles a bound method): read for what shardopt needs,
+    the rest skipped; training continues as torch.optim does from the file."""
+    torch.manual_seed(0)
+    model = Mlp()
+    ref_model = Mlp()
+    path = os.path.join(root, "ck.pt")
+    x, y = data(0, 0)  # the same batch on every rank: the averaged gradient is the local one
+    if rank == 0:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=10)
+        for _ in range(2):
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            sched.step()
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
+                    "scheduler": sched.state_dict(), "epoch": 3}, path)
+    dist.barrier()
+    ck = torch.load(path)
+    ref_model.load_state_dict(ck["model"])
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-3)
+    ref.load_state_dict(ck["optimizer"])
+    torch.manual_seed(7)
+    ours_model = Mlp()
+    ours = shardopt.ShardedOptimizer(ours_model.named_parameters(), torch.optim.AdamW, lr=1e-3)
+    info = ours.load_checkpoint(path)
+    for m, o in ((ref_model, ref), (ours_model, ours)):
+        for _ in range(2):
+            o.zero_grad()
+            F.cross_entropy(m(x), y).backward()
+            o.step()
+    ours.wait_for_parameters()
+    diff = max(float((a - b).abs().max()) for a, b in zip(ours_model.parameters(),
+                                                          ref_model.parameters()))
+    bad = os.path.join(root, "bad.pt")
+    if rank == 0:
+        torch.save({"model": model.state_dict(), "optimizer": torch.optim.AdamW}, bad)
+    dist.barrier()
+    refusal = error_of(lambda: ours.load_checkpoint(bad))
+    return {"error": None, "max_diff": diff, "step": info.get("step"), "refusal": refusal["error"]}
+
+
 CASES = {name[5:]: fn for name, fn in globals().items() if name.startswith("case_")}
 
 
@@ -237,7 +281,7 @@ def main():
     rank = dist.get_rank()
     fn = CASES[a.case]
     try:
-        result = fn(rank, a.dir) if a.case in ("buffers_checkpoint", "pt_shape") else fn(rank)
+        result = fn(rank, a.dir) if a.case in ("buffers_checkpoint", "pt_shape", "pt_with_scheduler") else fn(rank)
     except Exception:
         result = {"crash": traceback.format_exc()}
     print("RESULT " + json.dumps(result), flush=True)
