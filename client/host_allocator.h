@@ -10,7 +10,7 @@
 // next gradient no longer fits, and the heap grows by another 64 MiB. Which
 // step that happens in, and how often, depends on thread timing: bench_oss
 // measured the same row at 876 MiB peak RSS in one round and 1132 MiB in the
-// next, and any change to when collectives run moved it (README, "Memory").
+// next, and any change to when collectives run moved it (docs/performance.md, "Allocator").
 //
 // This allocator gives each block of at least kLargeBlockBytes its own
 // anonymous mapping and, when the tensor is freed, keeps the mapping for the

@@ -1,4 +1,4 @@
-// The models of docs/BENCHMARKS.md and the tests, and their seeded synthetic data.
+// The models of docs/performance.md and the tests, and their seeded synthetic data.
 #ifndef SHARDOPT_CLIENT_MODELS_H_
 #define SHARDOPT_CLIENT_MODELS_H_
 

@@ -67,7 +67,9 @@ def main() -> int:
     opt = shardopt.ShardedOptimizer(
         [{"params": decay, "weight_decay": 0.05}, {"params": no_decay, "weight_decay": 0.0}],
         optimizer="adamw", lr=a.lr, max_grad_norm=1.0, checkpoint_dir=a.ckpt_dir,
-        shard_gradients=a.shard_gradients)
+        shard_gradients=a.shard_gradients,
+        module=model,           # BatchNorm buffers as DDP keeps them; gathers overlap forward
+        batch_size=a.batch)     # samples/s in shardctl status and /metrics
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=a.lr, total_steps=a.steps)
     first = 0
     if a.resume:

@@ -8,6 +8,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <chrono>
 #include <cmath>
 #include <memory>
 #include <optional>
@@ -249,8 +250,12 @@ class PyOptimizer {
 
   // Joins the control plane (shardrun): heartbeats, shardctl, set-lr,
   // checkpoint requests. Returns the job's layout hash as the coordinator has it.
+  // samples_per_rank: the batch size on this rank (0: not known).
   void StartAgent(const std::string& host, const std::string& token, const std::string& ckpt_dir,
-                  int ckpt_keep, int64_t samples_per_step, double timeout_s) {
+                  int ckpt_keep, int64_t samples_per_rank, double timeout_s) {
+    if (samples_per_rank < 0) throw py::value_error("batch_size must be >= 0");
+    samples_per_rank_ = static_cast<double>(samples_per_rank);
+    const int64_t samples_per_step = samples_per_rank * comm_->comm->world_size();
     if (!comm_->client) throw std::runtime_error("no coordinator (not launched by shardrun)");
     if (agent_) return;
     RankAgentOptions o;
@@ -340,6 +345,14 @@ class PyOptimizer {
       FailWith(absl::StrCat("step ", step, " failed: ", DiagnoseReleased(r.status())));
     }
     if (agent_) {
+      // Throughput for heartbeats (shardctl status, /metrics): this rank's
+      // samples over the time since the previous step ended.
+      const auto now = std::chrono::steady_clock::now();
+      if (samples_per_rank_ > 0 && last_step_end_.has_value()) {
+        const double dt = std::chrono::duration<double>(now - *last_step_end_).count();
+        if (dt > 0) agent_->SetSamplesPerSecond(samples_per_rank_ / dt);
+      }
+      last_step_end_ = now;
       agent_->FinishStep(r->step, *r, l);
       if (agreed->checkpoint) {
         absl::Status s;
@@ -533,6 +546,8 @@ class PyOptimizer {
  private:
   std::shared_ptr<PyCommunicator> comm_;
   std::unique_ptr<ShardedOptimizer> opt_;
+  double samples_per_rank_ = 0;
+  std::optional<std::chrono::steady_clock::time_point> last_step_end_;
   std::unique_ptr<RankAgent> agent_;  // declared last: stopped first
   bool step_open_ = false;
 };

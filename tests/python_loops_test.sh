@@ -10,6 +10,7 @@ root=$PWD
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 export PYTHONPATH="$root/python"
+export SHARDCTL="$root/tools/shardctl"
 cd "$tmp" && timeout 1200 /usr/bin/python3 "$root/tests/python/loops/loops_test.py"
 rc=$?
 timeout 900 /usr/bin/python3 "$root/tests/python/loops/misuse_test.py" || rc=1

@@ -25,6 +25,15 @@ for _ in $(seq 1 100); do ctl layout --json >"$tmp/layout.json" 2>/dev/null && g
 grep -q '"0.weight' "$tmp/layout.json" && grep -q '"2.weight"' "$tmp/layout.json" || fail "shardctl layout --json does not list the parameters: $(head -c 400 "$tmp/layout.json")"
 grep -q '"0.bias\|"2.bias' "$tmp/layout.json" || fail "layout misses the biases"
 echo "shardctl layout --json lists the Python job's parameters"
+# batch_size= makes heartbeats carry samples/s (it was 0.0 for Python jobs).
+sps=""
+for _ in $(seq 1 50); do
+  sps=$(ctl status 2>/dev/null | awk '$1 == "0" && $3 ~ /^[0-9]+$/ {print $5}')
+  [[ -n "$sps" && "$sps" != "0.0" ]] && break
+  sleep 0.2
+done
+[[ -n "$sps" && "$sps" != "0.0" ]] || fail "shardctl status shows no samples/s for rank 0: '$sps'"
+echo "shardctl status: rank 0 at $sps samples/s"
 ctl set-lr 0.0025 || fail "set-lr failed"
 wait_for "param_groups lr 0.0025" "$tmp/job.log" 30 || fail "set-lr did not reach param_groups"
 echo "set-lr reached param_groups: $(grep -m1 'param_groups lr' "$tmp/job.log")"

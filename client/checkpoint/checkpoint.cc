@@ -626,7 +626,7 @@ absl::Status ReadOwnedFromConsolidated(ShardedOptimizer& opt, FileSystem* fs, co
   return absl::OkStatus();
 }
 
-absl::Status ApplyHyperParameters(ShardedOptimizer& opt, const SavedOptimizer& s) {
+HyperParameters HyperOf(const ShardedOptimizer& opt, const SavedOptimizer& s) {
   AdamConfig adam = opt.options().adam;
   SgdConfig sgd = opt.options().sgd;
   adam.lr = s.lr;
@@ -639,7 +639,18 @@ absl::Status ApplyHyperParameters(ShardedOptimizer& opt, const SavedOptimizer& s
   sgd.dampening = s.dampening;
   sgd.weight_decay = s.weight_decay;
   sgd.nesterov = s.nesterov;
-  return opt.SetHyperParameters(adam, sgd);
+  return HyperParameters{adam, sgd};
+}
+
+absl::Status ApplyHyperParameters(ShardedOptimizer& opt, const RestoredCheckpoint& info) {
+  if (!info.groups.empty() && static_cast<int>(info.groups.size()) == opt.num_groups()) {
+    for (int g = 0; g < opt.num_groups(); ++g) {
+      SHARDOPT_RETURN_IF_ERROR(opt.SetGroup(g, HyperOf(opt, info.groups[g])));
+    }
+    return absl::OkStatus();
+  }
+  const HyperParameters h = HyperOf(opt, info.optimizer);
+  return opt.SetHyperParameters(h.adam, h.sgd);
 }
 
 }  // namespace
@@ -652,7 +663,7 @@ absl::Status RestoreOwnedSlices(ShardedOptimizer& opt, const std::function<absl:
   const absl::Status mine = fill();
   SHARDOPT_RETURN_IF_ERROR(AgreeOnSuccess(opt.communicator(), mine, "loading the checkpoint", opt.options().timeout));
   SHARDOPT_RETURN_IF_ERROR(staging.CopyBack());
-  SHARDOPT_RETURN_IF_ERROR(ApplyHyperParameters(opt, info.optimizer));
+  SHARDOPT_RETURN_IF_ERROR(ApplyHyperParameters(opt, info));
   return opt.FinishRestore(info.step);
 }
 
@@ -662,13 +673,13 @@ absl::StatusOr<RestoredCheckpoint> LoadCheckpoint(ShardedOptimizer& opt, const s
     if (fs->Kind(path) == EntryKind::kFile) {
       SHARDOPT_ASSIGN_OR_RETURN(Consolidated c, ReadConsolidated(fs, path));
       SHARDOPT_RETURN_IF_ERROR(CheckConsolidated(opt, c, path));
-      info = {path, "safetensors", c.m.step, 0, c.m.optimizer, {}, !c.crcs.empty()};
+      info = {path, "safetensors", c.m.step, 0, c.m.optimizer, {}, {}, !c.crcs.empty()};
       return ReadOwnedFromConsolidated(opt, fs, path, c);
     }
     SHARDOPT_ASSIGN_OR_RETURN(std::string dir, ResolveCheckpoint(fs, path));
     SHARDOPT_ASSIGN_OR_RETURN(Manifest m, ReadManifest(fs, dir));
     SHARDOPT_RETURN_IF_ERROR(CheckCompatible(opt, m, dir));
-    info = {dir, "sharded", m.step, m.world_size, m.optimizer, m.user_metadata, m.self_checked};
+    info = {dir, "sharded", m.step, m.world_size, m.optimizer, {}, m.user_metadata, m.self_checked};
     return ReadOwnedFromShards(opt, fs, dir, m);
   };
   SHARDOPT_RETURN_IF_ERROR(RestoreOwnedSlices(opt, fill, info));

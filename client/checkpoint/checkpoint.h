@@ -1,6 +1,6 @@
 // Sharded, crash-safe checkpoints that any world size can resume from.
 //
-// Layout (docs/DESIGN.md, "Checkpoints"):
+// Layout (docs/design.md, "Checkpoints"):
 //   ROOT/step-<N>/shard-<r>-of-<W>.safetensors  written by every rank in parallel:
 //       its owned pieces of the fp32 parameters ("param") and of every optimizer
 //       state ("exp_avg", ...), one tensor "<param>::<state>::<offset>" each;
@@ -46,6 +46,9 @@ struct RestoredCheckpoint {
   int64_t step = 0;
   int world_size = 0;  // ranks that saved it (0: not known, a consolidated file)
   SavedOptimizer optimizer;  // the hyper-parameters now in force
+  // Per parameter group, when the checkpoint has them (a torch.save file with
+  // several param_groups): group g gets groups[g]; else every group `optimizer`.
+  std::vector<SavedOptimizer> groups;
   std::map<std::string, std::string> user_metadata;
   bool fully_verified = true;  // every byte read was covered by a CRC
 };

@@ -7,7 +7,9 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_join.h"
+#include "nlohmann/json.hpp"
 #include "client/checkpoint/checkpoint.h"
 #include "client/comm/in_process_communicator.h"
 #include "client/sharded_optimizer.h"
@@ -31,6 +33,105 @@ auto Guarded(const char* what, Fn fn) -> decltype(fn()) {
   } catch (const std::exception& e) {
     return absl::InternalError(absl::StrCat(what, ": ", e.what()));
   }
+}
+
+// The groups in `m`'s user metadata (kMetaParamGroups / kMetaParamGroupOf),
+// or one group of m.optimizer when it records none. `trainable` parameters.
+absl::Status GroupsOf(const Manifest& m, size_t trainable, const std::string& dir,
+                      std::vector<SavedOptimizer>* groups, std::vector<int>* group_of) {
+  auto hyper = m.user_metadata.find(kMetaParamGroups);
+  auto of = m.user_metadata.find(kMetaParamGroupOf);
+  groups->assign(1, m.optimizer);
+  group_of->assign(trainable, 0);
+  if (hyper == m.user_metadata.end() || of == m.user_metadata.end()) return absl::OkStatus();
+  auto bad = [&](const std::string& why) {
+    return absl::DataLossError(absl::StrCat("'", dir, "': user metadata '", kMetaParamGroups, "' / '",
+                                            kMetaParamGroupOf, "' ", why));
+  };
+  const nlohmann::json h = nlohmann::json::parse(hyper->second, nullptr, /*allow_exceptions=*/false);
+  const nlohmann::json o = nlohmann::json::parse(of->second, nullptr, /*allow_exceptions=*/false);
+  if (!h.is_array() || h.empty() || !o.is_array() || o.size() != trainable) {
+    return bad(absl::StrCat("are not a list of groups and one group index per trainable parameter (",
+                            trainable, ")"));
+  }
+  groups->clear();
+  for (const nlohmann::json& g : h) {
+    SavedOptimizer s = m.optimizer;
+    auto number = [&](const char* key, double* v) {
+      auto it = g.is_object() ? g.find(key) : g.end();
+      if (it != g.end() && it->is_number()) *v = it->get<double>();
+      return it != g.end() && it->is_number();
+    };
+    if (!number("lr", &s.lr) || !number("weight_decay", &s.weight_decay)) return bad("lack lr / weight_decay");
+    if (s.kind == "sgd") {
+      number("momentum", &s.momentum);
+      number("dampening", &s.dampening);
+      auto n = g.find("nesterov");
+      if (n != g.end() && n->is_boolean()) s.nesterov = n->get<bool>();
+    } else {
+      number("eps", &s.eps);
+      auto b = g.find("betas");
+      if (b == g.end() || !b->is_array() || b->size() != 2 || !(*b)[0].is_number() || !(*b)[1].is_number()) {
+        return bad("lack betas");
+      }
+      s.beta1 = (*b)[0].get<double>();
+      s.beta2 = (*b)[1].get<double>();
+    }
+    groups->push_back(s);
+  }
+  for (size_t k = 0; k < trainable; ++k) {
+    if (!o[k].is_number_integer() || o[k].get<int64_t>() < 0 ||
+        o[k].get<int64_t>() >= static_cast<int64_t>(groups->size())) {
+      return bad(absl::StrCat("name a group that does not exist for trainable parameter ", k));
+    }
+    (*group_of)[k] = o[k].get<int>();
+  }
+  return absl::OkStatus();
+}
+
+// Module buffers (BatchNorm statistics) the Python API records in the user
+// metadata ("shardopt.buffers": name, dtype, shape, base64 bytes), as named
+// tensors; none when absent.
+absl::Status BuffersOf(const Manifest& m, const std::string& dir, c10::Dict<std::string, torch::Tensor>* out) {
+  auto it = m.user_metadata.find("shardopt.buffers");
+  if (it == m.user_metadata.end()) return absl::OkStatus();
+  auto bad = [&](const std::string& why) {
+    return absl::DataLossError(absl::StrCat("'", dir, "': user metadata 'shardopt.buffers' ", why));
+  };
+  const nlohmann::json list = nlohmann::json::parse(it->second, nullptr, /*allow_exceptions=*/false);
+  if (!list.is_array()) return bad("is not a list");
+  static const std::map<std::string, at::ScalarType> kTypes = {
+      {"float32", at::kFloat}, {"float64", at::kDouble}, {"float16", at::kHalf}, {"bfloat16", at::kBFloat16},
+      {"int64", at::kLong},    {"int32", at::kInt},      {"int16", at::kShort}, {"int8", at::kChar},
+      {"uint8", at::kByte},    {"bool", at::kBool}};
+  for (const nlohmann::json& b : list) {
+    if (!b.is_object() || !b.contains("name") || !b["name"].is_string() || !b.contains("dtype") ||
+        !b["dtype"].is_string() || !b.contains("shape") || !b["shape"].is_array() || !b.contains("data") ||
+        !b["data"].is_string()) {
+      return bad("holds an entry without name, dtype, shape and data");
+    }
+    auto type = kTypes.find(b["dtype"].get<std::string>());
+    if (type == kTypes.end()) return bad(absl::StrCat("has dtype '", b["dtype"].get<std::string>(), "'"));
+    std::vector<int64_t> shape;
+    int64_t numel = 1;
+    for (const nlohmann::json& d : b["shape"]) {
+      if (!d.is_number_integer() || d.get<int64_t>() < 0 || d.get<int64_t>() > (int64_t{1} << 40)) {
+        return bad("has a bad shape");
+      }
+      shape.push_back(d.get<int64_t>());
+      numel *= shape.back();
+      if (numel > (int64_t{1} << 40)) return bad("has a bad shape");
+    }
+    std::string raw;
+    if (!absl::Base64Unescape(b["data"].get<std::string>(), &raw)) return bad("holds data that is not base64");
+    torch::Tensor t = torch::empty(shape, torch::TensorOptions().dtype(type->second));
+    if (static_cast<int64_t>(raw.size()) != t.numel() * static_cast<int64_t>(t.element_size())) {
+      return bad(absl::StrCat("buffer '", b["name"].get<std::string>(), "' holds ", raw.size(), " bytes"));
+    }
+    if (!raw.empty()) std::memcpy(t.data_ptr(), raw.data(), raw.size());
+    out->insert(b["name"].get<std::string>(), t);
+  }
+  return absl::OkStatus();
 }
 
 absl::Status ExportTorchUnguarded(FileSystem* fs, const std::string& dir, const std::string& out) {
@@ -57,48 +158,61 @@ absl::Status ExportTorchUnguarded(FileSystem* fs, const std::string& dir, const 
   }
   const std::string& kind = m.optimizer.kind;
   const double step = static_cast<double>(m.step);
+  std::vector<SavedOptimizer> saved_groups;
+  std::vector<int> group_of;
+  SHARDOPT_RETURN_IF_ERROR(GroupsOf(m, trainable.size(), dir, &saved_groups, &group_of));
+  // torch numbers parameters group after group: index = position in that order.
+  std::vector<size_t> order(trainable.size());
+  for (size_t k = 0; k < order.size(); ++k) order[k] = k;
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return group_of[a] < group_of[b]; });
   c10::Dict<int64_t, c10::Dict<std::string, torch::Tensor>> state;
   c10::Dict<std::string, torch::Tensor> named;
   c10::List<std::string> names;
-  c10::List<int64_t> indices;
-  for (size_t k = 0; k < trainable.size(); ++k) {
+  std::vector<c10::List<int64_t>> indices(saved_groups.size());
+  for (size_t index = 0; index < order.size(); ++index) {
+    const size_t k = order[index];
     const int i = trainable[k];
     const std::string& name = m.params[i].name;
     names.push_back(name);
-    indices.push_back(static_cast<int64_t>(k));
+    indices[group_of[k]].push_back(static_cast<int64_t>(index));
     named.insert(name, full[i][0]);
     c10::Dict<std::string, torch::Tensor> st;
     if (kind != "sgd") st.insert("step", torch::tensor(step));
     for (size_t s = 1; s < states.size(); ++s) st.insert(states[s], full[i][s]);
-    if (states.size() > 1) state.insert(static_cast<int64_t>(k), st);
+    if (states.size() > 1) state.insert(static_cast<int64_t>(index), st);
   }
-  const SavedOptimizer& o = m.optimizer;
-  c10::impl::GenericDict group(c10::StringType::get(), c10::AnyType::get());
-  group.insert("lr", o.lr);
-  group.insert("weight_decay", o.weight_decay);
-  group.insert("maximize", false);
-  group.insert("foreach", c10::IValue());
-  if (kind == "sgd") {
-    group.insert("momentum", o.momentum);
-    group.insert("dampening", o.dampening);
-    group.insert("nesterov", o.nesterov);
-    group.insert("differentiable", false);
-  } else {
-    group.insert("betas", c10::ivalue::Tuple::create({o.beta1, o.beta2}));
-    group.insert("eps", o.eps);
-    group.insert("amsgrad", false);
-    group.insert("capturable", false);
-    group.insert("differentiable", false);
-    group.insert("fused", false);
-  }
-  group.insert("params", indices);
   c10::impl::GenericList groups(c10::AnyType::get());
-  groups.push_back(group);
+  for (size_t g = 0; g < saved_groups.size(); ++g) {
+    const SavedOptimizer& o = saved_groups[g];
+    c10::impl::GenericDict group(c10::StringType::get(), c10::AnyType::get());
+    group.insert("lr", o.lr);
+    group.insert("weight_decay", o.weight_decay);
+    group.insert("maximize", false);
+    group.insert("foreach", c10::IValue());
+    if (kind == "sgd") {
+      group.insert("momentum", o.momentum);
+      group.insert("dampening", o.dampening);
+      group.insert("nesterov", o.nesterov);
+      group.insert("differentiable", false);
+    } else {
+      group.insert("betas", c10::ivalue::Tuple::create({o.beta1, o.beta2}));
+      group.insert("eps", o.eps);
+      group.insert("amsgrad", false);
+      group.insert("capturable", false);
+      group.insert("differentiable", false);
+      group.insert("fused", false);
+    }
+    group.insert("params", indices[g]);
+    groups.push_back(group);
+  }
   c10::impl::GenericDict top(c10::StringType::get(), c10::AnyType::get());
   top.insert("state", state);
   top.insert("param_groups", groups);
   top.insert("param_names", names);
   top.insert("params", named);
+  c10::Dict<std::string, torch::Tensor> buffers;
+  SHARDOPT_RETURN_IF_ERROR(BuffersOf(m, dir, &buffers));
+  if (!buffers.empty()) top.insert("buffers", buffers);  // module buffers (model.load_state_dict)
   top.insert("step", static_cast<int64_t>(m.step));
   const std::vector<char> bytes = torch::pickle_save(top);
   const std::string data(bytes.begin(), bytes.end());
@@ -159,8 +273,7 @@ absl::StatusOr<double> Number(const PyValue* group, const char* key, const std::
   return v->AsDouble();
 }
 
-// Hyper-parameters of every group; shardopt's optimizer has one set, so the
-// groups must agree.
+// One param group's hyper-parameters.
 absl::StatusOr<SavedOptimizer> GroupHyper(const PyValue* group, OptimizerKind kind, const std::string& file, int g) {
   SavedOptimizer o;
   o.kind = OptimizerKindName(kind);
@@ -195,31 +308,26 @@ bool SameHyper(const SavedOptimizer& a, const SavedOptimizer& b) {
          a.eps == b.eps && a.momentum == b.momentum && a.dampening == b.dampening && a.nesterov == b.nesterov;
 }
 
-// The optimizer's parameter indices, in order, and its hyper-parameters.
+// The optimizer's parameter indices, in order, each group's
+// hyper-parameters and each index's group.
 absl::Status ReadGroups(const PyValue* sd, OptimizerKind kind, const std::string& file, std::vector<int64_t>* indices,
-                        SavedOptimizer* hyper) {
+                        TorchCheckpoint* out) {
   const PyValue* groups = sd->Find(std::string("param_groups"));
   if (groups->kind != PyValue::Kind::kList || groups->items.empty()) return Bad(file, "param_groups is not a list");
   for (size_t g = 0; g < groups->items.size(); ++g) {
     const PyValue* group = groups->items[g].get();
     if (group->kind != PyValue::Kind::kDict) return Bad(file, "a param_group is not a dict");
     SHARDOPT_ASSIGN_OR_RETURN(SavedOptimizer h, GroupHyper(group, kind, file, static_cast<int>(g)));
-    if (g == 0) {
-      *hyper = h;
-    } else if (!SameHyper(h, *hyper)) {
-      return Bad(file, absl::StrCat("param_groups[", g, "] has other hyper-parameters than param_groups[0] (e.g. no "
-                                    "weight decay on biases); shardopt applies one set to every parameter"));
-    }
+    out->groups.push_back(h);
     const PyValue* params = group->Find(std::string("params"));
     if (params == nullptr || params->kind != PyValue::Kind::kList) return Bad(file, "a param_group has no params list");
     for (const auto& p : params->items) {
       if (p->kind != PyValue::Kind::kInt) return Bad(file, "a param_group's params are not indices");
       indices->push_back(p->i);
+      out->group_of.push_back(static_cast<int>(g));
     }
   }
-  if (groups->items.size() > 1) {
-    return Bad(file, "has several param_groups; without parameter names their order cannot be matched to the model");
-  }
+  out->optimizer = out->groups.front();
   return absl::OkStatus();
 }
 
@@ -326,7 +434,14 @@ absl::StatusOr<TorchCheckpoint> ReadTorchCheckpointUnguarded(const std::string& 
   SHARDOPT_ASSIGN_OR_RETURN(auto tensors, ModelTensors(model, model_file));
   TorchCheckpoint out;
   std::vector<int64_t> indices;
-  SHARDOPT_RETURN_IF_ERROR(ReadGroups(sd, kind, optimizer_file, &indices, &out.optimizer));
+  SHARDOPT_RETURN_IF_ERROR(ReadGroups(sd, kind, optimizer_file, &indices, &out));
+  if (out.groups.size() > 1 && expected == nullptr && top->Find(std::string("param_names")) == nullptr) {
+    // torch numbers parameters group after group, not in the model's order.
+    return Bad(optimizer_file, absl::StrCat(
+        "has ", out.groups.size(), " param_groups and no parameter names: which model parameter each index "
+        "stands for is not recorded. Load it from the training script instead (ShardedOptimizer.load_checkpoint "
+        "with the optimizer built with the same groups), where the live optimizer names them"));
+  }
   SHARDOPT_ASSIGN_OR_RETURN(out.names, IndexNames(top.get(), indices.size(), tensors, expected, optimizer_file));
   for (const std::string& name : out.names) {
     auto it = std::find_if(tensors.begin(), tensors.end(), [&](const auto& e) { return e.first == name; });
@@ -405,12 +520,38 @@ std::vector<std::string> TrainableNames(const Layout& layout) {
   return names;
 }
 
+// The file's param groups are the live optimizer's: as many, with the same
+// parameters in each (a parameter in another group would get its
+// hyper-parameters).
+absl::Status CheckGroups(const ShardedOptimizer& opt, const TorchCheckpoint& t, const std::string& file) {
+  const int theirs = static_cast<int>(t.groups.size());
+  if (theirs == 1 && opt.num_groups() == 1) return absl::OkStatus();
+  if (theirs != opt.num_groups()) {  // as torch.optim's load_state_dict refuses it
+    return Bad(file, absl::StrCat("has ", theirs, " param_groups, this optimizer ", opt.num_groups(),
+                                  ": build it with the same groups as the optimizer that saved the file"));
+  }
+  const std::vector<int>& ours = opt.options().param_group;
+  int trainable = 0;
+  for (size_t i = 0; i < opt.layout().params().size(); ++i) {
+    if (!opt.layout().params()[i].trainable) continue;
+    const int mine = ours.empty() ? 0 : ours[i];
+    if (trainable < static_cast<int>(t.group_of.size()) && t.group_of[trainable] != mine) {
+      return Bad(file, absl::StrCat("parameter '", opt.layout().params()[i].name, "' is in param_groups[",
+                                    t.group_of[trainable], "] there and in group ", mine,
+                                    " here: build the optimizer with the same groups, in the same order"));
+    }
+    ++trainable;
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<RestoredCheckpoint> LoadTorchCheckpoint(ShardedOptimizer& opt, const std::string& path) {
   RestoredCheckpoint info;
   auto fill = [&]() -> absl::Status {
     const std::vector<std::string> names = TrainableNames(opt.layout());
     SHARDOPT_ASSIGN_OR_RETURN(TorchCheckpoint t, ReadTorchCheckpoint(path, "", opt.options().kind, &names));
-    info = {path, "torch", t.step, 0, t.optimizer, {}, false};
+    SHARDOPT_RETURN_IF_ERROR(CheckGroups(opt, t, path));
+    info = {path, "torch", t.step, 0, t.optimizer, t.groups, {}, false};
     return FillFromTorch(opt, t, path);
   };
   SHARDOPT_RETURN_IF_ERROR(RestoreOwnedSlices(opt, fill, info));
@@ -432,12 +573,40 @@ absl::Status ImportTorchUnguarded(const std::string& optimizer_file, const std::
   o.kind = kind;
   if (kind == OptimizerKind::kAdamW) o.adam = AdamWConfig();
   if (kind == OptimizerKind::kSgd) o.sgd.momentum = t.optimizer.momentum;
+  CheckpointOptions co;
+  if (t.groups.size() > 1) {
+    // The file's groups (named by its param_names): kept, and recorded for
+    // every reader (resume, consolidate --format=torch).
+    nlohmann::json hyper = nlohmann::json::array();
+    for (const SavedOptimizer& g : t.groups) {
+      HyperParameters h{o.adam, o.sgd};
+      h.adam.lr = h.sgd.lr = g.lr;
+      h.adam.weight_decay = h.sgd.weight_decay = g.weight_decay;
+      h.adam.beta1 = g.beta1;
+      h.adam.beta2 = g.beta2;
+      h.adam.eps = g.eps;
+      h.sgd.momentum = g.momentum;
+      h.sgd.dampening = g.dampening;
+      h.sgd.nesterov = g.nesterov;
+      o.groups.push_back(h);
+      if (kind == OptimizerKind::kSgd) {
+        hyper.push_back({{"lr", g.lr}, {"momentum", g.momentum}, {"dampening", g.dampening},
+                         {"weight_decay", g.weight_decay}, {"nesterov", g.nesterov}});
+      } else {
+        hyper.push_back({{"lr", g.lr}, {"betas", {g.beta1, g.beta2}}, {"eps", g.eps},
+                         {"weight_decay", g.weight_decay}});
+      }
+    }
+    o.param_group = t.group_of;
+    co.user_metadata[kMetaParamGroups] = hyper.dump();
+    co.user_metadata[kMetaParamGroupOf] = nlohmann::json(t.group_of).dump();
+  }
   InProcessWorld world(1, absl::Seconds(60));
   auto comm = world.Connect(0);
   SHARDOPT_ASSIGN_OR_RETURN(auto opt, ShardedOptimizer::Create(params, o, comm.get()));
-  RestoredCheckpoint info{optimizer_file, "torch", t.step, 0, t.optimizer, {}, false};
+  RestoredCheckpoint info{optimizer_file, "torch", t.step, 0, t.optimizer, t.groups, {}, false};
   SHARDOPT_RETURN_IF_ERROR(RestoreOwnedSlices(*opt, [&] { return FillFromTorch(*opt, t, optimizer_file); }, info));
-  return SaveCheckpoint(*opt, out_root).status();
+  return SaveCheckpoint(*opt, out_root, co).status();
 }
 
 }  // namespace

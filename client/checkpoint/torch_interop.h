@@ -28,13 +28,25 @@ namespace shardopt {
 // alongside. Builds the whole state in memory, as torch.save does.
 absl::Status ExportTorch(FileSystem* fs, const std::string& ckpt_dir, const std::string& out);
 
+// The parameter groups a checkpoint records in its user metadata (written by
+// the Python API and by ImportTorch): each group's hyper-parameters, JSON in
+// torch's param_groups keys ({"lr", "betas", "eps", "weight_decay"}, or SGD's
+// {"lr", "momentum", "dampening", "weight_decay", "nesterov"}), and the group
+// of each trainable parameter in layout order.
+inline constexpr char kMetaParamGroups[] = "shardopt.param_groups";
+inline constexpr char kMetaParamGroupOf[] = "shardopt.param_group_of";
+
 // An optimizer's state as a torch.save file holds it, by parameter name.
 struct TorchCheckpoint {
   std::vector<std::string> names;  // the optimizer's parameters, in its index order
   std::map<std::string, at::Tensor> params;  // name -> fp32 values (contiguous)
   std::map<std::string, std::map<std::string, at::Tensor>> state;  // name -> {"exp_avg": ...}
   int64_t step = 0;
-  SavedOptimizer optimizer;
+  SavedOptimizer optimizer;  // param_groups[0]'s
+  // Every param group's hyper-parameters, and the group of each name in
+  // `names` (torch numbers the parameters group after group).
+  std::vector<SavedOptimizer> groups;
+  std::vector<int> group_of;
 };
 
 // Reads `optimizer_file`: an optimizer state_dict written by torch.save

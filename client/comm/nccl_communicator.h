@@ -11,7 +11,7 @@
 // the gradient norm, checkpoint agreement): they are staged through device
 // memory and pinned host memory, so callers need not know which backend runs.
 //
-// Tested on one H200 (world size 1) by tools/gpu_check.sh; see README, "GPU".
+// Tested on one H200 (world size 1) by tools/gpu_check.sh; see docs/gpu.md.
 #ifndef SHARDOPT_CLIENT_NCCL_COMMUNICATOR_H_
 #define SHARDOPT_CLIENT_NCCL_COMMUNICATOR_H_
 

@@ -24,7 +24,8 @@ if ctx.rank == 0:
     print(f"torch.distributed all_reduce: {t.item():g}", flush=True)
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
-opt = shardopt.ShardedOptimizer(model.named_parameters(), optimizer="adam", lr=1e-3, timeout=30)
+opt = shardopt.ShardedOptimizer(model.named_parameters(), optimizer="adam", lr=1e-3, timeout=30,
+                                batch_size=8)
 last_lr = opt.param_groups[0]["lr"]
 for step in range(a.steps):
     opt.zero_grad()

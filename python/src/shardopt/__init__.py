@@ -13,7 +13,7 @@ data parallelism (instead of DDP + an optimizer, or ZeroRedundancyOptimizer):
         loss_fn(model(x), y).backward()   # no DDP wrapper: shardopt reduces gradients
         stats = opt.step()
 
-See the README's "Python" section.
+See docs/python.md (API reference) and docs/migration.md.
 """
 
 import contextlib
@@ -84,7 +84,17 @@ def _is_ddp(module) -> bool:
     from torch.nn.parallel import DistributedDataParallel
     return isinstance(module, DistributedDataParallel)
 _META_GROUPS = "shardopt.param_groups"
+_META_GROUP_OF = "shardopt.param_group_of"  # group of each trainable parameter, layout order
 _META_BUFFERS = "shardopt.buffers"
+
+
+def _json_or_none(text: Optional[str]):
+    if text is None:
+        return None
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
 
 
 def _encode_buffers(module: torch.nn.Module) -> str:
@@ -225,7 +235,7 @@ def install_host_allocator() -> str:
     freed for the next tensor they fit (best fit, at most twice its size; up
     to 2 GiB kept unused); smaller ones still come from malloc. A training
     loop asks for the same sizes every step, so peak memory stops depending on
-    how glibc's heap happened to split (the README's "Allocator": it helps
+    how glibc's heap happened to split (docs/performance.md, "Allocator": it helps
     models with few tensor sizes, and keeps more than glibc where a step's
     phases use many different sizes, as torchvision's resnet101). Call it
     once, early, before the model is built: tensors allocated before keep
@@ -507,10 +517,11 @@ class ShardedOptimizer(Optimizer):
         if any(t.is_cuda for t in tensors) and not _C.has_cuda:
             raise ValueError("parameters are on a CUDA device, but this build of shardopt has no "
                              "CUDA kernels (it was built against a CPU-only PyTorch); see the "
-                             "README's GPU section")
+                             "docs/gpu.md")
         # torch.optim.Optimizer: param_groups, state, hooks; checks the groups.
         super().__init__(torch_groups, defaults)
         self._kind = optimizer
+        self._param_group = param_group
         self._names = names
         self._tensors = tensors
         self._index = {n: i for i, n in enumerate(names)}
@@ -731,7 +742,8 @@ class ShardedOptimizer(Optimizer):
         the same format as the C++ side; returns the directory. keep > 0
         prunes older checkpoints."""
         self._sync_groups()
-        meta = {_META_GROUPS: json.dumps([self._hyper(g) for g in self.param_groups])}
+        meta = {_META_GROUPS: json.dumps([self._hyper(g) for g in self.param_groups]),
+                _META_GROUP_OF: json.dumps(self._trainable_groups())}
         if self._module is not None:
             # Rank 0's buffers (BatchNorm statistics): the ones every rank
             # gets at the next forward under broadcast_buffers.
@@ -743,13 +755,13 @@ class ShardedOptimizer(Optimizer):
         size), a consolidated .safetensors file, or a torch.save file. Restores
         parameters, state, step and hyper-parameters (into param_groups)."""
         info = self._core.load_checkpoint(os.fspath(path))
-        saved = info["metadata"].get(_META_GROUPS)
-        groups = None
-        if saved is not None:
-            try:
-                groups = json.loads(saved)
-            except ValueError:
-                groups = None
+        meta = info["metadata"]
+        groups = _json_or_none(meta.get(_META_GROUPS))
+        group_of = _json_or_none(meta.get(_META_GROUP_OF))
+        if group_of is not None and group_of != self._trainable_groups():
+            raise ValueError(f"{os.fspath(path)}: saved with {len(groups or [])} parameter groups "
+                             "holding other parameters than this optimizer's: build it with the "
+                             "same groups, in the same order")
         if isinstance(groups, list) and len(groups) == len(self.param_groups):
             for g, h in enumerate(groups):
                 self._core.set_group(g, h)
@@ -794,6 +806,10 @@ class ShardedOptimizer(Optimizer):
         self._join("consolidate_state_dict()")
         sd = self._full_state_dict()
         self._consolidated = (self._core.step_count, sd if self.rank == to else None, to)
+
+    def _trainable_groups(self) -> List[int]:
+        """The group of each trainable parameter, in the layout's order."""
+        return [g for g, t in zip(self._param_group, self._tensors) if t.requires_grad]
 
     def state_dict(self) -> Dict[str, Any]:
         """The whole state in torch.optim's format (as torch.optim.AdamW /

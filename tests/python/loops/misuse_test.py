@@ -103,6 +103,7 @@ class MisuseTest(unittest.TestCase):
         for res in run_case("pt_with_scheduler"):
             self.assertEqual(res["max_diff"], 0.0)
             self.assertIn("key 'optimizer' holds object of torch.optim.adamw.AdamW", res["refusal"])
+            self.assertIn("has 2 param_groups, this optimizer 1", res["groups_refusal"])
 
 
 if __name__ == "__main__":

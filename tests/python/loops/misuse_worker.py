@@ -260,12 +260,23 @@ def case_pt_with_scheduler(rank, root):
     ours.wait_for_parameters()
     diff = max(float((a - b).abs().max()) for a, b in zip(ours_model.parameters(),
                                                           ref_model.parameters()))
+    # Two param groups in the file, one in this optimizer: refused (as
+    # torch.optim's load_state_dict refuses it), never applied to the wrong ones.
+    two = os.path.join(root, "two.pt")
+    if rank == 0:
+        w = [p for n, p in model.named_parameters() if n.endswith("weight")]
+        b = [p for n, p in model.named_parameters() if n.endswith("bias")]
+        o2 = torch.optim.AdamW([{"params": w}, {"params": b, "weight_decay": 0.0}], lr=1e-3)
+        torch.save({"model": model.state_dict(), "optimizer": o2.state_dict()}, two)
+    dist.barrier()
+    groups_refusal = error_of(lambda: ours.load_checkpoint(two))["error"]
     bad = os.path.join(root, "bad.pt")
     if rank == 0:
         torch.save({"model": model.state_dict(), "optimizer": torch.optim.AdamW}, bad)
     dist.barrier()
     refusal = error_of(lambda: ours.load_checkpoint(bad))
-    return {"error": None, "max_diff": diff, "step": info.get("step"), "refusal": refusal["error"]}
+    return {"error": None, "max_diff": diff, "step": info.get("step"), "refusal": refusal["error"],
+            "groups_refusal": groups_refusal}
 
 
 CASES = {name[5:]: fn for name, fn in globals().items() if name.startswith("case_")}
