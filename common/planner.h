@@ -1,4 +1,4 @@
-// The greedy partition planner (docs/DESIGN.md, "Partition").
+// The greedy partition planner (docs/design.md, "Partition").
 #ifndef SHARDOPT_COMMON_PLANNER_H_
 #define SHARDOPT_COMMON_PLANNER_H_
 

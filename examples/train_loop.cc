@@ -1,4 +1,4 @@
-// The smallest complete trainer on shardopt's C++ API (README, "C++ API").
+// The smallest complete trainer on shardopt's C++ API (README quickstart; docs/cpp.md).
 // Launch it with shardrun, which starts the ranks and a coordinator whose
 // key-value store the communicators rendezvous through:
 //

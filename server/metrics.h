@@ -5,7 +5,7 @@
 // metrics cost nothing between scrapes. Uses Debian's prometheus-cpp (its
 // pull Exposer, a civetweb server); only targets that serve metrics link it.
 //
-// Names (see README, "Observability"): per rank, label rank="N":
+// Names (see docs/observability.md): per rank, label rank="N":
 //   shardopt_rank_step, shardopt_rank_step_seconds (histogram),
 //   shardopt_rank_samples_per_second, shardopt_rank_loss,
 //   shardopt_rank_learning_rate, shardopt_rank_grad_norm,

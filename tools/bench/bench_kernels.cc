@@ -1,4 +1,4 @@
-// Kernel micro-benchmark (docs/BENCHMARKS.md section 2).
+// Kernel micro-benchmark (docs/performance.md section 2).
 //
 // On the `mlp` model's parameter tensors (42M fp32 parameters), single-threaded
 // and with all threads, measures side by side, interleaved, medians of several

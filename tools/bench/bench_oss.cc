@@ -1,4 +1,4 @@
-// bench_oss: fairscale's OSS table reproduced on CPU (docs/BENCHMARKS.md section 1).
+// bench_oss: fairscale's OSS table reproduced on CPU (docs/performance.md section 1).
 //
 // Rows, all over the same Communicator, models and data, 2 ranks as separate
 // processes (Gloo over loopback, 1 compute thread each), tuned malloc for all:
@@ -562,7 +562,7 @@ takes up to 6 steps to settle on the mlp (a step that grows it faults in 64 MiB 
 ~0.25 s on this VM: the JSON's minor_faults per step shows it; fwd_s and gate_wait_s split
 the forward and its layer waits). --png draws the chart with tools/bench/plot_oss.py (needs python3-matplotlib).
 --rows=shardopt,shardopt_fr measures what the flight recorder and the trainer's
-heartbeat metrics cost (README, "Flight recorder"); --rows=...,shardopt_overlap adds the
+heartbeat metrics cost (docs/observability.md, "Flight recorder"); --rows=...,shardopt_overlap adds the
 all-gathers overlapping the next forward (its fwd+bwd column includes those waits, which its
 exposed-comm column counts too); shardopt_zero2 adds gradient sharding to that (the "grads"
 column: gradient buffers per rank; shardopt_zero2:cap=N:staging=N:pieces=0|1:overlap=0|1 rows compare bucket

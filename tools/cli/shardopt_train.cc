@@ -59,7 +59,7 @@ flags (a malformed or out-of-range value is refused, naming the flag; exit statu
   --threads=N          compute threads per rank, 1..256 (default 1)
   --malloc=MODE        tuned | default (default tuned: freed memory stays in the process,
                        LibTorch tensors of 1 MiB or more in their own mappings, reused
-                       best-fit; default: glibc and LibTorch as they are; README, "Allocator")
+                       best-fit; default: glibc and LibTorch as they are; docs/performance.md, "Allocator")
   --overlap=on|off     on: Step() returns with the parameter all-gathers in flight and each
                        layer waits for its own before its forward (default on)
   --shard-gradients=on|off
@@ -300,7 +300,7 @@ RankAgentOptions AgentOptions(const Config& c, int64_t batch) {
 
 // The communicator: shared memory or Gloo (--transport), rendezvous through
 // the coordinator's key-value store, every collective through the flight
-// recorder (README, "Flight recorder").
+// recorder (docs/observability.md, "Flight recorder").
 absl::StatusOr<std::unique_ptr<Communicator>> Connect(const Config& c, CoordinatorClient* client) {
   GrpcKeyValueStore kv(client);
   PrefixKeyValueStore job_kv(&kv, c.job_id);

@@ -66,7 +66,7 @@ flags (a malformed or out-of-range value is refused, naming the flag; exit statu
                          (default 10)
   --metrics-port=P       serve Prometheus metrics over HTTP at --bind:P/metrics, 0..65535
                          (0: chosen by the OS, printed; default: no metrics). Plain HTTP,
-                         read-only, no token: see README, "Observability"
+                         read-only, no token: see docs/observability.md
   --metrics-port-file=PATH  write the metrics host:port here once it listens
   --slow-factor=X        a rank whose busy time per step (step time minus waiting on
                          collectives) exceeds X times the median of the other ranks' is
