@@ -28,6 +28,14 @@ else
   echo "//tools:check_gpu_sources   FAILED" >>"$log"
 fi
 
+# The README's quickstarts and the docs' runnable examples, run as written
+# (tools/docs_test.sh), so a quickstart that stops working fails CI.
+if tools/docs_test.sh; then
+  echo "//tools:docs_test   PASSED" >>"$log"
+else
+  echo "//tools:docs_test   FAILED" >>"$log"
+fi
+
 # One line per test target: "//pkg:target   PASSED in 1.2s" (or FAILED, TIMEOUT, ...).
 passed=$(grep -Ec '^//[^ ]+ +(\(cached\) )?PASSED' "$log")
 failed=$(grep -Ec '^//[^ ]+ +(\(cached\) )?(FAILED|TIMEOUT|FLAKY|NO STATUS|INCOMPLETE|FAILED TO BUILD)' "$log")
