@@ -17,8 +17,8 @@ absl::Status FromGrpc(const grpc::Status& s, const std::string& what) {
   if (s.ok()) return absl::OkStatus();
   const auto code = static_cast<absl::StatusCode>(s.error_code());
   if (s.error_code() == grpc::StatusCode::UNAVAILABLE) {
-    return absl::UnavailableError(absl::StrCat(what, ": cannot reach the coordinator (",
-                                               s.error_message(), ")"));
+    return absl::UnavailableError(
+        absl::StrCat(what, ": cannot reach the coordinator (", s.error_message(), ")"));
   }
   return absl::Status(code, absl::StrCat(what, ": ", s.error_message()));
 }
@@ -256,7 +256,8 @@ absl::StatusOr<std::string> CoordinatorClient::Health() {
   for (const auto& s : slices) bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
   // Field 1, varint: tag 0x08 then the value (1 = SERVING, 2 = NOT_SERVING).
   if (bytes.size() >= 2 && bytes[0] == 0x08) {
-    return bytes[1] == 1 ? std::string("SERVING") : absl::StrCat("NOT_SERVING(", int(bytes[1]), ")");
+    return bytes[1] == 1 ? std::string("SERVING")
+                         : absl::StrCat("NOT_SERVING(", int(bytes[1]), ")");
   }
   return std::string("UNKNOWN");
 }

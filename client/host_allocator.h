@@ -34,12 +34,12 @@
 namespace shardopt {
 
 struct HostAllocatorStats {
-  int64_t mapped_bytes = 0;       // large blocks mapped now (in use or kept)
-  int64_t kept_bytes = 0;         // of those, kept unused for reuse
+  int64_t mapped_bytes = 0;  // large blocks mapped now (in use or kept)
+  int64_t kept_bytes = 0;    // of those, kept unused for reuse
   int64_t peak_mapped_bytes = 0;
-  int64_t maps = 0;               // mmap calls (cache misses)
-  int64_t reuses = 0;             // large requests served from kept blocks
-  int64_t reuses_larger = 0;      // of those, from a larger block (best fit, <= 2x)
+  int64_t maps = 0;           // mmap calls (cache misses)
+  int64_t reuses = 0;         // large requests served from kept blocks
+  int64_t reuses_larger = 0;  // of those, from a larger block (best fit, <= 2x)
 };
 
 class LargeBlockCachingAllocator final : public c10::Allocator {

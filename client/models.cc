@@ -30,7 +30,8 @@ namespace {
 torch::Tensor SyntheticRows(uint64_t seed, int64_t cols, int64_t begin, int64_t end) {
   torch::Tensor out = torch::empty({end - begin, cols});
   for (int64_t i = begin; i < end; ++i) {
-    at::Generator gen = at::detail::createCPUGenerator(seed * 1000003ull + static_cast<uint64_t>(i));
+    at::Generator gen =
+        at::detail::createCPUGenerator(seed * 1000003ull + static_cast<uint64_t>(i));
     out[i - begin].copy_(at::randn({cols}, gen));
   }
   return out;
@@ -103,19 +104,24 @@ class SmallModel : public TrainModel, public torch::nn::Module {
 // tests/fixtures/resnet101_params.json).
 struct BottleneckImpl : torch::nn::Module {
   BottleneckImpl(int64_t inplanes, int64_t planes, int64_t stride, bool downsample) {
-    conv1 = register_module("conv1", torch::nn::Conv2d(torch::nn::Conv2dOptions(inplanes, planes, 1).bias(false)));
+    conv1 = register_module(
+        "conv1", torch::nn::Conv2d(torch::nn::Conv2dOptions(inplanes, planes, 1).bias(false)));
     bn1 = register_module("bn1", torch::nn::BatchNorm2d(planes));
-    conv2 = register_module("conv2", torch::nn::Conv2d(torch::nn::Conv2dOptions(planes, planes, 3)
-                                                           .stride(stride).padding(1).bias(false)));
+    conv2 = register_module(
+        "conv2",
+        torch::nn::Conv2d(
+            torch::nn::Conv2dOptions(planes, planes, 3).stride(stride).padding(1).bias(false)));
     bn2 = register_module("bn2", torch::nn::BatchNorm2d(planes));
-    conv3 = register_module("conv3", torch::nn::Conv2d(torch::nn::Conv2dOptions(planes, planes * 4, 1).bias(false)));
+    conv3 = register_module(
+        "conv3", torch::nn::Conv2d(torch::nn::Conv2dOptions(planes, planes * 4, 1).bias(false)));
     bn3 = register_module("bn3", torch::nn::BatchNorm2d(planes * 4));
     if (downsample) {
       down = register_module(
           "downsample",
-          torch::nn::Sequential(torch::nn::Conv2d(torch::nn::Conv2dOptions(inplanes, planes * 4, 1)
-                                                      .stride(stride).bias(false)),
-                                torch::nn::BatchNorm2d(planes * 4)));
+          torch::nn::Sequential(
+              torch::nn::Conv2d(
+                  torch::nn::Conv2dOptions(inplanes, planes * 4, 1).stride(stride).bias(false)),
+              torch::nn::BatchNorm2d(planes * 4)));
     }
   }
   torch::Tensor forward(const torch::Tensor& x) {
@@ -137,8 +143,9 @@ class ResNet101 : public TrainModel, public torch::nn::Module {
  public:
   explicit ResNet101(uint64_t seed) {
     torch::manual_seed(seed);
-    conv1 = register_module("conv1", torch::nn::Conv2d(torch::nn::Conv2dOptions(3, 64, 7)
-                                                           .stride(2).padding(3).bias(false)));
+    conv1 = register_module(
+        "conv1",
+        torch::nn::Conv2d(torch::nn::Conv2dOptions(3, 64, 7).stride(2).padding(3).bias(false)));
     bn1 = register_module("bn1", torch::nn::BatchNorm2d(64));
     int64_t inplanes = 64;
     const int64_t blocks[4] = {3, 4, 23, 3};
@@ -158,9 +165,12 @@ class ResNet101 : public TrainModel, public torch::nn::Module {
   torch::nn::Module& module() override { return *this; }
   int64_t batch_per_rank() const override { return 32; }
   torch::Tensor Loss(int64_t step, int64_t begin, int64_t end) override {
-    torch::Tensor x = SyntheticRows(3 * step + 1, 3 * 32 * 32, begin, end).view({end - begin, 3, 32, 32});
-    torch::Tensor labels = (SyntheticRows(3 * step + 2, 1, begin, end).view({end - begin}).abs() * 331)
-                               .to(torch::kLong).remainder(1000);
+    torch::Tensor x =
+        SyntheticRows(3 * step + 1, 3 * 32 * 32, begin, end).view({end - begin, 3, 32, 32});
+    torch::Tensor labels =
+        (SyntheticRows(3 * step + 2, 1, begin, end).view({end - begin}).abs() * 331)
+            .to(torch::kLong)
+            .remainder(1000);
     Gate(*conv1);
     Gate(*bn1);
     torch::Tensor h = torch::max_pool2d(bn1->forward(conv1->forward(x)).relu_(), 3, 2, 1);

@@ -74,10 +74,10 @@ absl::StatusOr<std::unique_ptr<RankAgent>> RankAgent::Start(CoordinatorApi* clie
   }
   const Communicator* comm = optimizer->communicator();
   if (options.rank != comm->rank() || optimizer->layout().world_size() != comm->world_size()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "RankAgent: rank ", options.rank, " given, but the communicator is rank ", comm->rank(),
-        " of ", comm->world_size(), " (the layout is for ", optimizer->layout().world_size(),
-        " ranks)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("RankAgent: rank ", options.rank, " given, but the communicator is rank ",
+                     comm->rank(), " of ", comm->world_size(), " (the layout is for ",
+                     optimizer->layout().world_size(), " ranks)"));
   }
   std::unique_ptr<RankAgent> agent(new RankAgent(client, optimizer, std::move(options)));
   if (absl::Status s = agent->StartService(); !s.ok()) return s;
@@ -97,7 +97,9 @@ absl::Status RankAgent::StartService() {
   const int rank = options_.rank;
   std::shared_ptr<FlightRecorder> recorder = recorder_;
   if (recorder != nullptr) {
-    sources.flight = [rank, recorder] { return ToFlightRecord(rank, recorder->Snapshot(), absl::Now(), ""); };
+    sources.flight = [rank, recorder] {
+      return ToFlightRecord(rank, recorder->Snapshot(), absl::Now(), "");
+    };
   }
   service_ = std::make_unique<ShardOwnerService>(std::move(sources), options_.token);
   RpcServerOptions sopt;
@@ -108,7 +110,8 @@ absl::Status RankAgent::StartService() {
   };
   sopt.tls_cert_file = or_env(options_.owner_tls_cert_file, "SHARDOPT_OWNER_TLS_CERT");
   sopt.tls_key_file = or_env(options_.owner_tls_key_file, "SHARDOPT_OWNER_TLS_KEY");
-  sopt.tls_client_ca_file = or_env(options_.owner_tls_client_ca_file, "SHARDOPT_OWNER_TLS_CLIENT_CA");
+  sopt.tls_client_ca_file =
+      or_env(options_.owner_tls_client_ca_file, "SHARDOPT_OWNER_TLS_CLIENT_CA");
   auto server = RpcServer::Start(sopt, {service_.get()});
   if (!server.ok()) return server.status();
   server_ = *std::move(server);
@@ -119,7 +122,8 @@ absl::Status RankAgent::StartService() {
 absl::Status RankAgent::Join() {
   const v1::JoinRequest join =
       MakeJoinRequest(opt_->layout(), options_, shard_owner_port_, opt_->learning_rate());
-  auto joined = client_->Join(join, std::max(options_.min_join_timeout, options_.collective_timeout));
+  auto joined =
+      client_->Join(join, std::max(options_.min_join_timeout, options_.collective_timeout));
   if (!joined.ok()) return joined.status();
   joined_ = *std::move(joined);
   return absl::OkStatus();
@@ -153,7 +157,8 @@ int RankAgent::Finish() {
   return 0;
 }
 
-int RankAgent::Fail(const std::string& message, const std::optional<std::string>& coordinator_reason) {
+int RankAgent::Fail(const std::string& message,
+                    const std::optional<std::string>& coordinator_reason) {
   const std::string& reason = coordinator_reason.has_value() ? *coordinator_reason : message;
   if (!reason.empty()) (void)client_->Abort(reason, options_.rank);
   failure_ = message;
@@ -260,7 +265,8 @@ void RankAgent::HeartbeatLoop() {
     const v1::HeartbeatRequest hb = MakeHeartbeat();
     std::string reason;
     if (const int sig = StopSignal(); sig != 0) {
-      reason = absl::StrCat("stopped by signal ", sig, " (shardrun is stopping the job, or it died)");
+      reason =
+          absl::StrCat("stopped by signal ", sig, " (shardrun is stopping the job, or it died)");
     } else if (session_ok_.load() && session_->Send(hb)) {
       last_ok = absl::Now();
     } else {
@@ -297,7 +303,8 @@ void RankAgent::BeforeStep(int64_t step) {
   ++progress_;
 }
 
-absl::StatusOr<AgreedStep> RankAgent::AfterStep(int64_t step, const StepResult& result, double loss) {
+absl::StatusOr<AgreedStep> RankAgent::AfterStep(int64_t step, const StepResult& result,
+                                                double loss) {
   ++progress_;
   const absl::Time agree_start = absl::Now();
   auto agreed = Agree(step, !std::isfinite(loss));
@@ -328,7 +335,8 @@ void RankAgent::FinishStep(int64_t step, const StepResult& result, double loss) 
 
 void RankAgent::RecordStep(const StepResult& result, double agree_seconds) {
   std::lock_guard<std::mutex> l(mu_);
-  if (metrics_.step_seconds.size() == kMaxStepTimes) metrics_.step_seconds.erase(metrics_.step_seconds.begin());
+  if (metrics_.step_seconds.size() == kMaxStepTimes)
+    metrics_.step_seconds.erase(metrics_.step_seconds.begin());
   metrics_.step_seconds.push_back(absl::ToDoubleSeconds(absl::Now() - step_start_));
   // device_async_step on a GPU: the norm is read later (LastGradNorm()); the
   // metric keeps the last one known.
@@ -340,7 +348,8 @@ void RankAgent::RecordStep(const StepResult& result, double agree_seconds) {
 }
 
 absl::Status RankAgent::AllReduceMax(int count) {
-  CommHandlePtr h = comm_->AllReduce(agree_buf_.data(), count, ElementType::kFloat32, ReduceOp::kMax);
+  CommHandlePtr h =
+      comm_->AllReduce(agree_buf_.data(), count, ElementType::kFloat32, ReduceOp::kMax);
   absl::Status s = h->Wait(options_.collective_timeout);
   if (!s.ok()) {
     // A timed-out collective still runs on agree_buf_: abort it, and let it
@@ -363,7 +372,8 @@ absl::StatusOr<AgreedStep> RankAgent::Agree(int64_t step, bool nonfinite_loss) {
     std::lock_guard<std::mutex> l(mu_);
     wanted = wanted_;
   }
-  agree_buf_ = {static_cast<float>(wanted.lr_version), static_cast<float>(wanted.checkpoint_request),
+  agree_buf_ = {static_cast<float>(wanted.lr_version),
+                static_cast<float>(wanted.checkpoint_request),
                 nonfinite_loss ? static_cast<float>(options_.rank + 1) : 0.0f};
   if (absl::Status s = AllReduceMax(3); !s.ok()) return s;
   const std::array<float, 3> ctl = agree_buf_;
@@ -372,7 +382,8 @@ absl::StatusOr<AgreedStep> RankAgent::Agree(int64_t step, bool nonfinite_loss) {
     return a;
   }
   if (static_cast<int64_t>(ctl[0]) > applied_version_) {
-    if (absl::Status s = AgreeOnLearningRate(step, static_cast<int64_t>(ctl[0]), wanted, &a); !s.ok()) {
+    if (absl::Status s = AgreeOnLearningRate(step, static_cast<int64_t>(ctl[0]), wanted, &a);
+        !s.ok()) {
       return s;
     }
   }
@@ -399,11 +410,12 @@ absl::Status RankAgent::AgreeOnLearningRate(int64_t step, int64_t version, const
     lr_applied_ = lr_new;
     out->new_lr = lr_new;
     if (options_.rank == 0) {
-      Print(absl::StrFormat("learning rate set to %g at step %lld", lr_new, static_cast<long long>(step)));
+      Print(absl::StrFormat("learning rate set to %g at step %lld", lr_new,
+                            static_cast<long long>(step)));
     }
   } else if (options_.rank == 0) {
-    Print(absl::StrFormat("learning rate %g requested at step %lld: not a positive float, ignored", wanted.lr,
-                          static_cast<long long>(step)));
+    Print(absl::StrFormat("learning rate %g requested at step %lld: not a positive float, ignored",
+                          wanted.lr, static_cast<long long>(step)));
   }
   return absl::OkStatus();
 }
@@ -423,7 +435,8 @@ std::string RankAgent::Diagnose(const absl::Status& status, absl::Time since) {
   // Failing well before its timeout: a broken connection.
   const absl::Duration took = absl::Now() - since;
   if (took >= options_.collective_timeout * 0.9) return status.ToString();
-  return absl::StrCat("a collective failed after ", absl::FormatDuration(absl::Trunc(took, absl::Milliseconds(1))),
+  return absl::StrCat("a collective failed after ",
+                      absl::FormatDuration(absl::Trunc(took, absl::Milliseconds(1))),
                       ", before its ", absl::FormatDuration(options_.collective_timeout),
                       " timeout (a peer's connection broke) [", status.message(), "]");
 }
@@ -440,8 +453,10 @@ std::optional<std::string> RankAgent::SilentRanks(const absl::Status& status) {
     if (!job->failure().empty()) return "job failed: " + job->failure();
     std::vector<std::string> quiet;
     for (const auto& r : job->ranks()) {
-      if (r.rank() != options_.rank && r.seconds_since_heartbeat() > options_.silent_after_seconds) {
-        quiet.push_back(absl::StrFormat("%d (no heartbeat for %.1f s)", r.rank(), r.seconds_since_heartbeat()));
+      if (r.rank() != options_.rank &&
+          r.seconds_since_heartbeat() > options_.silent_after_seconds) {
+        quiet.push_back(
+            absl::StrFormat("%d (no heartbeat for %.1f s)", r.rank(), r.seconds_since_heartbeat()));
       }
     }
     if (quiet.empty()) break;
@@ -465,8 +480,9 @@ std::optional<std::string> RankAgent::StalledRanks(const absl::Status& status) {
     }
   }
   if (behind.empty()) return std::nullopt;
-  return absl::StrCat("collective timed out at step ", step_now_.load() + 1, "; stalled rank(s): ",
-                      absl::StrJoin(behind, ", "), " [", status.message(), "]");
+  return absl::StrCat("collective timed out at step ", step_now_.load() + 1,
+                      "; stalled rank(s): ", absl::StrJoin(behind, ", "), " [", status.message(),
+                      "]");
 }
 
 // ---------------------------------------------------------------- checkpoints
@@ -476,7 +492,8 @@ void RankAgent::RecordCheckpoint(int64_t step, const std::string& dir, double se
   int64_t bytes = 0;  // the whole checkpoint: every shard and the manifest
   if (auto files = fs->ListDir(dir); files.ok()) {
     for (const std::string& name : *files) {
-      if (auto size = fs->FileSize(absl::StrCat(dir, "/", name)); size.ok()) bytes += static_cast<int64_t>(*size);
+      if (auto size = fs->FileSize(absl::StrCat(dir, "/", name)); size.ok())
+        bytes += static_cast<int64_t>(*size);
     }
   }
   std::lock_guard<std::mutex> l(mu_);
@@ -503,7 +520,8 @@ CheckpointOutcome RankAgent::Checkpoint(int64_t step) {
   const double took = absl::ToDoubleSeconds(absl::Now() - t0);
   RecordCheckpoint(step, *dir, took);
   if (options_.rank == 0) {
-    Print(absl::StrFormat("checkpoint %s written in %.2f s", *dir, absl::ToDoubleSeconds(absl::Now() - t0)));
+    Print(absl::StrFormat("checkpoint %s written in %.2f s", *dir,
+                          absl::ToDoubleSeconds(absl::Now() - t0)));
     if (options_.ckpt_keep > 0) {
       absl::Status p = PruneCheckpoints(fs, options_.ckpt_dir, options_.ckpt_keep);
       if (!p.ok()) Print("pruning old checkpoints failed: " + p.ToString());
@@ -514,7 +532,8 @@ CheckpointOutcome RankAgent::Checkpoint(int64_t step) {
 
 // What a failed save left: whether the ranks can still talk, and whether
 // rank 0 committed the checkpoint before a later collective failed.
-CheckpointOutcome RankAgent::SaveFailed(int64_t step, const absl::Status& s, bool was_latest, absl::Time t0) {
+CheckpointOutcome RankAgent::SaveFailed(int64_t step, const absl::Status& s, bool was_latest,
+                                        absl::Time t0) {
   CheckpointOutcome out;
   // A wait that timed out leaves its collective running on buffers that are
   // gone now: stop it. Then ask whether the ranks can still talk: an error
@@ -532,11 +551,14 @@ CheckpointOutcome RankAgent::SaveFailed(int64_t step, const absl::Status& s, boo
   const std::string cause = out.fatal ? Diagnose(s, t0) : s.ToString();
   if (out.committed) {
     last_saved_ = step;
-    out.status = absl::Status(s.code(), absl::StrCat("checkpoint ", expected,
-                                                     " was committed (LATEST names it), but a rank failed after the commit: ",
-                                                     cause));
+    out.status = absl::Status(
+        s.code(),
+        absl::StrCat(
+            "checkpoint ", expected,
+            " was committed (LATEST names it), but a rank failed after the commit: ", cause));
   } else {
-    out.status = absl::Status(s.code(), absl::StrCat("checkpoint at step ", step, " failed: ", cause));
+    out.status =
+        absl::Status(s.code(), absl::StrCat("checkpoint at step ", step, " failed: ", cause));
   }
   return out;
 }
@@ -574,20 +596,22 @@ void RankAgent::WriteFlightRecord(const v1::FlightRecord& record, const absl::St
   jo.add_whitespace = true;
   jo.always_print_primitive_fields = true;
   (void)google::protobuf::util::MessageToJsonString(record, &json, jo);
-  std::string dir = !options_.flight_record_dir.empty() ? options_.flight_record_dir : options_.ckpt_dir;
+  std::string dir =
+      !options_.flight_record_dir.empty() ? options_.flight_record_dir : options_.ckpt_dir;
   std::string path;
   if (!dir.empty()) {
     (void)PosixFileSystem()->MakeDirs(dir);
     path = absl::StrCat(dir, "/flight-record-rank-", options_.rank, ".json");
   } else {
     const std::string tmp = EnvStr("TMPDIR", "/tmp");
-    path = absl::StrCat(tmp.empty() ? "/tmp" : tmp, "/shardopt-flight-record-", options_.job_id, "-rank-",
-                        options_.rank, "-", getpid(), ".json");
+    path = absl::StrCat(tmp.empty() ? "/tmp" : tmp, "/shardopt-flight-record-", options_.job_id,
+                        "-rank-", options_.rank, "-", getpid(), ".json");
   }
   FILE* f = std::fopen(path.c_str(), "w");
   bool written = f != nullptr && std::fwrite(json.data(), 1, json.size(), f) == json.size();
   if (f != nullptr && std::fclose(f) != 0) written = false;
-  PrintError(absl::StrCat("could not send the flight record to the coordinator (", not_sent.message(), "); ",
+  PrintError(absl::StrCat("could not send the flight record to the coordinator (",
+                          not_sent.message(), "); ",
                           written ? "wrote it to " : "could not write it to ", path));
 }
 

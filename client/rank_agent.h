@@ -298,13 +298,14 @@ class RankAgent {
   std::atomic<double> sps_now_{0};
   std::atomic<double> lr_applied_{0};
 
-  mutable std::mutex mu_;  // guards what follows
+  mutable std::mutex mu_;       // guards what follows
   std::condition_variable cv_;  // abort_reason_ set, stop_ set
   Wanted wanted_;
   Metrics metrics_;
   std::string abort_reason_;
   bool aborting_ = false;
-  double last_agree_seconds_ = 0;  // caller's thread  // SetAbort in progress (the communicator is being aborted)
+  double last_agree_seconds_ =
+      0;  // caller's thread  // SetAbort in progress (the communicator is being aborted)
   bool stop_ = false;
 
   // Training thread only.

@@ -26,7 +26,8 @@ absl::Status Errno(const std::string& what, const std::string& path) {
 }
 
 absl::Status NotRegular(const std::string& path, const char* what) {
-  return absl::FailedPreconditionError(absl::StrCat("'", path, "' is ", what, "; refusing to use it"));
+  return absl::FailedPreconditionError(
+      absl::StrCat("'", path, "' is ", what, "; refusing to use it"));
 }
 
 class PosixWritableFile : public WritableFile {
@@ -71,9 +72,10 @@ class Posix : public FileSystem {
     // written through; then the file is created anew, exclusively.
     const EntryKind k = Kind(path);
     if (k == EntryKind::kDirectory || k == EntryKind::kOther) {
-      return absl::FailedPreconditionError(absl::StrCat("cannot create '", path, "': a ",
-                                                        k == EntryKind::kDirectory ? "directory" : "special file",
-                                                        " of that name is in the way"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("cannot create '", path, "': a ",
+                       k == EntryKind::kDirectory ? "directory" : "special file",
+                       " of that name is in the way"));
     }
     if (k != EntryKind::kMissing && ::unlink(path.c_str()) != 0 && errno != ENOENT) {
       return Errno("cannot replace", path);
@@ -95,10 +97,12 @@ class Posix : public FileSystem {
       ::close(fd);
       return NotRegular(path, "not a regular file");
     }
-    if (offset > static_cast<uint64_t>(st.st_size) || n > static_cast<uint64_t>(st.st_size) - offset) {
+    if (offset > static_cast<uint64_t>(st.st_size) ||
+        n > static_cast<uint64_t>(st.st_size) - offset) {
       ::close(fd);
-      return absl::DataLossError(absl::StrCat("'", path, "' is truncated: wanted ", n, " bytes at offset ", offset,
-                                              ", it has ", st.st_size));
+      return absl::DataLossError(absl::StrCat("'", path, "' is truncated: wanted ", n,
+                                              " bytes at offset ", offset, ", it has ",
+                                              st.st_size));
     }
     char* p = static_cast<char*>(out);
     size_t done = 0;
@@ -108,8 +112,8 @@ class Posix : public FileSystem {
       if (r <= 0) {
         ::close(fd);
         if (r == 0) {
-          return absl::DataLossError(absl::StrCat("'", path, "' is truncated: wanted ", n,
-                                                  " bytes at offset ", offset));
+          return absl::DataLossError(
+              absl::StrCat("'", path, "' is truncated: wanted ", n, " bytes at offset ", offset));
         }
         return Errno("cannot read", path);
       }
@@ -209,7 +213,8 @@ FileSystem* PosixFileSystem() {
 absl::Status FaultInjectingFileSystem::Op() {
   const int64_t n = ops_.fetch_add(1) + 1;
   const int64_t limit = crash_after_.load();
-  if (limit >= 0 && n > limit) return absl::UnavailableError("injected crash: nothing more is written");
+  if (limit >= 0 && n > limit)
+    return absl::UnavailableError("injected crash: nothing more is written");
   return absl::OkStatus();
 }
 
@@ -229,7 +234,8 @@ absl::StatusOr<std::unique_ptr<WritableFile>> FaultInjectingFileSystem::NewWrita
   if (!f.ok()) return f.status();
   return std::unique_ptr<WritableFile>(new FaultyFile(this, std::move(*f)));
 }
-absl::Status FaultInjectingFileSystem::ReadAt(const std::string& p, uint64_t o, size_t n, void* out) {
+absl::Status FaultInjectingFileSystem::ReadAt(const std::string& p, uint64_t o, size_t n,
+                                              void* out) {
   return base_->ReadAt(p, o, n, out);
 }
 absl::StatusOr<uint64_t> FaultInjectingFileSystem::FileSize(const std::string& p) {
@@ -287,12 +293,13 @@ absl::Status WriteFileAtomically(FileSystem* fs, const std::string& path, const 
   return fs->SyncDir(slash == std::string::npos ? "." : path.substr(0, slash));
 }
 
-absl::StatusOr<std::string> ReadWholeFile(FileSystem* fs, const std::string& path, int64_t max_bytes) {
+absl::StatusOr<std::string> ReadWholeFile(FileSystem* fs, const std::string& path,
+                                          int64_t max_bytes) {
   auto size = fs->FileSize(path);
   if (!size.ok()) return size.status();
   if (*size > static_cast<uint64_t>(max_bytes)) {
-    return absl::FailedPreconditionError(absl::StrCat("'", path, "' has ", *size, " bytes, more than the ",
-                                                      max_bytes, " this file may have"));
+    return absl::FailedPreconditionError(absl::StrCat(
+        "'", path, "' has ", *size, " bytes, more than the ", max_bytes, " this file may have"));
   }
   std::string out(*size, '\0');
   if (absl::Status s = fs->ReadAt(path, 0, out.size(), out.data()); !s.ok()) return s;

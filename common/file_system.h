@@ -33,7 +33,8 @@ class FileSystem {
   virtual ~FileSystem() = default;
   // Creates a new file at `path`, replacing a file or symlink of that name
   // (the link itself, never its target); O_EXCL | O_NOFOLLOW.
-  virtual absl::StatusOr<std::unique_ptr<WritableFile>> NewWritableFile(const std::string& path) = 0;
+  virtual absl::StatusOr<std::unique_ptr<WritableFile>> NewWritableFile(
+      const std::string& path) = 0;
   // Reads exactly `n` bytes at `offset` of a regular file; DataLoss if the
   // file is shorter.
   virtual absl::Status ReadAt(const std::string& path, uint64_t offset, size_t n, void* out) = 0;

@@ -32,8 +32,8 @@ absl::StatusOr<int64_t> NumElements(const std::vector<int64_t>& shape, int64_t m
 
 absl::StatusOr<std::vector<Piece>> Layout::Locate(int param, int64_t begin, int64_t end) const {
   if (param < 0 || param >= static_cast<int>(params_.size())) {
-    return absl::InvalidArgumentError(absl::StrCat("parameter index ", param, " out of range [0, ",
-                                                   params_.size(), ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("parameter index ", param, " out of range [0, ", params_.size(), ")"));
   }
   const ParamPlacement& pl = placements_[param];
   if (pl.bucket < 0) {
@@ -120,7 +120,8 @@ class Fnv1a {
   }
   void Int(int64_t v) {
     unsigned char buf[8];
-    for (int i = 0; i < 8; ++i) buf[i] = static_cast<unsigned char>((static_cast<uint64_t>(v) >> (8 * i)) & 0xff);
+    for (int i = 0; i < 8; ++i)
+      buf[i] = static_cast<unsigned char>((static_cast<uint64_t>(v) >> (8 * i)) & 0xff);
     Bytes(buf, 8);
   }
   void Str(const std::string& s) {

@@ -40,7 +40,7 @@ struct Piece {
   int64_t length = 0;        // number of elements
   int bucket = -1;
   int rank = -1;
-  int64_t rank_offset = 0;   // offset of the run within the rank's range of the bucket
+  int64_t rank_offset = 0;  // offset of the run within the rank's range of the bucket
 
   bool operator==(const Piece& o) const {
     return param == o.param && param_offset == o.param_offset && length == o.length &&

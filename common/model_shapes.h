@@ -13,7 +13,7 @@ namespace shardopt {
 
 struct ModelShapes {
   std::string model;
-  int64_t total_parameters = 0;  // as declared by the fixture
+  int64_t total_parameters = 0;    // as declared by the fixture
   std::vector<ParamSpec> params;   // trainable, fp32
   std::vector<ParamSpec> buffers;  // e.g. batch-norm running stats (not trainable)
 };

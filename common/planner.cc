@@ -44,8 +44,8 @@ absl::Status LayoutBuilder::Validate(const std::vector<ParamSpec>& params, int w
   }
   const int64_t a = options.alignment_elements;
   if (a < 1 || a > kMaxAlignment || (a & (a - 1)) != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "alignment must be a power of two in [1, ", kMaxAlignment, "] elements, got ", a));
+    return absl::InvalidArgumentError(absl::StrCat("alignment must be a power of two in [1, ",
+                                                   kMaxAlignment, "] elements, got ", a));
   }
   absl::flat_hash_set<std::string> names;
   int64_t total = 0;
@@ -54,8 +54,8 @@ absl::Status LayoutBuilder::Validate(const std::vector<ParamSpec>& params, int w
     const ParamSpec& s = params[i];
     if (s.name.empty() || s.name.size() > kMaxNameLength) {
       return absl::InvalidArgumentError(absl::StrCat("parameter #", i, " has a name of length ",
-                                                     s.name.size(), " (must be 1..",
-                                                     kMaxNameLength, ")"));
+                                                     s.name.size(), " (must be 1..", kMaxNameLength,
+                                                     ")"));
     }
     if (!names.insert(s.name).second) {
       return absl::InvalidArgumentError(absl::StrCat("duplicate parameter name '", s.name, "'"));
@@ -98,8 +98,7 @@ absl::StatusOr<Layout> LayoutBuilder::Build(const std::vector<ParamSpec>& params
   Bucket current;
   for (int i = static_cast<int>(params.size()) - 1; i >= 0; --i) {
     if (numel[i] == 0) continue;  // frozen
-    if (!current.params.empty() &&
-        current.num_elements + numel[i] > options.bucket_cap_elements) {
+    if (!current.params.empty() && current.num_elements + numel[i] > options.bucket_cap_elements) {
       layout.buckets_.push_back(std::move(current));
       current = Bucket{};
     }
@@ -126,14 +125,16 @@ absl::StatusOr<Layout> LayoutBuilder::Build(const std::vector<ParamSpec>& params
 
 void LayoutBuilder::PlaceBucket(Layout* layout, Bucket* bucket, const std::vector<int64_t>& numel) {
   const int n = layout->world_size_;
-  const int64_t cap = RoundUp((bucket->num_elements + n - 1) / n, layout->options_.alignment_elements);
+  const int64_t cap =
+      RoundUp((bucket->num_elements + n - 1) / n, layout->options_.alignment_elements);
   bucket->capacity_per_rank = cap;
 
   // Greedy: largest first (ties: bucket order), whole, onto the rank with the
   // most free capacity (ties: lowest rank).
   std::vector<int> order(bucket->params.begin(), bucket->params.end());
   std::vector<int> position(numel.size(), 0);
-  for (size_t k = 0; k < bucket->params.size(); ++k) position[bucket->params[k]] = static_cast<int>(k);
+  for (size_t k = 0; k < bucket->params.size(); ++k)
+    position[bucket->params[k]] = static_cast<int>(k);
   std::stable_sort(order.begin(), order.end(), [&](int x, int y) { return numel[x] > numel[y]; });
   std::vector<int64_t> free(n, cap);
   std::vector<std::vector<int>> whole(n);

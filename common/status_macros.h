@@ -9,9 +9,9 @@
 #define SHARDOPT_CONCAT_(a, b) SHARDOPT_CONCAT_INNER_(a, b)
 
 // Returns from the enclosing function when `expr` (an absl::Status) is not OK.
-#define SHARDOPT_RETURN_IF_ERROR(expr)                 \
-  do {                                                 \
-    ::absl::Status shardopt_status_ = (expr);          \
+#define SHARDOPT_RETURN_IF_ERROR(expr)                   \
+  do {                                                   \
+    ::absl::Status shardopt_status_ = (expr);            \
     if (!shardopt_status_.ok()) return shardopt_status_; \
   } while (0)
 

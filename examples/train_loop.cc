@@ -10,8 +10,8 @@
 // at the same step on every rank, and names the rank at fault when a
 // collective fails. Run it again with more steps and it resumes from the
 // latest checkpoint (at any world size). --device=cuda puts the model on GPU
-// LOCAL_RANK and uses NCCL (needs a CUDA build of LibTorch; nothing else
-// changes).
+// LOCAL_RANK and uses NCCL (needs a CUDA build of LibTorch and a build with
+// the CUDA toolkit, which defines SHARDOPT_WITH_CUDA; nothing else changes).
 #include <torch/torch.h>
 
 #include <cstdio>
@@ -24,11 +24,13 @@
 #include "absl/strings/str_cat.h"
 #include "client/checkpoint/checkpoint.h"
 #include "client/comm/host_communicator.h"
-#include "client/comm/nccl_communicator.h"
 #include "client/coordinator_client.h"
 #include "client/rank_agent.h"
 #include "client/sharded_optimizer.h"
+#ifdef SHARDOPT_WITH_CUDA
+#include "client/comm/nccl_communicator.h"
 #include "server/kernels/cuda/cuda_backend.h"
+#endif
 
 namespace {
 
@@ -78,7 +80,8 @@ int main(int argc, char** argv) {
       return 0;
     }
     bool known = false;
-    for (const char* f : {"--steps=", "--ckpt-dir=", "--ckpt-every=", "--device="}) known |= a.rfind(f, 0) == 0;
+    for (const char* f : {"--steps=", "--ckpt-dir=", "--ckpt-every=", "--device="})
+      known |= a.rfind(f, 0) == 0;
     if (!known) {
       std::fprintf(stderr, "train_loop: unknown argument '%s'\n%s", a.c_str(), usage);
       return 2;
@@ -98,15 +101,25 @@ int main(int argc, char** argv) {
   const std::string ckpt_dir = Flag(argc, argv, "ckpt-dir", "");
   const std::string device_flag = Flag(argc, argv, "device", "cpu");
   if (device_flag != "cpu" && device_flag != "cuda") {
-    std::fprintf(stderr, "train_loop: --device must be cpu or cuda, not '%s'\n", device_flag.c_str());
+    std::fprintf(stderr, "train_loop: --device must be cpu or cuda, not '%s'\n",
+                 device_flag.c_str());
     return 2;
   }
-  if (device_flag == "cuda" && !torch::cuda::is_available()) {
-    return Fail(rank, "--device=cuda", absl::FailedPreconditionError("LibTorch sees no CUDA device"));
+#ifndef SHARDOPT_WITH_CUDA
+  if (device_flag == "cuda") {
+    return Fail(
+        rank, "--device=cuda",
+        absl::FailedPreconditionError("this build has no CUDA (built without the toolkit)"));
   }
-  const torch::Device device = device_flag == "cuda"
-                                   ? torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(*local_rank))
-                                   : torch::Device(torch::kCPU);
+#endif
+  if (device_flag == "cuda" && !torch::cuda::is_available()) {
+    return Fail(rank, "--device=cuda",
+                absl::FailedPreconditionError("LibTorch sees no CUDA device"));
+  }
+  const torch::Device device =
+      device_flag == "cuda"
+          ? torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(*local_rank))
+          : torch::Device(torch::kCPU);
 
   // 1. Rendezvous through the coordinator that shardrun started.
   CoordinatorClient client(Env("SHARDOPT_COORDINATOR", "127.0.0.1:0"), /*token=*/"");
@@ -115,7 +128,8 @@ int main(int argc, char** argv) {
 
   // 2. The model: any torch::nn module; every rank builds the same one.
   torch::manual_seed(0);
-  torch::nn::Sequential net(torch::nn::Linear(128, 512), torch::nn::ReLU(), torch::nn::Linear(512, 10));
+  torch::nn::Sequential net(torch::nn::Linear(128, 512), torch::nn::ReLU(),
+                            torch::nn::Linear(512, 10));
   net->to(device);
   std::vector<std::pair<std::string, torch::Tensor>> params;
   for (const auto& p : net->named_parameters()) params.emplace_back(p.key(), p.value());
@@ -123,13 +137,16 @@ int main(int argc, char** argv) {
   // 3. A communicator: NCCL on GPU; on CPU shared memory when every rank is on
   // this host, else Gloo over TCP (CpuTransport::kAuto).
   std::unique_ptr<Communicator> comm;
+#ifdef SHARDOPT_WITH_CUDA
   if (device.is_cuda()) {
     NcclOptions o;
     o.device = device.index();
     auto c = NcclCommunicator::Create(&job_kv, rank, world, o);
     if (!c.ok()) return Fail(rank, "NCCL", c.status());
     comm = std::move(*c);
-  } else {
+  }
+#endif
+  if (comm == nullptr) {
     auto c = CreateCpuCommunicator(&job_kv, rank, world, CpuCommOptions());
     if (!c.ok()) return Fail(rank, "communicator", c.status());
     comm = std::move(c->comm);
@@ -142,7 +159,9 @@ int main(int argc, char** argv) {
   options.adam = AdamWConfig();
   options.max_grad_norm = 1.0;
   // GPU parameters are updated by the CUDA kernels (CPU ones by the SIMD kernels).
+#ifdef SHARDOPT_WITH_CUDA
   if (device.is_cuda()) options.kernel_backend = MakeCudaKernelBackend();
+#endif
   auto optimizer = ShardedOptimizer::Create(params, options, comm.get());
   if (!optimizer.ok()) return Fail(rank, "optimizer", optimizer.status());
   ShardedOptimizer* opt = optimizer->get();
@@ -164,7 +183,8 @@ int main(int argc, char** argv) {
     auto m = LoadCheckpoint(*opt, ckpt_dir);
     if (!m.ok()) return agent->Fail("resume: " + m.status().ToString());
     agent->Resumed(opt->step_count());
-    if (rank == 0) std::printf("resumed from step %lld\n", static_cast<long long>(opt->step_count()));
+    if (rank == 0)
+      std::printf("resumed from step %lld\n", static_cast<long long>(opt->step_count()));
   }
 
   // 7. Train: backward starts the bucket reduce-scatters; Step() updates this
@@ -183,7 +203,8 @@ int main(int argc, char** argv) {
     auto agreed = agent->AfterStep(step, *r, loss.item<double>());
     if (!agreed.ok()) return agent->Fail(agent->Diagnose(agreed.status()));
     if (agreed->nonfinite_rank >= 0) {
-      return agent->Fail(absl::StrCat("rank ", agreed->nonfinite_rank, " had a non-finite loss at step ", step));
+      return agent->Fail(
+          absl::StrCat("rank ", agreed->nonfinite_rank, " had a non-finite loss at step ", step));
     }
     if (rank == 0 && (step % 10 == 0 || step == steps)) {
       std::printf("step %lld loss %.5f grad-norm %.4f\n", static_cast<long long>(step),
@@ -193,10 +214,12 @@ int main(int argc, char** argv) {
     if (agreed->checkpoint || (!ckpt_dir.empty() && every > 0 && step % every == 0)) {
       // Collective; sharded; rank 0 commits. A failed save that leaves the
       // ranks able to go on is printed and training continues.
-      if (absl::Status s = agent->CheckpointDuringTraining(step); !s.ok()) return agent->Fail(std::string(s.message()));
+      if (absl::Status s = agent->CheckpointDuringTraining(step); !s.ok())
+        return agent->Fail(std::string(s.message()));
     }
   }
   const MemoryReport mem = opt->memory();
-  std::printf("rank %d: done; optimizer state on this rank %.2f MiB\n", rank, mem.state_bytes / 1048576.0);
+  std::printf("rank %d: done; optimizer state on this rank %.2f MiB\n", rank,
+              mem.state_bytes / 1048576.0);
   return agent->Finish();
 }

@@ -50,9 +50,11 @@ absl::Status ValidateLearningRate(double lr) {
   }
   const float f = static_cast<float>(lr);
   if (!std::isfinite(f)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "learning rate ", lr, " is inf as a float (the optimizer kernels compute in float); "
-        "it must be at most ", FLT_MAX));
+    return absl::InvalidArgumentError(
+        absl::StrCat("learning rate ", lr,
+                     " is inf as a float (the optimizer kernels compute in float); "
+                     "it must be at most ",
+                     FLT_MAX));
   }
   if (!std::isnormal(f)) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -83,35 +85,37 @@ const std::vector<AbortCause>& AllAbortCauses() {
 
 absl::Status ValidateRankMetrics(const RankMetricsInfo& m) {
   if (m.step_seconds.size() > static_cast<size_t>(kMaxStepTimesPerHeartbeat)) {
-    return absl::InvalidArgumentError(absl::StrCat("metrics.step_seconds has ", m.step_seconds.size(),
-                                                   " entries; at most ", kMaxStepTimesPerHeartbeat,
-                                                   " per heartbeat"));
+    return absl::InvalidArgumentError(absl::StrCat("metrics.step_seconds has ",
+                                                   m.step_seconds.size(), " entries; at most ",
+                                                   kMaxStepTimesPerHeartbeat, " per heartbeat"));
   }
   auto time = [](const char* name, double v) {
-    return std::isfinite(v) && v >= 0
-               ? absl::OkStatus()
-               : absl::InvalidArgumentError(
-                     absl::StrCat("metrics.", name, " must be finite and >= 0, got ", v));
+    return std::isfinite(v) && v >= 0 ? absl::OkStatus()
+                                      : absl::InvalidArgumentError(absl::StrCat(
+                                            "metrics.", name, " must be finite and >= 0, got ", v));
   };
   for (double v : m.step_seconds) {
     if (absl::Status s = time("step_seconds", v); !s.ok()) return s;
   }
-  for (const auto& [name, v] : {std::pair<const char*, double>{"comm_wait_seconds", m.comm_wait_seconds},
-                                {"update_seconds", m.update_seconds},
-                                {"last_checkpoint_seconds", m.last_checkpoint_seconds}}) {
+  for (const auto& [name, v] :
+       {std::pair<const char*, double>{"comm_wait_seconds", m.comm_wait_seconds},
+        {"update_seconds", m.update_seconds},
+        {"last_checkpoint_seconds", m.last_checkpoint_seconds}}) {
     if (absl::Status s = time(name, v); !s.ok()) return s;
   }
-  for (const auto& [name, v] : {std::pair<const char*, int64_t>{"bytes_sent_total", m.bytes_sent_total},
-                                {"master_bytes", m.master_bytes},
-                                {"state_bytes", m.state_bytes},
-                                {"grad_bytes", m.grad_bytes},
-                                {"param_bytes", m.param_bytes},
-                                {"rss_bytes", m.rss_bytes},
-                                {"stalls_total", m.stalls_total},
-                                {"checkpoints_total", m.checkpoints_total},
-                                {"last_checkpoint_step", m.last_checkpoint_step},
-                                {"last_checkpoint_bytes", m.last_checkpoint_bytes}}) {
-    if (v < 0) return absl::InvalidArgumentError(absl::StrCat("metrics.", name, " must be >= 0, got ", v));
+  for (const auto& [name, v] :
+       {std::pair<const char*, int64_t>{"bytes_sent_total", m.bytes_sent_total},
+        {"master_bytes", m.master_bytes},
+        {"state_bytes", m.state_bytes},
+        {"grad_bytes", m.grad_bytes},
+        {"param_bytes", m.param_bytes},
+        {"rss_bytes", m.rss_bytes},
+        {"stalls_total", m.stalls_total},
+        {"checkpoints_total", m.checkpoints_total},
+        {"last_checkpoint_step", m.last_checkpoint_step},
+        {"last_checkpoint_bytes", m.last_checkpoint_bytes}}) {
+    if (v < 0)
+      return absl::InvalidArgumentError(absl::StrCat("metrics.", name, " must be >= 0, got ", v));
   }
   return absl::OkStatus();
 }
@@ -163,9 +167,8 @@ absl::Status Coordinator::ValidateJoin(const JoinInfo& info) const {
                                                    options_.job_id, "'"));
   }
   if (info.world_size != options_.world_size) {
-    return absl::InvalidArgumentError(absl::StrCat("world size ", info.world_size,
-                                                   " does not match the job's ",
-                                                   options_.world_size));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "world size ", info.world_size, " does not match the job's ", options_.world_size));
   }
   if (info.rank < 0 || info.rank >= options_.world_size) {
     return absl::InvalidArgumentError(
@@ -179,8 +182,8 @@ absl::Status Coordinator::ValidateJoin(const JoinInfo& info) const {
         absl::StrCat("shard-owner port ", info.shard_owner_port, " out of range"));
   }
   if (info.params.empty() || info.params.size() > static_cast<size_t>(kMaxParams)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("parameter count ", info.params.size(), " out of range [1, ", kMaxParams, "]"));
+    return absl::InvalidArgumentError(absl::StrCat("parameter count ", info.params.size(),
+                                                   " out of range [1, ", kMaxParams, "]"));
   }
   // Reported, not applied: any finite value >= 0 (0: not reported).
   if (!std::isfinite(info.learning_rate) || info.learning_rate < 0) {
@@ -189,8 +192,8 @@ absl::Status Coordinator::ValidateJoin(const JoinInfo& info) const {
   }
   for (const ParamSpec& p : info.params) {
     if (p.shape.size() > 16) {
-      return absl::InvalidArgumentError(absl::StrCat("parameter '", p.name.substr(0, 64),
-                                                     "' has more than 16 dimensions"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("parameter '", p.name.substr(0, 64), "' has more than 16 dimensions"));
     }
   }
   return absl::OkStatus();
@@ -215,8 +218,8 @@ std::string FirstDifference(const JoinInfo& a, const JoinInfo& b) {
     const ParamSpec& y = b.params[i];
     if (x.name != y.name || x.shape != y.shape || x.dtype != y.dtype ||
         x.trainable != y.trainable) {
-      return absl::StrCat("parameter #", i, " differs: rank 0 has ", Describe(x), ", rank ",
-                          b.rank, " has ", Describe(y));
+      return absl::StrCat("parameter #", i, " differs: rank 0 has ", Describe(x), ", rank ", b.rank,
+                          " has ", Describe(y));
     }
   }
   if (a.plan.bucket_cap_elements != b.plan.bucket_cap_elements ||
@@ -237,8 +240,7 @@ absl::StatusOr<JoinResult> Coordinator::Join(const JoinInfo& info, absl::Duratio
   });
 }
 
-Coordinator::WaitId Coordinator::JoinAsync(JoinInfo info, absl::Time deadline,
-                                           JoinCallback done) {
+Coordinator::WaitId Coordinator::JoinAsync(JoinInfo info, absl::Time deadline, JoinCallback done) {
   if (absl::Status s = ValidateJoin(info); !s.ok()) {
     done(s);
     return 0;
@@ -400,8 +402,8 @@ absl::Status Coordinator::KvSet(const std::string& key, const std::string& value
     kv_bytes_ = kv_bytes_ - old + key.size() + value.size();
     kv_[key] = value;
     // Answer whoever waits for this key.
-    for (auto w = kv_waits_by_key_.find(key);
-         w != kv_waits_by_key_.end() && w->first == key; w = kv_waits_by_key_.find(key)) {
+    for (auto w = kv_waits_by_key_.find(key); w != kv_waits_by_key_.end() && w->first == key;
+         w = kv_waits_by_key_.find(key)) {
       KvWait done = TakeKvLocked(kv_waits_.find(w->second));
       ready.push_back([f = std::move(done.done), value] { f(value); });
     }
@@ -412,9 +414,8 @@ absl::Status Coordinator::KvSet(const std::string& key, const std::string& value
 
 absl::StatusOr<std::string> Coordinator::KvGet(const std::string& key, absl::Duration wait) {
   const absl::Time deadline = absl::Now() + wait;
-  return Block<std::string>(this, deadline, [&](KvCallback done) {
-    return KvGetAsync(key, deadline, std::move(done));
-  });
+  return Block<std::string>(
+      this, deadline, [&](KvCallback done) { return KvGetAsync(key, deadline, std::move(done)); });
 }
 
 Coordinator::WaitId Coordinator::KvGetAsync(const std::string& key, absl::Time deadline,
@@ -646,8 +647,7 @@ int Coordinator::CheckSlowRanks() {
       RankWindow& w = windows_[r];
       rs.busy_seconds_p50 = p50[r];
       rs.busy_ratio = median > 0 ? p50[r] / median : (p50[r] > 0 ? HUGE_VAL : 1);
-      const bool over =
-          p50[r] > options_.slow_factor * median && p50[r] - median >= min_excess;
+      const bool over = p50[r] > options_.slow_factor * median && p50[r] - median >= min_excess;
       w.streak = over != rs.slow ? w.streak + 1 : 0;
       if (w.streak < options_.slow_windows) continue;
       w.streak = 0;
@@ -658,7 +658,8 @@ int Coordinator::CheckSlowRanks() {
           "of the others (%.3g s), %d windows of %.3g s in a row",
           p50[r], ratio, median, options_.slow_windows, window_s);
       rs.slow_reason = over ? what : "";
-      events.push_back(absl::StrCat("rank ", r, over ? " is slow: " : " is no longer slow: ", what));
+      events.push_back(
+          absl::StrCat("rank ", r, over ? " is slow: " : " is no longer slow: ", what));
     }
   }
   if (options_.on_event) {
@@ -676,10 +677,10 @@ bool Coordinator::CheckHeartbeats() {
     bool failed = false;
     for (const RankState& r : ranks_) {
       if (r.joined && !r.finished && now - r.last_heartbeat > options_.heartbeat_timeout) {
-        FailLocked(absl::StrCat("rank ", r.rank, " sent no heartbeat for ",
-                                absl::FormatDuration(now - r.last_heartbeat), " (last step ",
-                                r.step, ")"),
-                   AbortCause::kHeartbeatTimeout, &ready);
+        FailLocked(
+            absl::StrCat("rank ", r.rank, " sent no heartbeat for ",
+                         absl::FormatDuration(now - r.last_heartbeat), " (last step ", r.step, ")"),
+            AbortCause::kHeartbeatTimeout, &ready);
         failed = true;
         break;
       }
@@ -804,8 +805,8 @@ absl::StatusOr<int64_t> Coordinator::RequestCheckpoint() {
   {
     absl::MutexLock lock(&mu_);
     if (state_ != JobState::kRunning) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "the job is ", JobStateName(state_), "; checkpoints are taken while it runs"));
+      return absl::FailedPreconditionError(absl::StrCat("the job is ", JobStateName(state_),
+                                                        "; checkpoints are taken while it runs"));
     }
     request = ++checkpoint_request_;
   }

@@ -149,7 +149,7 @@ struct HeartbeatInfo {
 struct HeartbeatReply {
   bool abort = false;
   std::string abort_reason;
-  double learning_rate = 0;   // > 0 when set by SetLearningRate
+  double learning_rate = 0;  // > 0 when set by SetLearningRate
   int64_t hyper_params_version = 0;
   int64_t checkpoint_request = 0;
 };
@@ -374,7 +374,7 @@ class Coordinator {
   std::multimap<std::string, WaitId> kv_waits_by_key_ ABSL_GUARDED_BY(mu_);
   std::map<WaitId, JoinWait> join_waits_ ABSL_GUARDED_BY(mu_);
   std::vector<WaitId> joining_ ABSL_GUARDED_BY(mu_);  // per rank: its pending Join, or 0
-  void Notify();  // calls listener_ without holding mu_
+  void Notify();                                      // calls listener_ without holding mu_
   HeartbeatReply NoticeLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 };
 

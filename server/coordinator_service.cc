@@ -195,8 +195,8 @@ class CoordinatorService::SessionReactor
   grpc::Status final_status_ ABSL_GUARDED_BY(mu_);
 };
 
-grpc::ServerBidiReactor<v1::HeartbeatRequest, v1::HeartbeatResponse>*
-CoordinatorService::Session(grpc::CallbackServerContext* ctx) {
+grpc::ServerBidiReactor<v1::HeartbeatRequest, v1::HeartbeatResponse>* CoordinatorService::Session(
+    grpc::CallbackServerContext* ctx) {
   return new SessionReactor(this, CheckToken(ctx, token_));  // refused after shutdown
 }
 
@@ -211,9 +211,7 @@ void CoordinatorService::PushToSessions() {
 // deadline passes), OnCancel withdraws the wait.
 class CoordinatorService::WaitingCall : public grpc::ServerUnaryReactor {
  public:
-  explicit WaitingCall(CoordinatorService* service) : service_(service) {
-    service_->CallStarted();
-  }
+  explicit WaitingCall(CoordinatorService* service) : service_(service) { service_->CallStarted(); }
   // Before the handler returns (gRPC calls OnCancel only after that).
   void set_wait(Coordinator::WaitId id) { id_ = id; }
   void OnCancel() override {
@@ -329,7 +327,8 @@ class CoordinatorService::FanOutCall : public grpc::ServerUnaryReactor {
 // GetMemory: every shard owner's GetShardInfo, 5 s each at most.
 class CoordinatorService::MemoryCall : public FanOutCall {
  public:
-  MemoryCall(CoordinatorService* service, v1::GetMemoryResponse* resp) : FanOutCall(service), resp_(resp) {}
+  MemoryCall(CoordinatorService* service, v1::GetMemoryResponse* resp)
+      : FanOutCall(service), resp_(resp) {}
 
  private:
   void Prepare(size_t n) override {
@@ -340,7 +339,9 @@ class CoordinatorService::MemoryCall : public FanOutCall {
                  std::function<void(grpc::Status)> done) override {
     stub->async()->GetShardInfo(ctx, &request_, &infos_[r], std::move(done));
   }
-  void NotJoinedLocked(size_t r) override { resp_->mutable_ranks(static_cast<int>(r))->set_error("not joined"); }
+  void NotJoinedLocked(size_t r) override {
+    resp_->mutable_ranks(static_cast<int>(r))->set_error("not joined");
+  }
   void AnswerLocked(size_t r, const std::string& address, const grpc::Status& s) override {
     v1::RankMemory* m = resp_->mutable_ranks(static_cast<int>(r));
     if (!s.ok()) {
@@ -370,7 +371,8 @@ class CoordinatorService::MemoryCall : public FanOutCall {
 // first divergence is computed.
 class CoordinatorService::FlightCall : public FanOutCall {
  public:
-  FlightCall(CoordinatorService* service, v1::GetFlightRecordsResponse* resp) : FanOutCall(service), resp_(resp) {}
+  FlightCall(CoordinatorService* service, v1::GetFlightRecordsResponse* resp)
+      : FanOutCall(service), resp_(resp) {}
 
  private:
   void Prepare(size_t n) override {
@@ -387,7 +389,8 @@ class CoordinatorService::FlightCall : public FanOutCall {
   }
   void Finished() override {
     std::map<int, v1::FlightRecord> reported;
-    for (v1::FlightRecord& f : service_->flight_records_.Reported()) reported[f.rank()] = std::move(f);
+    for (v1::FlightRecord& f : service_->flight_records_.Reported())
+      reported[f.rank()] = std::move(f);
     for (size_t r = 0; r < rings_.size(); ++r) {
       v1::FlightRecord* out = resp_->add_records();
       if (errors_[r].empty()) {
@@ -399,9 +402,9 @@ class CoordinatorService::FlightCall : public FanOutCall {
       }
       out->set_rank(static_cast<int>(r));
     }
-    resp_->set_divergence(FirstDivergence(
-        {resp_->records().begin(), resp_->records().end()}, static_cast<int>(rings_.size()),
-        HeartbeatNotes(*service_->coordinator_)));
+    resp_->set_divergence(FirstDivergence({resp_->records().begin(), resp_->records().end()},
+                                          static_cast<int>(rings_.size()),
+                                          HeartbeatNotes(*service_->coordinator_)));
     Finish(grpc::Status::OK);
   }
   void Unregister() override {
@@ -467,7 +470,8 @@ int CoordinatorService::calls_in_flight() {
   return calls_;
 }
 
-void CoordinatorService::SetOwnerCredentials(std::shared_ptr<grpc::ChannelCredentials> credentials) {
+void CoordinatorService::SetOwnerCredentials(
+    std::shared_ptr<grpc::ChannelCredentials> credentials) {
   absl::MutexLock l(&stubs_mu_);
   owner_credentials_ = std::move(credentials);
   owner_stubs_.clear();
@@ -517,18 +521,18 @@ grpc::ServerUnaryReactor* CoordinatorService::Join(grpc::CallbackServerContext* 
   info.plan.allow_cut = req->plan().allow_cut();
   // Wait for the other ranks at most until the client's deadline (<= 10 min).
   const absl::Time now = absl::Now();
-  const absl::Duration wait =
-      std::min(absl::Minutes(10), absl::FromChrono(ctx->deadline()) - now - absl::Milliseconds(200));
+  const absl::Duration wait = std::min(
+      absl::Minutes(10), absl::FromChrono(ctx->deadline()) - now - absl::Milliseconds(200));
   auto* call = new WaitingCall(this);
-  call->set_wait(coordinator_->JoinAsync(
-      std::move(info), now + std::max(wait, absl::ZeroDuration()),
-      [call, resp](absl::StatusOr<JoinResult> r) {
-        if (r.ok()) {
-          resp->set_layout_hash(r->layout_hash);
-          for (const auto& p : r->peers) resp->add_peers(p);
-        }
-        call->Finish(ToGrpc(r.status()));
-      }));
+  call->set_wait(coordinator_->JoinAsync(std::move(info),
+                                         now + std::max(wait, absl::ZeroDuration()),
+                                         [call, resp](absl::StatusOr<JoinResult> r) {
+                                           if (r.ok()) {
+                                             resp->set_layout_hash(r->layout_hash);
+                                             for (const auto& p : r->peers) resp->add_peers(p);
+                                           }
+                                           call->Finish(ToGrpc(r.status()));
+                                         }));
   return call;
 }
 
@@ -546,14 +550,14 @@ grpc::ServerUnaryReactor* CoordinatorService::KvGet(grpc::CallbackServerContext*
   if (req->wait_ms() < 0 || req->wait_ms() > 600000) {
     return Done(ctx, grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "wait_ms out of range"));
   }
-  const absl::Time deadline = std::min(absl::Now() + absl::Milliseconds(req->wait_ms()),
-                                      absl::FromChrono(ctx->deadline()));
+  const absl::Time deadline =
+      std::min(absl::Now() + absl::Milliseconds(req->wait_ms()), absl::FromChrono(ctx->deadline()));
   auto* call = new WaitingCall(this);
-  call->set_wait(coordinator_->KvGetAsync(req->key(), deadline,
-                                          [call, resp](absl::StatusOr<std::string> v) {
-                                            if (v.ok()) resp->set_value(*std::move(v));
-                                            call->Finish(ToGrpc(v.status()));
-                                          }));
+  call->set_wait(
+      coordinator_->KvGetAsync(req->key(), deadline, [call, resp](absl::StatusOr<std::string> v) {
+        if (v.ok()) resp->set_value(*std::move(v));
+        call->Finish(ToGrpc(v.status()));
+      }));
   return call;
 }
 
@@ -588,8 +592,8 @@ grpc::ServerUnaryReactor* CoordinatorService::GetJob(grpc::CallbackServerContext
     rs->set_step(r.step);
     rs->set_seconds_since_heartbeat(r.joined ? absl::ToDoubleSeconds(j.now - r.last_heartbeat)
                                              : -1);
-    rs->set_alive(r.joined && j.now - r.last_heartbeat <=
-                                  coordinator_->options().heartbeat_timeout);
+    rs->set_alive(r.joined &&
+                  j.now - r.last_heartbeat <= coordinator_->options().heartbeat_timeout);
     rs->set_loss(r.loss);
     rs->set_samples_per_s(r.samples_per_s);
     rs->set_progress(r.progress);
@@ -633,10 +637,9 @@ grpc::ServerUnaryReactor* CoordinatorService::GetLayout(grpc::CallbackServerCont
     row->set_elements(row->elements() + p.length);
     const ParamPlacement& pl = l.placement(p.param);
     const std::string& name = l.params()[p.param].name;
-    row->add_params(p.length == pl.numel
-                        ? name
-                        : absl::StrCat(name, "[", p.param_offset, ":", p.param_offset + p.length,
-                                       "]"));
+    row->add_params(p.length == pl.numel ? name
+                                         : absl::StrCat(name, "[", p.param_offset, ":",
+                                                        p.param_offset + p.length, "]"));
   }
   return Done(ctx, grpc::Status::OK);
 }
@@ -710,7 +713,8 @@ grpc::ServerUnaryReactor* CoordinatorService::ReportFlightRecord(
     grpc::CallbackServerContext* ctx, const v1::ReportFlightRecordRequest* req,
     v1::ReportFlightRecordResponse*) {
   if (auto s = CheckToken(ctx, token_); !s.ok()) return Done(ctx, s);
-  return Done(ctx, ToGrpc(flight_records_.Report(req->record(), coordinator_->options().world_size)));
+  return Done(ctx,
+              ToGrpc(flight_records_.Report(req->record(), coordinator_->options().world_size)));
 }
 
 grpc::ServerUnaryReactor* CoordinatorService::GetFlightRecords(grpc::CallbackServerContext* ctx,

@@ -45,7 +45,8 @@ absl::Status ValidateFlightRecord(const v1::FlightRecord& record, int world_size
     return absl::InvalidArgumentError(absl::StrCat(who, ": ", record.records_size(),
                                                    " records (at most ", kMaxFlightRecords, ")"));
   }
-  if (record.reason().size() > kMaxFlightReasonBytes || record.error().size() > kMaxFlightReasonBytes) {
+  if (record.reason().size() > kMaxFlightReasonBytes ||
+      record.error().size() > kMaxFlightReasonBytes) {
     return absl::InvalidArgumentError(absl::StrCat(who, ": reason or error too long"));
   }
   if (!std::isfinite(record.captured_unix()) || record.captured_unix() < 0) {
@@ -53,10 +54,10 @@ absl::Status ValidateFlightRecord(const v1::FlightRecord& record, int world_size
   }
   for (const v1::CollectiveRecord& c : record.records()) {
     const std::string& op = c.op();
-    const bool op_ok = !op.empty() && op.size() <= 32 &&
-                       std::all_of(op.begin(), op.end(), [](char ch) {
-                         return (ch >= 'a' && ch <= 'z') || (ch >= '0' && ch <= '9') || ch == '_';
-                       });
+    const bool op_ok =
+        !op.empty() && op.size() <= 32 && std::all_of(op.begin(), op.end(), [](char ch) {
+          return (ch >= 'a' && ch <= 'z') || (ch >= '0' && ch <= '9') || ch == '_';
+        });
     if (!op_ok) return absl::InvalidArgumentError(absl::StrCat(who, ": bad op at seq ", c.seq()));
     if (c.state() != "running" && c.state() != "done" && c.state() != "failed") {
       return absl::InvalidArgumentError(absl::StrCat(who, ": bad state at seq ", c.seq()));
@@ -115,8 +116,9 @@ struct Ring {
   int rank = -1;
   std::vector<const v1::CollectiveRecord*> recs;  // by seq
   const v1::CollectiveRecord* Find(int64_t seq) const {
-    auto it = std::lower_bound(recs.begin(), recs.end(), seq,
-                               [](const v1::CollectiveRecord* c, int64_t s) { return c->seq() < s; });
+    auto it =
+        std::lower_bound(recs.begin(), recs.end(), seq,
+                         [](const v1::CollectiveRecord* c, int64_t s) { return c->seq() < s; });
     return it != recs.end() && (*it)->seq() == seq ? *it : nullptr;
   }
   int64_t lo() const { return recs.empty() ? 0 : recs.front()->seq(); }
@@ -269,8 +271,8 @@ std::optional<std::string> SamePlace(const Rings& rings, const Census& s,
           " and are in no collective");
     }
     return absl::StrCat(StepPrefix(c), MissingPart(rings, notes), "; ", Ranks(ranks), " ",
-                        Verb(ranks, "is", "are"), " in no collective (last: ",
-                        LastOf(rings, last, ranks.front()), ")");
+                        Verb(ranks, "is", "are"),
+                        " in no collective (last: ", LastOf(rings, last, ranks.front()), ")");
   }
   if (!missing && s.failed.empty() && s.done.empty() && s.never.empty() && s.out_of_ring.empty() &&
       s.waiting.size() == 1) {
@@ -340,8 +342,8 @@ std::string Divergence(const Rings& rings, const Census& s,
                                                     : std::string("it")));
   }
   for (const auto& [last, ranks] : s.never) {
-    parts.push_back(absl::StrCat(Ranks(ranks), " never started it (last: ",
-                                 LastOf(rings, last, ranks.front()), ")"));
+    parts.push_back(absl::StrCat(
+        Ranks(ranks), " never started it (last: ", LastOf(rings, last, ranks.front()), ")"));
   }
   if (!s.out_of_ring.empty()) {
     parts.push_back(absl::StrCat(Ranks(s.out_of_ring), ": seq ", s.seq, " is older than ",
@@ -403,15 +405,17 @@ std::map<int, std::string> HeartbeatNotes(Coordinator& coordinator) {
       notes[r.rank] = "never joined";
       continue;
     }
-    notes[r.rank] = absl::StrCat("last heartbeat ", Secs(absl::ToDoubleSeconds(j.now - r.last_heartbeat)),
-                                 " ago, at step ", r.step);
+    notes[r.rank] =
+        absl::StrCat("last heartbeat ", Secs(absl::ToDoubleSeconds(j.now - r.last_heartbeat)),
+                     " ago, at step ", r.step);
   }
   return notes;
 }
 
 std::string ReportedDivergence(const FlightRecords& records, Coordinator& coordinator) {
   if (records.empty()) return "";
-  return FirstDivergence(records.Reported(), coordinator.options().world_size, HeartbeatNotes(coordinator));
+  return FirstDivergence(records.Reported(), coordinator.options().world_size,
+                         HeartbeatNotes(coordinator));
 }
 
 }  // namespace shardopt

@@ -76,7 +76,8 @@ void AddJob(const JobStatus& j, Families& f) {
   f.Start("shardopt_job_state",
           "1 for the job's state (starting, running, failed, finished), 0 for the others.",
           MetricType::Gauge);
-  for (JobState s : {JobState::kStarting, JobState::kRunning, JobState::kFailed, JobState::kFinished}) {
+  for (JobState s :
+       {JobState::kStarting, JobState::kRunning, JobState::kFailed, JobState::kFinished}) {
     f.Add(j.state == s ? 1 : 0, {{"state", JobStateName(s)}});
   }
   f.Start("shardopt_job_world_size", "Ranks in the job.", MetricType::Gauge);
@@ -165,11 +166,11 @@ void AddRankTraining(const RankSets& ranks, Families& f) {
   for (const RankState* r : joined) f.Add(r->samples_per_s, RankLabel(r->rank));
   f.Start("shardopt_rank_loss", "The rank's last loss.", MetricType::Gauge);
   for (const RankState* r : joined) f.Add(r->loss, RankLabel(r->rank));
-  f.Start("shardopt_rank_learning_rate", "The learning rate the rank trains with (0: not reported).",
-          MetricType::Gauge);
+  f.Start("shardopt_rank_learning_rate",
+          "The learning rate the rank trains with (0: not reported).", MetricType::Gauge);
   for (const RankState* r : joined) f.Add(r->learning_rate, RankLabel(r->rank));
-  f.Start("shardopt_rank_grad_norm", "Global gradient norm of the rank's last step, before clipping.",
-          MetricType::Gauge);
+  f.Start("shardopt_rank_grad_norm",
+          "Global gradient norm of the rank's last step, before clipping.", MetricType::Gauge);
   for (const RankState* r : measured) f.Add(r->metrics.grad_norm, RankLabel(r->rank));
   f.Start("shardopt_rank_comm_wait_seconds",
           "Last step: time blocked on collectives (exposed communication).", MetricType::Gauge);
@@ -241,7 +242,9 @@ std::vector<MetricFamily> Collect(const JobStatus& j) {
 class JobCollectable final : public prometheus::Collectable {
  public:
   explicit JobCollectable(Coordinator* coordinator) : coordinator_(coordinator) {}
-  std::vector<MetricFamily> Collect() const override { return shardopt::Collect(coordinator_->GetJob()); }
+  std::vector<MetricFamily> Collect() const override {
+    return shardopt::Collect(coordinator_->GetJob());
+  }
 
  private:
   Coordinator* const coordinator_;

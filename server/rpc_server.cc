@@ -56,8 +56,7 @@ class ReflectionOption : public grpc::ServerBuilderOption {
     auto is_reflection = [&](const std::unique_ptr<grpc::ServerBuilderPlugin>& p) {
       return p->name() == name;
     };
-    plugins->erase(std::remove_if(plugins->begin(), plugins->end(), is_reflection),
-                   plugins->end());
+    plugins->erase(std::remove_if(plugins->begin(), plugins->end(), is_reflection), plugins->end());
     if (on_) plugins->push_back(std::make_unique<grpc::reflection::ProtoServerReflectionPlugin>());
   }
 

@@ -62,8 +62,8 @@ class RpcServer {
  public:
   // Starts serving `services` (not owned; must outlive the server) plus
   // grpc.health.v1.Health and (see the access policy above) server reflection.
-  static absl::StatusOr<std::unique_ptr<RpcServer>> Start(const RpcServerOptions& options,
-                                                          const std::vector<grpc::Service*>& services);
+  static absl::StatusOr<std::unique_ptr<RpcServer>> Start(
+      const RpcServerOptions& options, const std::vector<grpc::Service*>& services);
   ~RpcServer();
   int port() const { return port_; }
   std::string address() const { return address_; }

@@ -55,8 +55,8 @@ grpc::ServerUnaryReactor* ShardOwnerService::GetFlightRecord(grpc::CallbackServe
                                                              v1::FlightRecord* resp) {
   if (auto s = CheckToken(ctx, token_); !s.ok()) return Done(ctx, s);
   if (!flight_) {
-    return Done(ctx, grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
-                                  "this rank keeps no flight recorder"));
+    return Done(
+        ctx, grpc::Status(grpc::StatusCode::UNIMPLEMENTED, "this rank keeps no flight recorder"));
   }
   *resp = flight_();
   return Done(ctx, grpc::Status::OK);

@@ -70,8 +70,20 @@ void Pointers(const json& j, const std::string& at, std::vector<std::string>* ou
 }
 
 std::vector<json> Replacements() {
-  return {json("6"), json(-5), json(-1), json(0), json(1), json(7), json(99), json(int64_t{1} << 62),
-          json(1e300), json(0.5), json(nullptr), json(true), json::array(), json::object(),
+  return {json("6"),
+          json(-5),
+          json(-1),
+          json(0),
+          json(1),
+          json(7),
+          json(99),
+          json(int64_t{1} << 62),
+          json(1e300),
+          json(0.5),
+          json(nullptr),
+          json(true),
+          json::array(),
+          json::object(),
           json("../shard-0-of-2.safetensors")};
 }
 
@@ -99,16 +111,19 @@ class Fixture {
   std::string LoadAndCheck(const std::string& path, const std::string& ctx) {
     for (int r = 0; r < 2; ++r) Scribble(r);
     const auto st = fresh_.Load(path);
-    if (st[0].ok() != st[1].ok()) ADD_FAILURE() << ctx << ": ranks disagree: " << st[0] << " / " << st[1];
+    if (st[0].ok() != st[1].ok())
+      ADD_FAILURE() << ctx << ": ranks disagree: " << st[0] << " / " << st[1];
     // The rank that found the problem says what it is; the other says that
     // another rank failed.
     for (const absl::Status& s : st) {
-      if (!s.ok() && s.message().find("on another rank") == absl::string_view::npos) return std::string(s.message());
+      if (!s.ok() && s.message().find("on another rank") == absl::string_view::npos)
+        return std::string(s.message());
     }
     if (!st[0].ok()) return std::string(st[0].message());
     for (int r = 0; r < 2; ++r) {
       const std::vector<float> got = fresh_.OwnedState(r);
-      if (std::memcmp(got.data(), want_[r].data(), got.size() * 4) != 0 || got.size() != want_[r].size()) {
+      if (std::memcmp(got.data(), want_[r].data(), got.size() * 4) != 0 ||
+          got.size() != want_[r].size()) {
         ADD_FAILURE() << ctx << ": loaded OK but rank " << r << " holds other data than was saved";
       }
     }
@@ -148,7 +163,9 @@ std::vector<std::pair<std::string, std::string>> ManifestMutations(const std::st
   const json doc = json::parse(text);
   std::vector<std::string> ptrs;
   Pointers(doc, "", &ptrs);
-  auto add = [&](const std::string& name, const json& j) { out.push_back({name, ResealManifestForTesting(j.dump(1))}); };
+  auto add = [&](const std::string& name, const json& j) {
+    out.push_back({name, ResealManifestForTesting(j.dump(1))});
+  };
   for (const std::string& p : ptrs) {
     if (p.empty() || p == "/manifest_crc32c") continue;
     for (const json& v : Replacements()) {
@@ -158,8 +175,9 @@ std::vector<std::pair<std::string, std::string>> ManifestMutations(const std::st
     }
     json j = doc;
     const json::json_pointer ptr(p);
-    j[ptr.parent_pointer()].is_object() ? (void)j[ptr.parent_pointer()].erase(ptr.back())
-                                        : (void)j[ptr.parent_pointer()].erase(std::stoul(ptr.back()));
+    j[ptr.parent_pointer()].is_object()
+        ? (void)j[ptr.parent_pointer()].erase(ptr.back())
+        : (void)j[ptr.parent_pointer()].erase(std::stoul(ptr.back()));
     add(absl::StrCat("delete ", p), j);
   }
   const size_t pieces = doc["pieces"].size();
@@ -192,8 +210,9 @@ std::vector<std::pair<std::string, std::string>> ManifestMutations(const std::st
     j["pieces"][k]["crc32c"][0].push_back(0);
     add(pk + ".crc32c extra block", j);
   }
-  for (const char* name : {"../shard-0-of-2.safetensors", "/etc/passwd", "sub/shard-0-of-2.safetensors",
-                           "shard-1-of-2.safetensors", "manifest.json", ""}) {
+  for (const char* name :
+       {"../shard-0-of-2.safetensors", "/etc/passwd", "sub/shard-0-of-2.safetensors",
+        "shard-1-of-2.safetensors", "manifest.json", ""}) {
     json j = doc;
     j["files"][0]["name"] = name;
     add(absl::StrCat("files[0].name = ", name), j);
@@ -243,7 +262,8 @@ TEST(ManifestFuzzTest, EveryMutationIsRefusedOrLoadsTheSavedData) {
   const std::string out = fx.root() + "/out.safetensors";
   int refused = 0, loaded = 0;
   auto names_dir = [&](const absl::Status& s, const std::string& what, const std::string& name) {
-    EXPECT_NE(s.message().find(fx.dir()), absl::string_view::npos) << name << ": " << what << ": " << s;
+    EXPECT_NE(s.message().find(fx.dir()), absl::string_view::npos)
+        << name << ": " << what << ": " << s;
   };
   for (const auto& [name, text] : cases) {
     Spit(path, text);
@@ -256,7 +276,8 @@ TEST(ManifestFuzzTest, EveryMutationIsRefusedOrLoadsTheSavedData) {
     EXPECT_TRUE(m.ok() || !verified.ok()) << name;
     const absl::Status consolidated = Consolidate(PosixFileSystem(), fx.dir(), out);
     if (consolidated.ok()) {
-      EXPECT_TRUE(DataOf(Slurp(out)) == DataOf(fx.whole())) << name << ": consolidated other data than was saved";
+      EXPECT_TRUE(DataOf(Slurp(out)) == DataOf(fx.whole()))
+          << name << ": consolidated other data than was saved";
       std::remove(out.c_str());
     } else {
       names_dir(consolidated, "Consolidate", name);
@@ -275,8 +296,8 @@ TEST(ManifestFuzzTest, EveryMutationIsRefusedOrLoadsTheSavedData) {
       ++loaded;
     }
   }
-  std::printf("manifest fuzz: %zu cases, %d refused, %d loaded the saved data (harmless edits)\n", cases.size(), refused,
-              loaded);
+  std::printf("manifest fuzz: %zu cases, %d refused, %d loaded the saved data (harmless edits)\n",
+              cases.size(), refused, loaded);
   EXPECT_GE(loaded, 2);
   Spit(path, fx.manifest());
   EXPECT_EQ(fx.LoadAndCheck(fx.root(), "original"), "");
@@ -286,12 +307,14 @@ TEST(ManifestFuzzTest, EveryMutationIsRefusedOrLoadsTheSavedData) {
 std::vector<std::pair<std::string, std::string>> HeaderMutations(const std::string& file) {
   std::vector<std::pair<std::string, std::string>> out;
   uint64_t hlen = 0;
-  for (int i = 0; i < 8; ++i) hlen |= static_cast<uint64_t>(static_cast<unsigned char>(file[i])) << (8 * i);
+  for (int i = 0; i < 8; ++i)
+    hlen |= static_cast<uint64_t>(static_cast<unsigned char>(file[i])) << (8 * i);
   const json header = json::parse(file.substr(8, hlen));
   const std::string data = file.substr(8 + hlen);
   auto encode = [&](const std::string& h, const std::string& d) {
     std::string o;
-    for (int i = 0; i < 8; ++i) o.push_back(static_cast<char>(static_cast<uint64_t>(h.size()) >> (8 * i)));
+    for (int i = 0; i < 8; ++i)
+      o.push_back(static_cast<char>(static_cast<uint64_t>(h.size()) >> (8 * i)));
     return o + h + d;
   };
   std::vector<std::string> ptrs;
@@ -310,10 +333,12 @@ std::vector<std::pair<std::string, std::string>> HeaderMutations(const std::stri
     for (int i = 0; i < 8; ++i) f[i] = static_cast<char>(bad >> (8 * i));
     out.push_back({absl::StrCat("header length ", bad), f});
   }
-  for (size_t cut : {size_t{0}, size_t{4}, size_t{8}, size_t{8 + hlen / 2}, size_t{8 + hlen}, file.size() - 1}) {
+  for (size_t cut :
+       {size_t{0}, size_t{4}, size_t{8}, size_t{8 + hlen / 2}, size_t{8 + hlen}, file.size() - 1}) {
     out.push_back({absl::StrCat("truncated to ", cut), file.substr(0, cut)});
   }
-  out.push_back({"deeply nested", encode(std::string(100000, '[') + std::string(100000, ']'), data)});
+  out.push_back(
+      {"deeply nested", encode(std::string(100000, '[') + std::string(100000, ']'), data)});
   out.push_back({"not JSON", encode("{\"a\": ", data)});
   out.push_back({"extra byte", file + "x"});
   return out;
@@ -337,7 +362,8 @@ TEST(SafetensorsFuzzTest, EveryHeaderMutationIsRefusedOrLoadsTheSavedData) {
       EXPECT_NE(err.find(path), std::string::npos) << name << ": " << err;
     }
   }
-  std::printf("safetensors fuzz: %zu cases, %d refused, %d loaded the saved data\n", cases.size(), refused, loaded);
+  std::printf("safetensors fuzz: %zu cases, %d refused, %d loaded the saved data\n", cases.size(),
+              refused, loaded);
   EXPECT_EQ(fx.LoadAndCheck(fx.root() + "/whole.safetensors", "original"), "");
 }
 
@@ -352,23 +378,28 @@ TEST(CheckpointHardeningTest, FifosAndHugeSparseFilesNeverHangOrExhaustMemory) {
     ASSERT_EQ(::ftruncate(fd, off_t{1} << 40), 0);
     ::close(fd);
   }
-  auto big = WithinSeconds(10, "reading a 1 TiB manifest", [&] { return ReadManifest(PosixFileSystem(), fx.dir()); });
+  auto big = WithinSeconds(10, "reading a 1 TiB manifest",
+                           [&] { return ReadManifest(PosixFileSystem(), fx.dir()); });
   EXPECT_FALSE(big.ok());
   EXPECT_NE(big.status().message().find("manifest.json"), absl::string_view::npos) << big.status();
   // A FIFO as the manifest, and as LATEST.
   ASSERT_EQ(::unlink(m.c_str()), 0);
   ASSERT_EQ(::mkfifo(m.c_str(), 0644), 0);
-  auto fifo = WithinSeconds(10, "reading a FIFO manifest", [&] { return ReadManifest(PosixFileSystem(), fx.dir()); });
+  auto fifo = WithinSeconds(10, "reading a FIFO manifest",
+                            [&] { return ReadManifest(PosixFileSystem(), fx.dir()); });
   EXPECT_FALSE(fifo.ok());
-  EXPECT_NE(fifo.status().message().find("not a regular file"), absl::string_view::npos) << fifo.status();
+  EXPECT_NE(fifo.status().message().find("not a regular file"), absl::string_view::npos)
+      << fifo.status();
   ASSERT_EQ(::unlink(m.c_str()), 0);
   Spit(m, fx.manifest());
   const std::string latest = fx.root() + "/LATEST";
   ASSERT_EQ(::unlink(latest.c_str()), 0);
   ASSERT_EQ(::mkfifo(latest.c_str(), 0644), 0);
-  auto r = WithinSeconds(10, "resolving a FIFO LATEST", [&] { return ResolveCheckpoint(PosixFileSystem(), fx.root()); });
+  auto r = WithinSeconds(10, "resolving a FIFO LATEST",
+                         [&] { return ResolveCheckpoint(PosixFileSystem(), fx.root()); });
   EXPECT_FALSE(r.ok());
-  const std::string err = WithinSeconds(20, "loading with a FIFO LATEST", [&] { return fx.LoadAndCheck(fx.root(), "fifo"); });
+  const std::string err = WithinSeconds(20, "loading with a FIFO LATEST",
+                                        [&] { return fx.LoadAndCheck(fx.root(), "fifo"); });
   EXPECT_FALSE(err.empty());
   // A symlinked shard is refused, not followed.
   ASSERT_EQ(::unlink(latest.c_str()), 0);
@@ -459,7 +490,10 @@ TEST(CheckpointHardeningTest, TimedOutCollectiveNeverWritesIntoFreedMemory) {
   }
   std::vector<std::thread> t;
   for (int r = 0; r < 2; ++r) {
-    t.emplace_back([&, r] { opts[r] = std::move(*ShardedOptimizer::Create(models[r]->NamedParameters(), o, comms[r].get())); });
+    t.emplace_back([&, r] {
+      opts[r] =
+          std::move(*ShardedOptimizer::Create(models[r]->NamedParameters(), o, comms[r].get()));
+    });
   }
   for (auto& x : t) x.join();
   // Rank 0 saves alone: its agreement times out.
@@ -494,7 +528,8 @@ TEST(ConsolidatedResumeTest, ResumesLikeTheShardedCheckpointAtAnyWorldSize) {
       Job from_file(n);
       std::vector<absl::StatusOr<RestoredCheckpoint>> st(n, absl::UnknownError(""));
       from_file.Parallel([&](int r) { st[r] = LoadAnyCheckpoint(*from_file.opts[r], file); });
-      for (const auto& s : st) ASSERT_TRUE(s.ok()) << file << " at " << n << " ranks: " << s.status();
+      for (const auto& s : st)
+        ASSERT_TRUE(s.ok()) << file << " at " << n << " ranks: " << s.status();
       EXPECT_EQ(st[0]->step, 3);
       EXPECT_EQ(from_file.opts[0]->step_count(), 3);
       EXPECT_DOUBLE_EQ(from_file.opts[0]->learning_rate(), 0.02) << "the saved lr is restored";

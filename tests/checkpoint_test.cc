@@ -94,7 +94,9 @@ TEST(CheckpointTest, CorruptionIsRefusedNamingTheFileOrParameter) {
   const std::string shard = dir + "/shard-1-of-2.safetensors";
   const std::string backup = root + "/backup";
   ASSERT_EQ(std::system(("cp -r " + dir + " " + backup).c_str()), 0);
-  auto restore = [&] { ASSERT_EQ(std::system(("rm -rf " + dir + " && cp -r " + backup + " " + dir).c_str()), 0); };
+  auto restore = [&] {
+    ASSERT_EQ(std::system(("rm -rf " + dir + " && cp -r " + backup + " " + dir).c_str()), 0);
+  };
   auto expect_refused = [&](const std::string& needle) {
     Job fresh(2);
     for (const absl::Status& s : fresh.Load(root)) EXPECT_FALSE(s.ok());
@@ -205,7 +207,8 @@ TEST(CheckpointTest, PruneKeepsTheNewestAndLatest) {
   std::sort(entries.begin(), entries.end());
   EXPECT_EQ(entries, (std::vector<std::string>{"LATEST", "step-3", "step-4"}));
   EXPECT_TRUE(VerifyCheckpoint(PosixFileSystem(), root + "/step-4").ok());
-  EXPECT_EQ(PruneCheckpoints(PosixFileSystem(), root, 0).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(PruneCheckpoints(PosixFileSystem(), root, 0).code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 TEST(CheckpointTest, ConsolidateWritesWholeTensors) {
@@ -215,13 +218,16 @@ TEST(CheckpointTest, ConsolidateWritesWholeTensors) {
   for (const auto& s : job.Save(root, PosixFileSystem())) ASSERT_TRUE(s.ok());
   const std::string out = root + "/whole.safetensors";
   int64_t last = 0, total = 0;
-  ASSERT_TRUE(Consolidate(PosixFileSystem(), root + "/step-2", out,
-                          [&](int64_t d, int64_t t) { last = d; total = t; }).ok());
+  ASSERT_TRUE(Consolidate(PosixFileSystem(), root + "/step-2", out, [&](int64_t d, int64_t t) {
+                last = d;
+                total = t;
+              }).ok());
   EXPECT_EQ(last, total);
   // Parse the safetensors header and compare one parameter with the model.
   std::string data = *ReadWholeFile(PosixFileSystem(), out);
   uint64_t hlen = 0;
-  for (int i = 0; i < 8; ++i) hlen |= static_cast<uint64_t>(static_cast<unsigned char>(data[i])) << (8 * i);
+  for (int i = 0; i < 8; ++i)
+    hlen |= static_cast<uint64_t>(static_cast<unsigned char>(data[i])) << (8 * i);
   auto header = nlohmann::json::parse(data.substr(8, hlen));
   for (const auto& [name, t] : job.models[0]->NamedParameters()) {
     if (!t.requires_grad()) {

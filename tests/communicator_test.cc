@@ -41,14 +41,14 @@ struct Job {
   InMemoryKeyValueStore store;
   std::vector<std::unique_ptr<Communicator>> comms;
 
-  Job(Impl impl, int n, absl::Duration timeout = absl::Seconds(30),
-      int64_t segment_bytes = 256, std::vector<InProcessFaults> faults = {}) {
+  Job(Impl impl, int n, absl::Duration timeout = absl::Seconds(30), int64_t segment_bytes = 256,
+      std::vector<InProcessFaults> faults = {}) {
     comms.resize(n);
     if (impl == Impl::kInProcess) {
       world = std::make_unique<InProcessWorld>(n, timeout);
       for (int r = 0; r < n; ++r) {
-        comms[r] = world->Connect(r, r < static_cast<int>(faults.size()) ? faults[r]
-                                                                         : InProcessFaults());
+        comms[r] =
+            world->Connect(r, r < static_cast<int>(faults.size()) ? faults[r] : InProcessFaults());
       }
       return;
     }
@@ -131,8 +131,10 @@ TEST_P(CollectiveTest, ReduceScatter) {
         for (int64_t i = 0; i < n * count; ++i) bufs[r].Set(i, Value(r, i));
       }
       job.Parallel([&](int r) {
-        EXPECT_TRUE(job.comms[r]->ReduceScatter(bufs[r].data(), count, type, op)
-                        ->Wait(absl::Seconds(30)).ok());
+        EXPECT_TRUE(job.comms[r]
+                        ->ReduceScatter(bufs[r].data(), count, type, op)
+                        ->Wait(absl::Seconds(30))
+                        .ok());
       });
       for (int r = 0; r < n; ++r) {
         for (int64_t i = r * count; i < (r + 1) * count; ++i) {
@@ -176,8 +178,8 @@ TEST_P(CollectiveTest, ReduceScatterOfSeparateChunks) {
         for (int i = 0; i < n; ++i) {
           ptrs.push_back(chunks[r][i].bytes.data() + kGuard * ElementSize(type));
         }
-        absl::Status s = job.comms[r]->ReduceScatterChunks(ptrs, count, type, op)
-                             ->Wait(absl::Seconds(30));
+        absl::Status s =
+            job.comms[r]->ReduceScatterChunks(ptrs, count, type, op)->Wait(absl::Seconds(30));
         EXPECT_TRUE(s.ok()) << s;
       });
       for (int r = 0; r < n; ++r) {
@@ -208,15 +210,17 @@ TEST_P(CollectiveTest, AllGather) {
     std::vector<Typed> bufs;
     for (int r = 0; r < n; ++r) {
       bufs.emplace_back(type, n * count);
-      for (int64_t i = 0; i < n * count; ++i) bufs[r].Set(i, i / std::max<int64_t>(count, 1) == r
-                                                                  ? Value(r, i) : 99.0f);
+      for (int64_t i = 0; i < n * count; ++i)
+        bufs[r].Set(i, i / std::max<int64_t>(count, 1) == r ? Value(r, i) : 99.0f);
     }
     job.Parallel([&](int r) {
-      EXPECT_TRUE(job.comms[r]->AllGather(bufs[r].data(), count, type)->Wait(absl::Seconds(30)).ok());
+      EXPECT_TRUE(
+          job.comms[r]->AllGather(bufs[r].data(), count, type)->Wait(absl::Seconds(30)).ok());
     });
     for (int r = 0; r < n; ++r) {
       for (int64_t i = 0; i < n * count; ++i) {
-        ASSERT_EQ(bufs[r].Get(i), Value(static_cast<int>(i / count), i)) << "rank " << r << " i " << i;
+        ASSERT_EQ(bufs[r].Get(i), Value(static_cast<int>(i / count), i))
+            << "rank " << r << " i " << i;
       }
     }
   }
@@ -233,8 +237,8 @@ TEST_P(CollectiveTest, AllReduceBroadcastBarrier) {
         for (int64_t i = 0; i < count; ++i) bufs[r].Set(i, Value(r, i));
       }
       job.Parallel([&](int r) {
-        EXPECT_TRUE(job.comms[r]->AllReduce(bufs[r].data(), count, type, op)
-                        ->Wait(absl::Seconds(30)).ok());
+        EXPECT_TRUE(
+            job.comms[r]->AllReduce(bufs[r].data(), count, type, op)->Wait(absl::Seconds(30)).ok());
       });
       for (int r = 0; r < n; ++r) {
         for (int64_t i = 0; i < count; ++i) {
@@ -253,8 +257,10 @@ TEST_P(CollectiveTest, AllReduceBroadcastBarrier) {
         for (int64_t i = 0; i < count; ++i) bufs[r].Set(i, r == root ? Value(r, i) : 77.0f);
       }
       job.Parallel([&](int r) {
-        EXPECT_TRUE(job.comms[r]->Broadcast(bufs[r].data(), count, type, root)
-                        ->Wait(absl::Seconds(30)).ok());
+        EXPECT_TRUE(job.comms[r]
+                        ->Broadcast(bufs[r].data(), count, type, root)
+                        ->Wait(absl::Seconds(30))
+                        .ok());
       });
       for (int r = 0; r < n; ++r) {
         for (int64_t i = 0; i < count; ++i) ASSERT_EQ(bufs[r].Get(i), Value(root, i));
@@ -271,8 +277,10 @@ TEST_P(CollectiveTest, ByteCountersMatchTheRing) {
   std::vector<Typed> bufs;
   for (int r = 0; r < n; ++r) bufs.emplace_back(type, n * count);
   job.Parallel([&](int r) {
-    EXPECT_TRUE(job.comms[r]->ReduceScatter(bufs[r].data(), count, type, ReduceOp::kSum)
-                    ->Wait(absl::Seconds(30)).ok());
+    EXPECT_TRUE(job.comms[r]
+                    ->ReduceScatter(bufs[r].data(), count, type, ReduceOp::kSum)
+                    ->Wait(absl::Seconds(30))
+                    .ok());
     EXPECT_TRUE(job.comms[r]->AllGather(bufs[r].data(), count, type)->Wait(absl::Seconds(30)).ok());
   });
   const int64_t chunk = count * ElementSize(type);
@@ -290,8 +298,7 @@ INSTANTIATE_TEST_SUITE_P(
                        ::testing::Values(1, 2, 3, 4),
                        ::testing::Values(ElementType::kFloat32, ElementType::kBFloat16)),
     [](const auto& info) {
-      return absl::StrCat(ImplName(std::get<0>(info.param)), "_",
-                          std::get<1>(info.param), "ranks_",
+      return absl::StrCat(ImplName(std::get<0>(info.param)), "_", std::get<1>(info.param), "ranks_",
                           ElementTypeName(std::get<2>(info.param)));
     });
 
@@ -301,7 +308,8 @@ TEST_P(FailureTest, TimeoutFiresWhenAPeerNeverCalls) {
   Job job(GetParam(), 2, absl::Milliseconds(700));
   std::vector<float> buf(4, 1.0f);
   const absl::Time start = absl::Now();
-  absl::Status s = job.comms[0]->AllReduce(buf.data(), 4, ElementType::kFloat32, ReduceOp::kSum)
+  absl::Status s = job.comms[0]
+                       ->AllReduce(buf.data(), 4, ElementType::kFloat32, ReduceOp::kSum)
                        ->Wait(absl::Seconds(20));
   EXPECT_FALSE(s.ok());
   EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
@@ -329,28 +337,42 @@ TEST_P(FailureTest, AbortUnblocksAWaitingRankAndFailsLaterCalls) {
 TEST_P(FailureTest, BadArgumentsAreErrors) {
   Job job(GetParam(), 2);
   std::vector<float> buf(4);
-  EXPECT_EQ(job.comms[0]->AllReduce(buf.data(), -1, ElementType::kFloat32, ReduceOp::kSum)
-                ->Wait(absl::Seconds(1)).code(),
+  EXPECT_EQ(job.comms[0]
+                ->AllReduce(buf.data(), -1, ElementType::kFloat32, ReduceOp::kSum)
+                ->Wait(absl::Seconds(1))
+                .code(),
             absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(job.comms[0]->AllReduce(nullptr, 4, ElementType::kFloat32, ReduceOp::kSum)
-                ->Wait(absl::Seconds(1)).code(),
+  EXPECT_EQ(job.comms[0]
+                ->AllReduce(nullptr, 4, ElementType::kFloat32, ReduceOp::kSum)
+                ->Wait(absl::Seconds(1))
+                .code(),
             absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(job.comms[0]->Broadcast(buf.data(), 4, ElementType::kFloat32, 2)
-                ->Wait(absl::Seconds(1)).code(),
+  EXPECT_EQ(job.comms[0]
+                ->Broadcast(buf.data(), 4, ElementType::kFloat32, 2)
+                ->Wait(absl::Seconds(1))
+                .code(),
             absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(job.comms[0]->ReduceScatter(buf.data(), 2, ElementType::kByte, ReduceOp::kSum)
-                ->Wait(absl::Seconds(1)).code(),
+  EXPECT_EQ(job.comms[0]
+                ->ReduceScatter(buf.data(), 2, ElementType::kByte, ReduceOp::kSum)
+                ->Wait(absl::Seconds(1))
+                .code(),
             absl::StatusCode::kInvalidArgument);
   // Separate chunks: one pointer per rank, none null.
-  absl::Status s = job.comms[0]->ReduceScatterChunks({buf.data()}, 2, ElementType::kFloat32,
-                                                     ReduceOp::kSum)->Wait(absl::Seconds(1));
+  absl::Status s = job.comms[0]
+                       ->ReduceScatterChunks({buf.data()}, 2, ElementType::kFloat32, ReduceOp::kSum)
+                       ->Wait(absl::Seconds(1));
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
   EXPECT_NE(s.message().find("1 chunk pointers for a world of 2"), absl::string_view::npos) << s;
-  EXPECT_EQ(job.comms[0]->ReduceScatterChunks({buf.data(), nullptr}, 2, ElementType::kFloat32,
-                                              ReduceOp::kSum)->Wait(absl::Seconds(1)).code(),
-            absl::StatusCode::kInvalidArgument);
-  s = job.comms[0]->ReduceScatterChunks({buf.data() + 1, buf.data()}, 2, ElementType::kFloat32,
-                                        ReduceOp::kSum)->Wait(absl::Seconds(1));
+  EXPECT_EQ(
+      job.comms[0]
+          ->ReduceScatterChunks({buf.data(), nullptr}, 2, ElementType::kFloat32, ReduceOp::kSum)
+          ->Wait(absl::Seconds(1))
+          .code(),
+      absl::StatusCode::kInvalidArgument);
+  s = job.comms[0]
+          ->ReduceScatterChunks({buf.data() + 1, buf.data()}, 2, ElementType::kFloat32,
+                                ReduceOp::kSum)
+          ->Wait(absl::Seconds(1));
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
   EXPECT_NE(s.message().find("overlap"), absl::string_view::npos) << s;
 }
@@ -366,8 +388,9 @@ TEST(SeparateChunksTest, WithoutSupportAdjacentChunksWorkAndSeparateOnesAreRefus
   std::vector<std::vector<float>> buf = {{1, 2, 3, 4}, {10, 20, 30, 40}};
   job.Parallel([&](int r) {
     float* b = buf[r].data();
-    absl::Status s = fwd[r]->ReduceScatterChunks({b, b + 2}, 2, ElementType::kFloat32,
-                                                ReduceOp::kSum)->Wait(absl::Seconds(10));
+    absl::Status s = fwd[r]
+                         ->ReduceScatterChunks({b, b + 2}, 2, ElementType::kFloat32, ReduceOp::kSum)
+                         ->Wait(absl::Seconds(10));
     EXPECT_TRUE(s.ok()) << s;
   });
   EXPECT_EQ(buf[0][0], 11.0f);
@@ -375,7 +398,8 @@ TEST(SeparateChunksTest, WithoutSupportAdjacentChunksWorkAndSeparateOnesAreRefus
   EXPECT_EQ(buf[1][2], 33.0f);
   EXPECT_EQ(buf[1][3], 44.0f);
   float x[6] = {1, 2, 0, 0, 3, 4};  // chunks at x and x + 4: not adjacent
-  absl::Status s = fwd[0]->ReduceScatterChunks({x, x + 4}, 2, ElementType::kFloat32, ReduceOp::kSum)
+  absl::Status s = fwd[0]
+                       ->ReduceScatterChunks({x, x + 4}, 2, ElementType::kFloat32, ReduceOp::kSum)
                        ->Wait(absl::Seconds(1));
   EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented) << s;
 }
@@ -391,7 +415,8 @@ TEST(InProcessFaultsTest, InjectedFailureAndStallNameTheRank) {
   std::vector<std::vector<float>> bufs(3, std::vector<float>(3, 1.0f));
   std::vector<absl::Status> st(3);
   job.Parallel([&](int r) {
-    st[r] = job.comms[r]->AllReduce(bufs[r].data(), 3, ElementType::kFloat32, ReduceOp::kSum)
+    st[r] = job.comms[r]
+                ->AllReduce(bufs[r].data(), 3, ElementType::kFloat32, ReduceOp::kSum)
                 ->Wait(r == 2 ? absl::Milliseconds(200) : absl::Seconds(10));
   });
   EXPECT_EQ(st[0].code(), absl::StatusCode::kDeadlineExceeded);
@@ -403,9 +428,7 @@ TEST(InProcessFaultsTest, InjectedFailureAndStallNameTheRank) {
   std::vector<InProcessFaults> fail(2);
   fail[1].fail_at_op = 0;
   Job job2(Impl::kInProcess, 2, absl::Milliseconds(300), 256, fail);
-  job2.Parallel([&](int r) {
-    st[r] = job2.comms[r]->Barrier()->Wait(absl::Seconds(10));
-  });
+  job2.Parallel([&](int r) { st[r] = job2.comms[r]->Barrier()->Wait(absl::Seconds(10)); });
   EXPECT_EQ(st[1].code(), absl::StatusCode::kUnavailable);
   EXPECT_EQ(st[0].code(), absl::StatusCode::kDeadlineExceeded);
 }
@@ -415,9 +438,11 @@ TEST(InProcessFaultsTest, MismatchedCollectivesAreAnError) {
   std::vector<float> a(4), b(4);
   std::vector<absl::Status> st(2);
   job.Parallel([&](int r) {
-    st[r] = r == 0 ? job.comms[0]->AllReduce(a.data(), 4, ElementType::kFloat32, ReduceOp::kSum)
+    st[r] = r == 0 ? job.comms[0]
+                         ->AllReduce(a.data(), 4, ElementType::kFloat32, ReduceOp::kSum)
                          ->Wait(absl::Seconds(5))
-                   : job.comms[1]->Broadcast(b.data(), 4, ElementType::kFloat32, 0)
+                   : job.comms[1]
+                         ->Broadcast(b.data(), 4, ElementType::kFloat32, 0)
                          ->Wait(absl::Seconds(5));
   });
   EXPECT_EQ(st[0].code(), absl::StatusCode::kInvalidArgument);
@@ -442,9 +467,11 @@ TEST(ShmTest, MismatchedCollectivesAreAnErrorOnBothRanks) {
   std::vector<float> a(8, 1.0f), b(8, 1.0f);
   std::vector<absl::Status> st(2);
   job.Parallel([&](int r) {
-    st[r] = r == 0 ? job.comms[0]->AllReduce(a.data(), 8, ElementType::kFloat32, ReduceOp::kSum)
+    st[r] = r == 0 ? job.comms[0]
+                         ->AllReduce(a.data(), 8, ElementType::kFloat32, ReduceOp::kSum)
                          ->Wait(absl::Seconds(10))
-                   : job.comms[1]->Broadcast(b.data(), 8, ElementType::kFloat32, 0)
+                   : job.comms[1]
+                         ->Broadcast(b.data(), 8, ElementType::kFloat32, 0)
                          ->Wait(absl::Seconds(10));
   });
   for (int r = 0; r < 2; ++r) {
@@ -454,7 +481,8 @@ TEST(ShmTest, MismatchedCollectivesAreAnErrorOnBothRanks) {
   // Sizes are checked too.
   Job job2(Impl::kShm, 2, absl::Seconds(10));
   job2.Parallel([&](int r) {
-    st[r] = job2.comms[r]->AllGather(a.data(), r == 0 ? 4 : 2, ElementType::kFloat32)
+    st[r] = job2.comms[r]
+                ->AllGather(a.data(), r == 0 ? 4 : 2, ElementType::kFloat32)
                 ->Wait(absl::Seconds(10));
   });
   for (int r = 0; r < 2; ++r) {
@@ -464,8 +492,9 @@ TEST(ShmTest, MismatchedCollectivesAreAnErrorOnBothRanks) {
   // but still counts, so the next one no longer lines up).
   Job job3(Impl::kShm, 2, absl::Seconds(10));
   job3.Parallel([&](int r) {
-    st[r] = job3.comms[r]->AllGather(a.data(), r == 0 ? 4 : 8,
-                                     r == 0 ? ElementType::kFloat32 : ElementType::kBFloat16)
+    st[r] = job3.comms[r]
+                ->AllGather(a.data(), r == 0 ? 4 : 8,
+                            r == 0 ? ElementType::kFloat32 : ElementType::kBFloat16)
                 ->Wait(absl::Seconds(10));
   });
   for (int r = 0; r < 2; ++r) {
@@ -474,10 +503,13 @@ TEST(ShmTest, MismatchedCollectivesAreAnErrorOnBothRanks) {
   Job job4(Impl::kShm, 2, absl::Seconds(10));
   job4.Parallel([&](int r) {
     if (r == 0) {
-      EXPECT_TRUE(job4.comms[0]->AllReduce(a.data(), 0, ElementType::kFloat32, ReduceOp::kSum)
-                      ->Wait(absl::Seconds(10)).ok());
+      EXPECT_TRUE(job4.comms[0]
+                      ->AllReduce(a.data(), 0, ElementType::kFloat32, ReduceOp::kSum)
+                      ->Wait(absl::Seconds(10))
+                      .ok());
     }
-    st[r] = job4.comms[r]->AllReduce(a.data(), 8, ElementType::kFloat32, ReduceOp::kSum)
+    st[r] = job4.comms[r]
+                ->AllReduce(a.data(), 8, ElementType::kFloat32, ReduceOp::kSum)
                 ->Wait(absl::Seconds(10));
   });
   for (int r = 0; r < 2; ++r) {
@@ -510,13 +542,17 @@ TEST(ShmTest, ANeighbourThatFinishedAndClosedIsNoFailure) {
   std::vector<std::vector<float>> bufs(3, std::vector<float>(100, 0.0f));
   bufs[2].assign(100, 5.0f);
   CommHandlePtr h1 = job.comms[1]->Broadcast(bufs[1].data(), 100, ElementType::kFloat32, 2);
-  ASSERT_TRUE(job.comms[2]->Broadcast(bufs[2].data(), 100, ElementType::kFloat32, 2)
-                  ->Wait(absl::Seconds(10)).ok());
+  ASSERT_TRUE(job.comms[2]
+                  ->Broadcast(bufs[2].data(), 100, ElementType::kFloat32, 2)
+                  ->Wait(absl::Seconds(10))
+                  .ok());
   job.comms[2].reset();
   absl::SleepFor(absl::Milliseconds(300));  // rank 1 polls its neighbours meanwhile
   EXPECT_FALSE(h1->done());
-  EXPECT_TRUE(job.comms[0]->Broadcast(bufs[0].data(), 100, ElementType::kFloat32, 2)
-                  ->Wait(absl::Seconds(10)).ok());
+  EXPECT_TRUE(job.comms[0]
+                  ->Broadcast(bufs[0].data(), 100, ElementType::kFloat32, 2)
+                  ->Wait(absl::Seconds(10))
+                  .ok());
   absl::Status s = h1->Wait(absl::Seconds(10));
   EXPECT_TRUE(s.ok()) << s;
   EXPECT_EQ(bufs[1], std::vector<float>(100, 5.0f));
@@ -536,7 +572,8 @@ TEST(ShmTest, APeerKilledMidJobIsNoticedInMillisecondsNotAtTheTimeout) {
     if (!c.ok()) _exit(3);
     std::vector<float> buf(4, 1.0f);
     if (!(*c)->AllReduce(buf.data(), 4, ElementType::kFloat32, ReduceOp::kSum)
-             ->Wait(absl::Seconds(30)).ok()) {
+             ->Wait(absl::Seconds(30))
+             .ok()) {
       _exit(4);
     }
     absl::SleepFor(absl::Milliseconds(300));
@@ -549,7 +586,8 @@ TEST(ShmTest, APeerKilledMidJobIsNoticedInMillisecondsNotAtTheTimeout) {
   ASSERT_TRUE(c.ok()) << c.status();
   std::vector<float> buf(1 << 20, 1.0f);
   ASSERT_TRUE((*c)->AllReduce(buf.data(), 4, ElementType::kFloat32, ReduceOp::kSum)
-                  ->Wait(absl::Seconds(30)).ok());
+                  ->Wait(absl::Seconds(30))
+                  .ok());
   EXPECT_EQ(buf[0], 2.0f);
   // Rank 1 never joins this one: it is killed while rank 0 waits.
   const absl::Time start = absl::Now();
@@ -560,7 +598,8 @@ TEST(ShmTest, APeerKilledMidJobIsNoticedInMillisecondsNotAtTheTimeout) {
   EXPECT_TRUE(WIFSIGNALED(wstatus) && WTERMSIG(wstatus) == SIGKILL) << wstatus;
   EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
   EXPECT_NE(s.message().find("rank 1 (pid " + std::to_string(child) + ") exited"),
-            absl::string_view::npos) << s;
+            absl::string_view::npos)
+      << s;
   EXPECT_LT(absl::Now() - start, absl::Seconds(5));
   // Nothing of either rank is left in /dev/shm.
   EXPECT_TRUE(OurShmFiles().empty());
@@ -578,7 +617,8 @@ TEST(ShmTest, RegionsAreUnlinkedOnceMappedAndAfterAFailedRendezvous) {
   auto c = ShmCommunicator::Create(&store, 0, 2, o);  // rank 1 never comes
   EXPECT_EQ(c.status().code(), absl::StatusCode::kDeadlineExceeded) << c.status();
   EXPECT_NE(c.status().message().find("shared-memory rendezvous of rank 0 of 2"),
-            absl::string_view::npos) << c.status();
+            absl::string_view::npos)
+      << c.status();
   EXPECT_TRUE(OurShmFiles().empty());
 }
 
@@ -637,8 +677,10 @@ TEST(ShmTest, LargeBuffersAtTheDefaultSlotSize) {
     threads.clear();
     for (int r = 0; r < n; ++r) {
       threads.emplace_back([&, r] {
-        EXPECT_TRUE(comms[r]->AllReduce(bufs[r].data(), count, ElementType::kFloat32,
-                                        ReduceOp::kSum)->Wait(absl::Seconds(60)).ok());
+        EXPECT_TRUE(comms[r]
+                        ->AllReduce(bufs[r].data(), count, ElementType::kFloat32, ReduceOp::kSum)
+                        ->Wait(absl::Seconds(60))
+                        .ok());
       });
     }
     for (auto& t : threads) t.join();
@@ -648,7 +690,11 @@ TEST(ShmTest, LargeBuffersAtTheDefaultSlotSize) {
         for (int q = 0; q < n; ++q) want += Value(q, i);
         ASSERT_EQ(bufs[r][i], want) << "n " << n << " rank " << r << " i " << i;
       }
-      ASSERT_EQ(bufs[r][count - 1], [&] { float w = 0; for (int q = 0; q < n; ++q) w += Value(q, count - 1); return w; }());
+      ASSERT_EQ(bufs[r][count - 1], [&] {
+        float w = 0;
+        for (int q = 0; q < n; ++q) w += Value(q, count - 1);
+        return w;
+      }());
     }
   }
 }
@@ -658,7 +704,8 @@ TEST(CpuTransportTest, AutoPicksSharedMemoryOnOneHostAndNamesAreParsed) {
   std::vector<absl::StatusOr<CpuComm>> comms(2);
   std::vector<std::thread> threads;
   for (int r = 0; r < 2; ++r) {
-    threads.emplace_back([&, r] { comms[r] = CreateCpuCommunicator(&store, r, 2, CpuCommOptions()); });
+    threads.emplace_back(
+        [&, r] { comms[r] = CreateCpuCommunicator(&store, r, 2, CpuCommOptions()); });
   }
   for (auto& t : threads) t.join();
   for (int r = 0; r < 2; ++r) {
@@ -668,11 +715,15 @@ TEST(CpuTransportTest, AutoPicksSharedMemoryOnOneHostAndNamesAreParsed) {
   std::vector<float> a(5, 1.0f), b(5, 2.0f);
   threads.clear();
   threads.emplace_back([&] {
-    EXPECT_TRUE(comms[0]->comm->AllReduce(a.data(), 5, ElementType::kFloat32, ReduceOp::kSum)
-                    ->Wait(absl::Seconds(10)).ok());
+    EXPECT_TRUE(comms[0]
+                    ->comm->AllReduce(a.data(), 5, ElementType::kFloat32, ReduceOp::kSum)
+                    ->Wait(absl::Seconds(10))
+                    .ok());
   });
-  EXPECT_TRUE(comms[1]->comm->AllReduce(b.data(), 5, ElementType::kFloat32, ReduceOp::kSum)
-                  ->Wait(absl::Seconds(10)).ok());
+  EXPECT_TRUE(comms[1]
+                  ->comm->AllReduce(b.data(), 5, ElementType::kFloat32, ReduceOp::kSum)
+                  ->Wait(absl::Seconds(10))
+                  .ok());
   threads[0].join();
   EXPECT_EQ(a, std::vector<float>(5, 3.0f));
   EXPECT_EQ(b, a);
@@ -718,11 +769,15 @@ TEST(CpuTransportTest, AutoFallsBackToGlooTogetherWhenSharedMemoryFails) {
     }
     std::vector<float> a(5, 1.0f), b(5, 2.0f);
     std::thread other([&] {
-      EXPECT_TRUE(comms[0]->comm->AllReduce(a.data(), 5, ElementType::kFloat32, ReduceOp::kSum)
-                      ->Wait(absl::Seconds(10)).ok());
+      EXPECT_TRUE(comms[0]
+                      ->comm->AllReduce(a.data(), 5, ElementType::kFloat32, ReduceOp::kSum)
+                      ->Wait(absl::Seconds(10))
+                      .ok());
     });
-    EXPECT_TRUE(comms[1]->comm->AllReduce(b.data(), 5, ElementType::kFloat32, ReduceOp::kSum)
-                    ->Wait(absl::Seconds(10)).ok());
+    EXPECT_TRUE(comms[1]
+                    ->comm->AllReduce(b.data(), 5, ElementType::kFloat32, ReduceOp::kSum)
+                    ->Wait(absl::Seconds(10))
+                    .ok());
     other.join();
     EXPECT_EQ(a, std::vector<float>(5, 3.0f));
     EXPECT_EQ(b, a);

@@ -79,7 +79,9 @@ TEST(CoordinatorTest, ADifferentModelIsRefusedNamingTheParameter) {
   FakeClock clock;
   Coordinator c(Options(2, &clock));
   absl::StatusOr<JoinResult> r0, r1;
-  std::thread t0([&] { r0 = c.Join(Info(0, 2, {P("w", {10, 10}), P("b", {10})}), absl::Seconds(2)); });
+  std::thread t0([&] {
+    r0 = c.Join(Info(0, 2, {P("w", {10, 10}), P("b", {10})}), absl::Seconds(2));
+  });
   r1 = c.Join(Info(1, 2, {P("w", {10, 10}), P("b", {11})}), absl::Seconds(10));
   t0.join();
   EXPECT_EQ(r1.status().code(), absl::StatusCode::kFailedPrecondition);
@@ -155,7 +157,7 @@ TEST(CoordinatorTest, SilentRankFailsTheJobAndEveryoneLearnsAtTheNextHeartbeat) 
   ASSERT_TRUE(c.Heartbeat({0, 4, 0.4, 100}).ok());
   EXPECT_FALSE(c.CheckHeartbeats());  // rank 1 silent for 6 s < 10 s
   clock.t += absl::Seconds(5);
-  EXPECT_TRUE(c.CheckHeartbeats());   // rank 1 silent for 11 s
+  EXPECT_TRUE(c.CheckHeartbeats());  // rank 1 silent for 11 s
   JobStatus j = c.GetJob();
   EXPECT_EQ(j.state, JobState::kFailed);
   EXPECT_NE(j.failure.find("rank 1 sent no heartbeat"), std::string::npos) << j.failure;
@@ -263,7 +265,8 @@ TEST(CoordinatorServiceTest, RendezvousHealthLayoutAndMemory) {
   EXPECT_GT(mem->ranks(0).rss_bytes(), 0);
   // Bad field over the wire.
   join.set_rank(7);
-  EXPECT_EQ(client.Join(join, absl::Seconds(2)).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(client.Join(join, absl::Seconds(2)).status().code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 TEST(CoordinatorServiceTest, UnreachableCoordinatorIsOneClearError) {
@@ -436,7 +439,8 @@ namespace {
 TEST(LearningRateTest, OnlyFiniteNormalPositiveFloatsAreAccepted) {
   // 1e39 is finite as a double but inf as the float the kernels use; 1e-46
   // is 0 as a float, 1e-40 a denormal.
-  for (double bad : std::vector<double>{1e39, std::nan(""), INFINITY, -INFINITY, -1.0, 0.0, 1e-46, 1e-40, -1e-3}) {
+  for (double bad : std::vector<double>{1e39, std::nan(""), INFINITY, -INFINITY, -1.0, 0.0, 1e-46,
+                                        1e-40, -1e-3}) {
     absl::Status s = ValidateLearningRate(bad);
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << bad;
   }
@@ -533,12 +537,13 @@ absl::StatusOr<std::string> ListServices(const std::string& address) {
   grpc::CompletionQueue cq;
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
-  auto call = stub.PrepareCall(&ctx, "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
-                               &cq);
+  auto call =
+      stub.PrepareCall(&ctx, "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", &cq);
   auto step = [&](intptr_t want) {
     void* tag = nullptr;
     bool ok = false;
-    const auto r = cq.AsyncNext(&tag, &ok, std::chrono::system_clock::now() + std::chrono::seconds(10));
+    const auto r =
+        cq.AsyncNext(&tag, &ok, std::chrono::system_clock::now() + std::chrono::seconds(10));
     return r == grpc::CompletionQueue::GOT_EVENT && reinterpret_cast<intptr_t>(tag) == want && ok;
   };
   call->StartCall(reinterpret_cast<void*>(1));
@@ -859,10 +864,11 @@ TEST(MetricsTest, AbortCausesAndDuration) {
     std::optional<AbortCause> given;
     AbortCause want;
   };
-  for (const Case& k : std::vector<Case>{{0, std::nullopt, AbortCause::kRankAbort},
-                                         {-1, std::nullopt, AbortCause::kRequest},
-                                         {-1, AbortCause::kRankExit, AbortCause::kRankExit},
-                                         {-1, AbortCause::kInterrupted, AbortCause::kInterrupted}}) {
+  for (const Case& k :
+       std::vector<Case>{{0, std::nullopt, AbortCause::kRankAbort},
+                         {-1, std::nullopt, AbortCause::kRequest},
+                         {-1, AbortCause::kRankExit, AbortCause::kRankExit},
+                         {-1, AbortCause::kInterrupted, AbortCause::kInterrupted}}) {
     Coordinator c(Options(1, &clock));
     if (k.given) {
       c.Abort("x", k.rank, *k.given);

@@ -340,7 +340,8 @@ TEST(CoordinatorWaitsTest, DestroyingTheServiceIsQuickWithWaitsPending) {
     call.req.set_key("never");
     call.req.set_wait_ms(600000);
     calls.Add();
-    stub->async()->KvGet(&call.ctx, &call.req, &call.resp, [&](grpc::Status st) { calls.Done(st); });
+    stub->async()->KvGet(&call.ctx, &call.req, &call.resp,
+                         [&](grpc::Status st) { calls.Done(st); });
     ASSERT_TRUE(WaitUntil([&] { return c.pending_waits() == 1; }));
   }  // the server, then the service
   EXPECT_LT(absl::Now() - t0, absl::Seconds(5));

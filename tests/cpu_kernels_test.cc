@@ -117,9 +117,8 @@ TEST_P(FastVsReferenceTest, BitwiseEqualOverTenSteps) {
   opt.num_threads = threads;
   opt.chunk_elements = kChunk;
   // Sizes 0, 1, 7, 8, 15, 16, 1023, chunk edges, 1M; all in one multi-slice call.
-  const std::vector<int64_t> sizes = {0,         1,         7,         8,     15,     16,
-                                      1023,      kChunk - 1, kChunk,   kChunk + 1,
-                                      3 * kChunk + 5,        1 << 20};
+  const std::vector<int64_t> sizes = {
+      0, 1, 7, 8, 15, 16, 1023, kChunk - 1, kChunk, kChunk + 1, 3 * kChunk + 5, 1 << 20};
   for (const Variant& v : Variants()) {
     for (bool bf16 : {false, true}) {
       SCOPED_TRACE(absl::StrCat(v.name, bf16 ? " bf16" : " fp32", " isa=", IsaName(isa),
@@ -142,10 +141,13 @@ TEST_P(FastVsReferenceTest, BitwiseEqualOverTenSteps) {
       }
       for (size_t i = 0; i < sizes.size(); ++i) {
         std::string where;
-        EXPECT_TRUE(BitwiseEqual(fast[i].p, ref[i].p, &where)) << "size " << sizes[i] << " " << where;
-        EXPECT_TRUE(BitwiseEqual(fast[i].s0, ref[i].s0, &where)) << "size " << sizes[i] << " " << where;
+        EXPECT_TRUE(BitwiseEqual(fast[i].p, ref[i].p, &where))
+            << "size " << sizes[i] << " " << where;
+        EXPECT_TRUE(BitwiseEqual(fast[i].s0, ref[i].s0, &where))
+            << "size " << sizes[i] << " " << where;
         if (v.adam) {
-          EXPECT_TRUE(BitwiseEqual(fast[i].s1, ref[i].s1, &where)) << "size " << sizes[i] << " " << where;
+          EXPECT_TRUE(BitwiseEqual(fast[i].s1, ref[i].s1, &where))
+              << "size " << sizes[i] << " " << where;
         }
         if (bf16) {
           EXPECT_EQ(fast[i].p16, ref[i].p16) << "size " << sizes[i];
@@ -189,7 +191,7 @@ TEST(Bf16Test, Bf16PathTracksFp32PathWithinBf16Tolerance) {
     ASSERT_LE(std::fabs(model - b16.p[i]), std::fabs(b16.p[i]) * (1.0f / 256) + 1e-30f) << i;
   }
   EXPECT_LT(max_err, 10 * 1e-3 * 0.02);  // 10 steps x lr x bf16-size perturbation of direction
-  EXPECT_GT(max_err, 0.0);                // the paths are genuinely different
+  EXPECT_GT(max_err, 0.0);               // the paths are genuinely different
 }
 
 TEST(Bf16Test, RoundingIsToNearestEvenAndKeepsSpecials) {
@@ -228,8 +230,7 @@ TEST(ValidationTest, BadConfigsAndSlicesAreErrorsAndTouchNothing) {
   EXPECT_EQ(AdamStep(AdamConfig(), 1, {&no_state, 1}).code(), absl::StatusCode::kInvalidArgument);
   UpdateSlice two_grads = s;
   two_grads.grad_bf16 = b.g16.data();
-  EXPECT_EQ(AdamStep(AdamConfig(), 1, {&two_grads, 1}).code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(AdamStep(AdamConfig(), 1, {&two_grads, 1}).code(), absl::StatusCode::kInvalidArgument);
   UpdateSlice negative = s;
   negative.size = -1;
   EXPECT_EQ(SgdStep(SgdConfig(), 1, {&negative, 1}).code(), absl::StatusCode::kInvalidArgument);

@@ -11,9 +11,10 @@
 namespace shardopt {
 namespace {
 
-const std::vector<std::string> kKnown = {"steps", "log-every", "lr", "clip", "port", "nnodes",
-                                         "heartbeat-timeout", "ckpt-dir", "optimizer", "json",
-                                         "help", "collective-timeout", "batch", "token-file"};
+const std::vector<std::string> kKnown = {
+    "steps",  "log-every",          "lr",       "clip",      "port",
+    "nnodes", "heartbeat-timeout",  "ckpt-dir", "optimizer", "json",
+    "help",   "collective-timeout", "batch",    "token-file"};
 
 absl::StatusOr<Flags> ParseArgs(std::vector<std::string> args) {
   args.insert(args.begin(), "prog");
@@ -43,7 +44,8 @@ TEST(FlagsParse, BothForms) {
 
 TEST(FlagsParse, NegativeValueAfterSpace) {
   Flags f = MustParse({"--clip", "-1"});
-  EXPECT_EQ(Msg(f.Double("clip", 0, 0, 10).status()), "--clip must be a number in [0, 10], got '-1'");
+  EXPECT_EQ(Msg(f.Double("clip", 0, 0, 10).status()),
+            "--clip must be a number in [0, 10], got '-1'");
 }
 
 TEST(FlagsParse, UnknownFlag) {
@@ -52,7 +54,8 @@ TEST(FlagsParse, UnknownFlag) {
 
 TEST(FlagsParse, MissingValue) {
   EXPECT_EQ(Msg(ParseArgs({"--steps"}).status()), "--steps needs a value (--steps=VALUE)");
-  EXPECT_EQ(Msg(ParseArgs({"--steps", "--lr=1"}).status()), "--steps needs a value (--steps=VALUE)");
+  EXPECT_EQ(Msg(ParseArgs({"--steps", "--lr=1"}).status()),
+            "--steps needs a value (--steps=VALUE)");
   // Switches need none.
   EXPECT_TRUE(ParseArgs({"--help", "--json"}).ok());
 }
@@ -71,11 +74,13 @@ TEST(FlagsInt, RangeAndMalformed) {
   Flags f = MustParse({"--log-every=0"});
   EXPECT_EQ(Msg(f.Int("log-every", 1, 1, 1000000).status()),
             "--log-every must be an integer in [1, 1000000], got '0'");
-  for (const char* bad : {"abc", "1e11", "1.5", "0x10", " 5", "5 ", "5x", "99999999999999999999", "nan"}) {
+  for (const char* bad :
+       {"abc", "1e11", "1.5", "0x10", " 5", "5 ", "5x", "99999999999999999999", "nan"}) {
     Flags g = MustParse({std::string("--steps=") + bad});
     auto v = g.Int("steps", 20, 1, 100000000);
     ASSERT_FALSE(v.ok()) << bad;
-    EXPECT_EQ(Msg(v.status()), absl::StrCat("--steps must be an integer in [1, 100000000], got '", bad, "'"));
+    EXPECT_EQ(Msg(v.status()),
+              absl::StrCat("--steps must be an integer in [1, 100000000], got '", bad, "'"));
   }
   Flags big = MustParse({"--nnodes=2147483648"});
   EXPECT_EQ(Msg(big.Int("nnodes", 1, 1, 1024).status()),
@@ -106,12 +111,14 @@ TEST(FlagsDouble, NonFiniteAndRange) {
     Flags f = MustParse({std::string("--clip=") + bad});
     auto v = f.Double("clip", 0, 0, 1e30);
     ASSERT_FALSE(v.ok()) << bad;
-    EXPECT_NE(Msg(v.status()).find("--clip must be a number in [0, 1e+30], got "), std::string::npos)
+    EXPECT_NE(Msg(v.status()).find("--clip must be a number in [0, 1e+30], got "),
+              std::string::npos)
         << Msg(v.status());
     EXPECT_FALSE(f.Double("clip", 0).ok()) << bad;  // the unbounded form refuses them too
   }
   Flags f = MustParse({"--clip=2e30"});
-  EXPECT_EQ(Msg(f.Double("clip", 0, 0, 1e30).status()), "--clip must be a number in [0, 1e+30], got '2e30'");
+  EXPECT_EQ(Msg(f.Double("clip", 0, 0, 1e30).status()),
+            "--clip must be a number in [0, 1e+30], got '2e30'");
   Flags open = MustParse({"--clip=0"});
   EXPECT_EQ(Msg(open.Double("clip", 1, 0, 5, /*min_exclusive=*/true).status()),
             "--clip must be a number in (0, 5], got '0'");
@@ -124,15 +131,17 @@ TEST(FlagsPositiveFloat, LearningRate) {
     Flags f = MustParse({std::string("--lr=") + bad});
     auto v = f.PositiveFloat("lr", 1e-4);
     ASSERT_FALSE(v.ok()) << bad;
-    EXPECT_EQ(Msg(v.status()).rfind("--lr must be a positive number that a float holds, in [1.17549e-38, "
-                                     "3.40282e+38], got ",
-                                     0),
+    EXPECT_EQ(Msg(v.status())
+                  .rfind("--lr must be a positive number that a float holds, in [1.17549e-38, "
+                         "3.40282e+38], got ",
+                         0),
               0u)
         << Msg(v.status());
   }
   Flags f = MustParse({"--lr=1e39"});
   EXPECT_EQ(Msg(f.PositiveFloat("lr", 1).status()),
-            "--lr must be a positive number that a float holds, in [1.17549e-38, 3.40282e+38], got '1e39'");
+            "--lr must be a positive number that a float holds, in [1.17549e-38, 3.40282e+38], got "
+            "'1e39'");
   for (const char* good : {"1e-4", "1e30", "3e38", "0.5"}) {
     Flags g = MustParse({std::string("--lr=") + good});
     EXPECT_TRUE(g.PositiveFloat("lr", 1).ok()) << good;
@@ -158,15 +167,21 @@ TEST(FlagsSeconds, NonFiniteAndRange) {
     Flags f = MustParse({std::string("--heartbeat-timeout=") + bad});
     auto v = f.Seconds("heartbeat-timeout", 10, 0.1, 86400);
     ASSERT_FALSE(v.ok()) << bad;
-    EXPECT_EQ(Msg(v.status()).rfind("--heartbeat-timeout must be a number of seconds in [0.1, 86400], got ", 0), 0u)
+    EXPECT_EQ(
+        Msg(v.status())
+            .rfind("--heartbeat-timeout must be a number of seconds in [0.1, 86400], got ", 0),
+        0u)
         << Msg(v.status());
   }
-  EXPECT_EQ(Msg(MustParse({"--collective-timeout=abc"}).Seconds("collective-timeout", 120, 0.1, 86400).status()),
+  EXPECT_EQ(Msg(MustParse({"--collective-timeout=abc"})
+                    .Seconds("collective-timeout", 120, 0.1, 86400)
+                    .status()),
             "--collective-timeout must be a number of seconds in [0.1, 86400], got 'abc'");
   EXPECT_EQ(*MustParse({"--collective-timeout=2.5"}).Seconds("collective-timeout", 120, 0.1, 86400),
             absl::Milliseconds(2500));
   EXPECT_EQ(*MustParse({}).Seconds("collective-timeout", 120, 0.1, 86400), absl::Seconds(120));
-  EXPECT_FALSE(MustParse({"--collective-timeout=0"}).Seconds("collective-timeout", 1, 0, 10, true).ok());
+  EXPECT_FALSE(
+      MustParse({"--collective-timeout=0"}).Seconds("collective-timeout", 1, 0, 10, true).ok());
 }
 
 TEST(FlagsBool, Values) {

@@ -108,7 +108,8 @@ TEST_F(GpuTest, AdamAdamWSgdBitwiseEqualToTheReference) {
       std::vector<uint16_t> model(x->n);
       cudaMemcpy(p.data(), x->dp, x->n * 4, cudaMemcpyDeviceToHost);
       cudaMemcpy(model.data(), x->dmodel, x->n * 2, cudaMemcpyDeviceToHost);
-      EXPECT_EQ(std::memcmp(p.data(), x->p.data(), x->n * 4), 0) << "variant " << variant << " size " << x->n;
+      EXPECT_EQ(std::memcmp(p.data(), x->p.data(), x->n * 4), 0)
+          << "variant " << variant << " size " << x->n;
       EXPECT_EQ(model, x->model) << "variant " << variant << " size " << x->n;
     }
   }

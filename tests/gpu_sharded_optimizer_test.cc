@@ -117,10 +117,11 @@ double Compare(OptimizerKind kind, double max_grad_norm, Variant v = {}) {
 
   std::unique_ptr<torch::optim::Optimizer> ref;
   if (kind == OptimizerKind::kAdam) {
-    ref = std::make_unique<torch::optim::Adam>(theirs->parameters(), torch::optim::AdamOptions(1e-3));
+    ref =
+        std::make_unique<torch::optim::Adam>(theirs->parameters(), torch::optim::AdamOptions(1e-3));
   } else if (kind == OptimizerKind::kAdamW) {
-    ref = std::make_unique<torch::optim::AdamW>(theirs->parameters(),
-                                                torch::optim::AdamWOptions(1e-3).weight_decay(1e-2));
+    ref = std::make_unique<torch::optim::AdamW>(
+        theirs->parameters(), torch::optim::AdamWOptions(1e-3).weight_decay(1e-2));
   } else {
     ref = std::make_unique<torch::optim::SGD>(theirs->parameters(),
                                               torch::optim::SGDOptions(0.05).momentum(0.9));
@@ -247,7 +248,8 @@ TEST_F(GpuShardedOptimizerTest, CheckpointSaveAndResumeOnTheGpu) {
   const torch::Device gpu(torch::kCUDA, 0);
   torch::manual_seed(11);
   std::vector<std::pair<torch::Tensor, torch::Tensor>> batches;
-  for (int i = 0; i < 10; ++i) batches.emplace_back(torch::randn({32, 64}, gpu), torch::randn({32, 10}, gpu));
+  for (int i = 0; i < 10; ++i)
+    batches.emplace_back(torch::randn({32, 64}, gpu), torch::randn({32, 10}, gpu));
   char tmpl[] = "/tmp/shardopt_gpu_ckpt_XXXXXX";
   ASSERT_NE(mkdtemp(tmpl), nullptr);
   const std::string root = tmpl;
@@ -291,7 +293,8 @@ TEST_F(GpuShardedOptimizerTest, CheckpointSaveAndResumeOnTheGpu) {
   double worst = 0;
   auto a = straight->parameters();
   auto b = resumed->parameters();
-  for (size_t i = 0; i < a.size(); ++i) worst = std::max(worst, (a[i] - b[i]).abs().max().item<double>());
+  for (size_t i = 0; i < a.size(); ++i)
+    worst = std::max(worst, (a[i] - b[i]).abs().max().item<double>());
   RecordProperty("resume_max_abs_diff", Fmt(worst));
   EXPECT_LE(worst, 1e-6);
   std::system(("rm -rf " + root).c_str());

@@ -67,7 +67,8 @@ double Sample(const std::string& text, const std::string& series) {
   size_t pos = 0;
   while ((pos = text.find(prefix, pos)) != std::string::npos) {
     if (pos == 0 || text[pos - 1] == '\n') {
-      return std::stod(text.substr(pos + prefix.size(), text.find('\n', pos) - pos - prefix.size()));
+      return std::stod(
+          text.substr(pos + prefix.size(), text.find('\n', pos) - pos - prefix.size()));
     }
     pos += prefix.size();
   }
@@ -174,7 +175,7 @@ TEST(MetricsRenderTest, FailuresSlowRanksAndAStartingJob) {
   Coordinator starting(o);
   std::string text = RenderMetrics(starting.GetJob());
   EXPECT_EQ(Sample(text, "shardopt_job_state{state=\"starting\"}"), 1);
-  EXPECT_EQ(text.find("shardopt_rank_step{"), std::string::npos);  // nobody joined
+  EXPECT_EQ(text.find("shardopt_rank_step{"), std::string::npos);         // nobody joined
   EXPECT_EQ(text.find("shardopt_checkpoints_total"), std::string::npos);  // unknown yet
 
   auto c = RunningJob(&clock, 3);

@@ -163,8 +163,8 @@ TEST(PlannerTest, SmallExampleIsPlacedWholeLargestFirst) {
 }
 
 TEST(PlannerTest, BucketsFollowReverseRegistrationOrderUpToTheCap) {
-  std::vector<ParamSpec> params = {P("w0", {10}), P("w1", {10}), P("w2", {10}),
-                                   P("big", {50}), P("w4", {10})};
+  std::vector<ParamSpec> params = {P("w0", {10}), P("w1", {10}), P("w2", {10}), P("big", {50}),
+                                   P("w4", {10})};
   PlanOptions opt;
   opt.bucket_cap_elements = 25;
   opt.alignment_elements = 1;

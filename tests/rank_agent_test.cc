@@ -34,7 +34,8 @@ constexpr double kLr = 0.1;
 
 std::string TempDir(const std::string& name) {
   const char* t = std::getenv("TEST_TMPDIR");
-  std::string dir = absl::StrCat(t != nullptr ? t : "/tmp", "/rank_agent_test_", name, "_", getpid());
+  std::string dir =
+      absl::StrCat(t != nullptr ? t : "/tmp", "/rank_agent_test_", name, "_", getpid());
   (void)PosixFileSystem()->MakeDirs(dir);
   return dir;
 }
@@ -47,14 +48,16 @@ class Job {
   explicit Job(int n) : world_(n, absl::Seconds(30)), out_(n), err_(n) {
     for (int r = 0; r < n; ++r) {
       recorders_.push_back(std::make_shared<FlightRecorder>());
-      comms_.push_back(std::make_unique<FlightRecordingCommunicator>(world_.Connect(r), recorders_[r]));
+      comms_.push_back(
+          std::make_unique<FlightRecordingCommunicator>(world_.Connect(r), recorders_[r]));
       fakes_.push_back(std::make_unique<FakeCoordinator>());
       params_.emplace_back();
     }
     opts_.resize(n);
     OnAllRanks([&](int r) {
       torch::manual_seed(1);
-      params_[r] = {{"w", torch::randn({16, 4}).requires_grad_()}, {"b", torch::randn({4}).requires_grad_()}};
+      params_[r] = {{"w", torch::randn({16, 4}).requires_grad_()},
+                    {"b", torch::randn({4}).requires_grad_()}};
       ShardedOptimizerOptions o;
       o.kind = OptimizerKind::kSgd;
       o.sgd.lr = kLr;
@@ -118,7 +121,8 @@ class Job {
   absl::Status Train(int r, int64_t step, absl::StatusOr<AgreedStep>* agreed, bool agree = true) {
     agent(r).BeforeStep(step);
     opt(r).ZeroGrad();
-    torch::Tensor loss = (params_[r][0].second * params_[r][0].second).sum() + params_[r][1].second.sum();
+    torch::Tensor loss =
+        (params_[r][0].second * params_[r][0].second).sum() + params_[r][1].second.sum();
     loss.backward();
     auto result = opt(r).Step();
     if (!result.ok()) return result.status();
@@ -209,7 +213,8 @@ TEST(RankAgentTest, JoinsServesItsShardOwnerHeartbeatsAndFinishes) {
     EXPECT_EQ(job.fake(r).sessions_opened(), 1);
   }
   // Heartbeats flow on the session, with the rank's learning rate and memory.
-  ASSERT_TRUE(job.fake(1).WaitFor([&] { return job.fake(1).heartbeats().size() >= 2; }, absl::Seconds(10)));
+  ASSERT_TRUE(
+      job.fake(1).WaitFor([&] { return job.fake(1).heartbeats().size() >= 2; }, absl::Seconds(10)));
   const v1::HeartbeatRequest hb = job.fake(1).heartbeats().back();
   EXPECT_EQ(hb.rank(), 1);
   EXPECT_NEAR(hb.learning_rate(), kLr, 1e-9);
@@ -310,14 +315,18 @@ TEST(RankAgentTest, StopSignalAbortsTheJob) {
   EXPECT_EQ(job.agent(0).WaitForAbort(absl::Seconds(10)),
             "stopped by signal 15 (shardrun is stopping the job, or it died)");
   float x = 1;
-  EXPECT_EQ(job.comm(0).AllReduce(&x, 1, ElementType::kFloat32, ReduceOp::kSum)->Wait(absl::Seconds(5)).code(),
+  EXPECT_EQ(job.comm(0)
+                .AllReduce(&x, 1, ElementType::kFloat32, ReduceOp::kSum)
+                ->Wait(absl::Seconds(5))
+                .code(),
             absl::StatusCode::kAborted);
 }
 
 TEST(RankAgentTest, WithoutASessionUnaryHeartbeatsCarryTheNotices) {
   Job job(1);
   job.StartAgents();
-  ASSERT_TRUE(job.fake(0).WaitFor([&] { return !job.fake(0).heartbeats().empty(); }, absl::Seconds(10)));
+  ASSERT_TRUE(
+      job.fake(0).WaitFor([&] { return !job.fake(0).heartbeats().empty(); }, absl::Seconds(10)));
   job.fake(0).BreakSession();
   job.fake(0).PushAbort("over unary");
   EXPECT_EQ(job.agent(0).WaitForAbort(absl::Seconds(10)), "job aborted: over unary");
@@ -328,7 +337,8 @@ TEST(RankAgentTest, LearningRateSeenByOneRankIsAppliedOnAllAtTheSameStep) {
   job.StartAgents();
   // Only rank 1's coordinator connection carries the change.
   ASSERT_TRUE(job.fake(1).SetLearningRate(0.05).ok());
-  ASSERT_TRUE(job.fake(1).WaitFor([&] { return job.fake(1).pending_notices() == 0; }, absl::Seconds(10)));
+  ASSERT_TRUE(
+      job.fake(1).WaitFor([&] { return job.fake(1).pending_notices() == 0; }, absl::Seconds(10)));
   std::vector<std::map<int64_t, double>> lr_after(3);  // per rank: step -> optimizer lr
   std::vector<std::map<int64_t, double>> applied(3);   // per rank: step -> new_lr
   std::vector<int64_t> steps(3);
@@ -355,10 +365,12 @@ TEST(RankAgentTest, LearningRateSeenByOneRankIsAppliedOnAllAtTheSameStep) {
     EXPECT_NEAR(applied[r].begin()->second, 0.05, 1e-7);
     EXPECT_EQ(steps[r], at + 2);
     for (int64_t step = 1; step <= steps[r]; ++step) {
-      EXPECT_NEAR(lr_after[r][step], step < at ? kLr : 0.05, 1e-7) << "rank " << r << " step " << step;
+      EXPECT_NEAR(lr_after[r][step], step < at ? kLr : 0.05, 1e-7)
+          << "rank " << r << " step " << step;
     }
   }
-  EXPECT_EQ(job.out(0), std::vector<std::string>{absl::StrCat("learning rate set to 0.05 at step ", at)});
+  EXPECT_EQ(job.out(0),
+            std::vector<std::string>{absl::StrCat("learning rate set to 0.05 at step ", at)});
   EXPECT_TRUE(job.out(1).empty());
   // Heartbeats report the applied rate (rank 2 never saw the notice).
   ASSERT_TRUE(job.fake(2).WaitFor(
@@ -377,7 +389,8 @@ TEST(RankAgentTest, RequestedCheckpointIsTakenAtOneStepOnAllRanks) {
     o.samples_per_step = 8;
   });
   ASSERT_TRUE(job.fake(0).RequestCheckpoint().ok());  // rank 0 only
-  ASSERT_TRUE(job.fake(0).WaitFor([&] { return job.fake(0).pending_notices() == 0; }, absl::Seconds(10)));
+  ASSERT_TRUE(
+      job.fake(0).WaitFor([&] { return job.fake(0).pending_notices() == 0; }, absl::Seconds(10)));
   std::vector<std::vector<int64_t>> due(2);
   job.OnAllRanks([&](int r) {
     int64_t last = 200;  // until a step after the checkpoint
@@ -395,7 +408,8 @@ TEST(RankAgentTest, RequestedCheckpointIsTakenAtOneStepOnAllRanks) {
   EXPECT_EQ(due[1], due[0]);
   const std::string expected = absl::StrCat(dir, "/step-", due[0][0]);
   ASSERT_EQ(job.out(0).size(), 1u);
-  EXPECT_TRUE(absl::StrContains(job.out(0)[0], absl::StrCat("checkpoint ", expected, " written in ")))
+  EXPECT_TRUE(
+      absl::StrContains(job.out(0)[0], absl::StrCat("checkpoint ", expected, " written in ")))
       << job.out(0)[0];
   auto latest = ResolveCheckpoint(PosixFileSystem(), dir);
   ASSERT_TRUE(latest.ok()) << latest.status();
@@ -416,7 +430,8 @@ TEST(RankAgentTest, RequestedCheckpointWithoutADirectoryIsSkipped) {
   Job job(1);
   job.StartAgents();
   ASSERT_TRUE(job.fake(0).RequestCheckpoint().ok());
-  ASSERT_TRUE(job.fake(0).WaitFor([&] { return job.fake(0).pending_notices() == 0; }, absl::Seconds(10)));
+  ASSERT_TRUE(
+      job.fake(0).WaitFor([&] { return job.fake(0).pending_notices() == 0; }, absl::Seconds(10)));
   bool due = false;
   for (int64_t step = 1; step <= 3; ++step) {
     absl::StatusOr<AgreedStep> agreed;
@@ -424,7 +439,8 @@ TEST(RankAgentTest, RequestedCheckpointWithoutADirectoryIsSkipped) {
     due |= agreed->checkpoint;
   }
   EXPECT_FALSE(due);
-  EXPECT_EQ(job.out(0), std::vector<std::string>{"checkpoint requested, but no --ckpt-dir was given: skipped"});
+  EXPECT_EQ(job.out(0),
+            std::vector<std::string>{"checkpoint requested, but no --ckpt-dir was given: skipped"});
 }
 
 TEST(RankAgentTest, NonFiniteLossOnOneRankStopsEveryRankAtThatStep) {
@@ -473,7 +489,9 @@ TEST(RankAgentTest, StalledPeerIsNamed) {
     ASSERT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
     why = job.agent(0).Diagnose(s);
   });
-  EXPECT_TRUE(absl::StrContains(why, "collective timed out at step 2; stalled rank(s): 1 (at step 1) [")) << why;
+  EXPECT_TRUE(
+      absl::StrContains(why, "collective timed out at step 2; stalled rank(s): 1 (at step 1) ["))
+      << why;
   EXPECT_FALSE(absl::StrContains(why, "0 (at step")) << why;
   EXPECT_EQ(job.agent(0).Fail("step 2 failed: " + why, why), 1);
   ASSERT_EQ(job.fake(0).aborts().size(), 1u);
@@ -491,14 +509,17 @@ TEST(RankAgentTest, SilentPeerIsNamed) {
   *status.add_ranks() = RankAt(1, 4, 8, 31.0);
   job.fake(0).SetJob(status);
   const absl::Time t0 = absl::Now();
-  const std::string why = job.agent(0).Diagnose(absl::UnavailableError("connection reset by peer"), t0);
-  EXPECT_EQ(why, "lost rank(s) 1 (no heartbeat for 31.0 s), probably dead [connection reset by peer]");
+  const std::string why =
+      job.agent(0).Diagnose(absl::UnavailableError("connection reset by peer"), t0);
+  EXPECT_EQ(why,
+            "lost rank(s) 1 (no heartbeat for 31.0 s), probably dead [connection reset by peer]");
   // Bounded: verdict_wait + silent_wait (and a poll).
   EXPECT_LT(absl::Now() - t0, absl::Seconds(5));
   // The coordinator's verdict, once it has one, wins.
   status.set_failure("rank 1 was killed by signal 9");
   job.fake(0).SetJob(status);
-  EXPECT_EQ(job.agent(0).Diagnose(absl::UnavailableError("x"), t0), "job failed: rank 1 was killed by signal 9");
+  EXPECT_EQ(job.agent(0).Diagnose(absl::UnavailableError("x"), t0),
+            "job failed: rank 1 was killed by signal 9");
 }
 
 TEST(RankAgentTest, DiagnosisWithoutNamedRanks) {
@@ -508,22 +529,27 @@ TEST(RankAgentTest, DiagnosisWithoutNamedRanks) {
   *status.add_ranks() = RankAt(0, 1, 2, 0.1);
   job.fake(0).SetJob(status);
   // Failing long before the timeout: a broken connection.
-  EXPECT_EQ(job.agent(0).Diagnose(absl::UnavailableError("pair closed"), absl::Now()).rfind(
-                "a collective failed after ", 0),
+  EXPECT_EQ(job.agent(0)
+                .Diagnose(absl::UnavailableError("pair closed"), absl::Now())
+                .rfind("a collective failed after ", 0),
             0u);
-  const std::string broke = job.agent(0).Diagnose(absl::UnavailableError("pair closed"), absl::Now());
-  EXPECT_TRUE(absl::StrContains(broke, ", before its 5s timeout (a peer's connection broke) [pair closed]"))
+  const std::string broke =
+      job.agent(0).Diagnose(absl::UnavailableError("pair closed"), absl::Now());
+  EXPECT_TRUE(
+      absl::StrContains(broke, ", before its 5s timeout (a peer's connection broke) [pair closed]"))
       << broke;
   // At the timeout, with nobody behind: the status itself.
-  EXPECT_EQ(job.agent(0).Diagnose(absl::DeadlineExceededError("slow"), absl::Now() - absl::Seconds(6)),
-            "DEADLINE_EXCEEDED: slow");
+  EXPECT_EQ(
+      job.agent(0).Diagnose(absl::DeadlineExceededError("slow"), absl::Now() - absl::Seconds(6)),
+      "DEADLINE_EXCEEDED: slow");
 }
 
 TEST(RankAgentTest, FlightRecordIsWrittenWhenTheCoordinatorCannotTakeIt) {
   Job job(1);
   const std::string dir = TempDir("flight");
   job.StartAgents([&](int, RankAgentOptions& o) { o.flight_record_dir = dir; });
-  job.fake(0).SetReportFlightStatus(absl::UnavailableError("flight record: cannot reach the coordinator"));
+  job.fake(0).SetReportFlightStatus(
+      absl::UnavailableError("flight record: cannot reach the coordinator"));
   absl::StatusOr<AgreedStep> agreed;
   ASSERT_TRUE(job.Train(0, 1, &agreed).ok());
   EXPECT_EQ(job.agent(0).Fail("stalled on purpose", ""), 1);
@@ -532,8 +558,10 @@ TEST(RankAgentTest, FlightRecordIsWrittenWhenTheCoordinatorCannotTakeIt) {
   const auto err = job.err(0);
   ASSERT_EQ(err.size(), 2u);
   EXPECT_EQ(err[0], "stalled on purpose");
-  EXPECT_EQ(err[1], "could not send the flight record to the coordinator (flight record: cannot reach the "
-                    "coordinator); wrote it to " + path);
+  EXPECT_EQ(err[1],
+            "could not send the flight record to the coordinator (flight record: cannot reach the "
+            "coordinator); wrote it to " +
+                path);
   auto size = PosixFileSystem()->FileSize(path);
   ASSERT_TRUE(size.ok()) << size.status();
   EXPECT_GT(*size, 10u);

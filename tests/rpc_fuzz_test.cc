@@ -85,7 +85,8 @@ TEST_F(FuzzTest, RandomRequestsAreRefusedAndTheServerStaysUp) {
         r.set_value(RandomString(rng_() % 50 == 0 ? (2 << 20) : 100));
         v1::KvSetResponse resp;
         s = stub_->KvSet(ctx.get(), r, &resp);
-        if (!r.key().empty() && r.key().size() <= kMaxKeyBytes && r.value().size() <= kMaxValueBytes) {
+        if (!r.key().empty() && r.key().size() <= kMaxKeyBytes &&
+            r.value().size() <= kMaxValueBytes) {
           continue;  // a legitimate rendezvous write
         }
         break;
@@ -155,10 +156,10 @@ TEST_F(FuzzTest, MutatedBytesNeverCrashTheServer) {
   p->set_dtype("float32");
   const std::string bytes = valid.SerializeAsString();
   grpc::GenericStub generic(channel_);
-  const char* methods[] = {"/shardopt.v1.Coordinator/Join", "/shardopt.v1.Coordinator/KvSet",
-                           "/shardopt.v1.Coordinator/KvGet", "/shardopt.v1.Coordinator/Heartbeat",
-                           "/shardopt.v1.Coordinator/GetLayout",
-                           "/shardopt.v1.Coordinator/SetHyperParams"};
+  const char* methods[] = {
+      "/shardopt.v1.Coordinator/Join",      "/shardopt.v1.Coordinator/KvSet",
+      "/shardopt.v1.Coordinator/KvGet",     "/shardopt.v1.Coordinator/Heartbeat",
+      "/shardopt.v1.Coordinator/GetLayout", "/shardopt.v1.Coordinator/SetHyperParams"};
   for (int i = 0; i < 1200; ++i) {
     std::string m = bytes;
     const int flips = 1 + static_cast<int>(rng_() % 8);

@@ -178,7 +178,8 @@ TEST(ShardOwnerTest, MemoryReportPerKind) {
     int64_t owned = 0;
     for (const Bucket& bk : layout.buckets()) owned += bk.capacity_per_rank;
     EXPECT_EQ((*owner)->owned_elements(), owned);
-    EXPECT_EQ((*owner)->memory().state_bytes, owned * 4 * c.state_arrays) << OptimizerKindName(c.kind);
+    EXPECT_EQ((*owner)->memory().state_bytes, owned * 4 * c.state_arrays)
+        << OptimizerKindName(c.kind);
     EXPECT_EQ((*owner)->memory().master_bytes, 0);
     EXPECT_EQ((*owner)->state_names(), c.names);
   }
@@ -241,8 +242,9 @@ TEST(ShardOwnerTest, HyperParametersAreValidatedPerGroup) {
   o.param_group = {0, 1};
   EXPECT_FALSE(ShardOwner::Create(layout, 0, o, b.param, b.grad, MakeCpuKernelBackend(1)).ok());
   o.param_group.clear();
-  EXPECT_FALSE(ShardOwner::Create(layout, 0, o, b.param.narrow(0, 0, 10), b.grad,
-                                  MakeCpuKernelBackend(1)).ok());
+  EXPECT_FALSE(
+      ShardOwner::Create(layout, 0, o, b.param.narrow(0, 0, 10), b.grad, MakeCpuKernelBackend(1))
+          .ok());
   EXPECT_FALSE(ShardOwner::Create(layout, 2, o, b.param, b.grad, MakeCpuKernelBackend(1)).ok());
   EXPECT_FALSE(ShardOwner::Create(layout, 0, o, b.param, b.grad, nullptr).ok());
 }

@@ -68,7 +68,8 @@ TEST(TopViewTest, HeaderAndOneLinePerRank) {
   EXPECT_EQ(lines[0], "job job  running  2 ranks  step 120  lr 0.0001  up 1m05s  slow ranks: none");
   EXPECT_EQ(lines[1], " rank    step  t p50  t max  samp/s   comm  optim    memory hb age  note");
   EXPECT_EQ(lines[2], "    0     120  100ms  200ms   150.0 12.0ms 3.10ms 812.0 MiB   0.4s");
-  EXPECT_EQ(lines[3], "*   1     121  110ms  210ms   149.0 12.0ms 3.10ms 812.0 MiB   0.4s  slowest");
+  EXPECT_EQ(lines[3],
+            "*   1     121  110ms  210ms   149.0 12.0ms 3.10ms 812.0 MiB   0.4s  slowest");
 }
 
 TEST(TopViewTest, SlowestIsMarkedAndHighlighted) {
@@ -93,7 +94,8 @@ TEST(TopViewTest, SlowestIsMarkedAndHighlighted) {
       EXPECT_EQ(plain[0], '*');
       EXPECT_EQ(plain.substr(1, 4), "   2");
       EXPECT_NE(plain.find("900ms"), std::string::npos);
-      EXPECT_NE(plain.find("slowest, SLOW: step time 0.9s > 1.5x median 0.11s"), std::string::npos) << plain;
+      EXPECT_NE(plain.find("slowest, SLOW: step time 0.9s > 1.5x median 0.11s"), std::string::npos)
+          << plain;
     }
   }
   EXPECT_EQ(highlighted, 1) << Joined(lines);
@@ -152,7 +154,8 @@ TEST(TopViewTest, UnknownValuesShowAsDash) {
   ASSERT_EQ(lines.size(), 5u) << Joined(lines);
   EXPECT_EQ(lines[0], "job j  starting  3 ranks  step 0  lr -  up -  slow ranks: none");
   EXPECT_EQ(lines[2], "    0       0      -      -       -      -      -         -   1.2s");
-  EXPECT_EQ(lines[3], "    1       -      -      -       -      -      -         -      -  not joined");
+  EXPECT_EQ(lines[3],
+            "    1       -      -      -       -      -      -         -      -  not joined");
   EXPECT_EQ(lines[4], "    2       0      -      -       -      -      -         -   DEAD");
   // A finished job's ranks stop beating: not dead.
   job.set_state("finished");
@@ -185,8 +188,10 @@ TEST(TopViewTest, LinesAreCutToTheWidth) {
     o.width = width;
     auto lines = RenderTopView(&job, o);
     ASSERT_EQ(lines.size(), 6u);
-    EXPECT_EQ(lines[1].substr(0, std::min(width, 9)), std::string("failure: ").substr(0, std::min(width, 9)));
-    EXPECT_EQ(lines[2].substr(0, std::min(width, 7)), std::string("status:").substr(0, std::min(width, 7)));
+    EXPECT_EQ(lines[1].substr(0, std::min(width, 9)),
+              std::string("failure: ").substr(0, std::min(width, 9)));
+    EXPECT_EQ(lines[2].substr(0, std::min(width, 7)),
+              std::string("status:").substr(0, std::min(width, 7)));
     for (std::string l : lines) {
       if (absl::StartsWith(l, "\x1b[7m")) {
         l = l.substr(4, l.size() - 8);
@@ -212,14 +217,15 @@ TEST(TopViewTest, ManyRanksAreSummarizedKeepingTheOnesThatMatter) {
   v1::GetJobResponse job = Job(1024);
   for (auto& r : *job.mutable_ranks()) r.set_step_seconds_p50(0.1);
   job.mutable_ranks(700)->set_step_seconds_p50(0.5);  // the slowest
-  job.mutable_ranks(900)->set_slow(true);            // named slow by the coordinator
-  job.mutable_ranks(1000)->set_alive(false);         // dead
+  job.mutable_ranks(900)->set_slow(true);             // named slow by the coordinator
+  job.mutable_ranks(1000)->set_alive(false);          // dead
   TopViewOptions o;
   o.width = 80;
   o.height = 24;
   auto lines = RenderTopView(&job, o);
   ASSERT_EQ(lines.size(), 24u) << Joined(lines);
-  EXPECT_EQ(lines.back(), "... 1003 more ranks");  // 24 - header - column header - summary = 21 shown
+  EXPECT_EQ(lines.back(),
+            "... 1003 more ranks");  // 24 - header - column header - summary = 21 shown
   EXPECT_NE(RankLine(lines, 700), "");
   EXPECT_NE(RankLine(lines, 900), "");
   EXPECT_NE(RankLine(lines, 1000), "");

@@ -76,8 +76,8 @@ void RunAndCompare(Model& m, TorchStep torch_step, RefStep ref_step, bool has_st
       const double err = std::fabs(static_cast<double>(t[k]) - m.ours[i][k]) /
                          std::max(1.0, std::fabs(static_cast<double>(t[k])));
       max_rel = std::max(max_rel, err);
-      ASSERT_LE(err, 1e-6) << "param " << i << " element " << k << ": torch " << t[k]
-                           << " ours " << m.ours[i][k];
+      ASSERT_LE(err, 1e-6) << "param " << i << " element " << k << ": torch " << t[k] << " ours "
+                           << m.ours[i][k];
     }
   }
   ::testing::Test::RecordProperty("max_param_rel_error", absl::StrCat(max_rel));
@@ -95,8 +95,8 @@ void CompareState(const at::Tensor& torch_state, const std::vector<float>& ours,
 TEST(TorchParityTest, Adam) {
   for (double wd : {0.0, 0.01}) {
     Model m = MakeModel();
-    torch::optim::Adam opt(m.params, torch::optim::AdamOptions(1e-2).betas({0.9, 0.99}).eps(1e-8)
-                                         .weight_decay(wd));
+    torch::optim::Adam opt(
+        m.params, torch::optim::AdamOptions(1e-2).betas({0.9, 0.99}).eps(1e-8).weight_decay(wd));
     AdamConfig c;
     c.lr = 1e-2;
     c.beta2 = 0.99;

@@ -42,15 +42,13 @@ std::vector<float> FlattenParameters(TrainModel& m) {
 
 absl::StatusOr<std::vector<float>> TrainSharded(const TrainConfig& c, Communicator* comm,
                                                 std::vector<TraceEvent>* trace,
-                                                ByteCounters* bytes_per_step,
-                                                int* clipped_steps,
+                                                ByteCounters* bytes_per_step, int* clipped_steps,
                                                 std::vector<double>* grad_norms) {
   SHARDOPT_ASSIGN_OR_RETURN(std::unique_ptr<TrainModel> model, MakeModel(c.model, c.seed));
   ShardedOptimizerOptions o = OptionsFor(c);
   o.trace = trace != nullptr;
   o.overlap_param_gather = c.overlap;
-  SHARDOPT_ASSIGN_OR_RETURN(auto opt,
-                            ShardedOptimizer::Create(model->NamedParameters(), o, comm));
+  SHARDOPT_ASSIGN_OR_RETURN(auto opt, ShardedOptimizer::Create(model->NamedParameters(), o, comm));
   if (c.overlap) {
     ShardedOptimizer* raw = opt.get();
     model->set_layer_gate([raw](torch::nn::Module& layer) {
@@ -115,8 +113,8 @@ absl::StatusOr<std::vector<float>> TrainReference(const TrainConfig& c) {
       opt = std::make_unique<torch::optim::AdamW>(params, torch::optim::AdamWOptions(c.lr));
       break;
     case OptimizerKind::kSgd:
-      opt = std::make_unique<torch::optim::SGD>(params,
-                                                torch::optim::SGDOptions(c.lr).momentum(0.9));
+      opt =
+          std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(c.lr).momentum(0.9));
       break;
   }
   for (int step = 0; step < c.steps; ++step) {
@@ -141,10 +139,14 @@ absl::StatusOr<TrainConfig> ParseTrainConfig(const std::vector<std::string>& arg
     if (k == "model") {
       c.model = v;
     } else if (k == "optimizer") {
-      if (v == "adam") c.kind = OptimizerKind::kAdam;
-      else if (v == "adamw") c.kind = OptimizerKind::kAdamW;
-      else if (v == "sgd") c.kind = OptimizerKind::kSgd;
-      else ok = false;
+      if (v == "adam")
+        c.kind = OptimizerKind::kAdam;
+      else if (v == "adamw")
+        c.kind = OptimizerKind::kAdamW;
+      else if (v == "sgd")
+        c.kind = OptimizerKind::kSgd;
+      else
+        ok = false;
     } else if (k == "lr") {
       ok = absl::SimpleAtod(v, &c.lr);
     } else if (k == "clip") {

@@ -9,6 +9,8 @@ set -euo pipefail
 PACKAGES=(
   # build
   bazel-bootstrap bazel-platforms g++
+  # tools/format_check.sh (counted by tools/test.sh)
+  clang-format git
   # gRPC / protobuf code generation and runtime
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   # libraries

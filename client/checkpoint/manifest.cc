@@ -50,10 +50,12 @@ bool DepthAtMost(const std::string& text, int max_depth) {
 
 absl::StatusOr<json> ParseJson(const std::string& text, const std::string& where) {
   if (!DepthAtMost(text, kMaxJsonDepth)) {
-    return absl::DataLossError(absl::StrCat("'", where, "' is corrupt: nested deeper than ", kMaxJsonDepth));
+    return absl::DataLossError(
+        absl::StrCat("'", where, "' is corrupt: nested deeper than ", kMaxJsonDepth));
   }
   json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded()) return absl::DataLossError(absl::StrCat("'", where, "' is corrupt: not valid JSON"));
+  if (j.is_discarded())
+    return absl::DataLossError(absl::StrCat("'", where, "' is corrupt: not valid JSON"));
   return j;
 }
 
@@ -65,62 +67,75 @@ class Fields {
   absl::Status Error(const std::string& field, const std::string& what) const {
     return absl::DataLossError(absl::StrCat("'", where_, "' is corrupt: ", field, " ", what));
   }
-  absl::StatusOr<const json*> Member(const json& obj, const std::string& key, const std::string& ctx) const {
+  absl::StatusOr<const json*> Member(const json& obj, const std::string& key,
+                                     const std::string& ctx) const {
     if (!obj.is_object()) return Error(ctx, "is not an object");
     auto it = obj.find(key);
     if (it == obj.end()) return Error(Join(ctx, key), "is missing");
     return &*it;
   }
-  absl::StatusOr<int64_t> Int(const json& v, const std::string& field, int64_t lo, int64_t hi) const {
+  absl::StatusOr<int64_t> Int(const json& v, const std::string& field, int64_t lo,
+                              int64_t hi) const {
     int64_t x;
     if (v.is_number_unsigned()) {
       const uint64_t u = v.get<uint64_t>();
-      if (u > static_cast<uint64_t>(INT64_MAX)) return Error(field, absl::StrCat("is out of range [", lo, ", ", hi, "]"));
+      if (u > static_cast<uint64_t>(INT64_MAX))
+        return Error(field, absl::StrCat("is out of range [", lo, ", ", hi, "]"));
       x = static_cast<int64_t>(u);
     } else if (v.is_number_integer()) {
       x = v.get<int64_t>();
     } else {
       return Error(field, absl::StrCat("must be an integer, is ", v.type_name()));
     }
-    if (x < lo || x > hi) return Error(field, absl::StrCat("is ", x, ", outside [", lo, ", ", hi, "]"));
+    if (x < lo || x > hi)
+      return Error(field, absl::StrCat("is ", x, ", outside [", lo, ", ", hi, "]"));
     return x;
   }
-  absl::StatusOr<int64_t> IntAt(const json& obj, const std::string& key, const std::string& ctx, int64_t lo,
-                                int64_t hi) const {
+  absl::StatusOr<int64_t> IntAt(const json& obj, const std::string& key, const std::string& ctx,
+                                int64_t lo, int64_t hi) const {
     SHARDOPT_ASSIGN_OR_RETURN(const json* v, Member(obj, key, ctx));
     return Int(*v, Join(ctx, key), lo, hi);
   }
-  absl::StatusOr<double> DoubleAt(const json& obj, const std::string& key, const std::string& ctx) const {
+  absl::StatusOr<double> DoubleAt(const json& obj, const std::string& key,
+                                  const std::string& ctx) const {
     SHARDOPT_ASSIGN_OR_RETURN(const json* v, Member(obj, key, ctx));
-    if (!v->is_number()) return Error(Join(ctx, key), absl::StrCat("must be a number, is ", v->type_name()));
+    if (!v->is_number())
+      return Error(Join(ctx, key), absl::StrCat("must be a number, is ", v->type_name()));
     const double d = v->get<double>();
     if (!std::isfinite(d)) return Error(Join(ctx, key), "is not finite");
     return d;
   }
-  absl::StatusOr<bool> BoolAt(const json& obj, const std::string& key, const std::string& ctx) const {
+  absl::StatusOr<bool> BoolAt(const json& obj, const std::string& key,
+                              const std::string& ctx) const {
     SHARDOPT_ASSIGN_OR_RETURN(const json* v, Member(obj, key, ctx));
-    if (!v->is_boolean()) return Error(Join(ctx, key), absl::StrCat("must be true or false, is ", v->type_name()));
+    if (!v->is_boolean())
+      return Error(Join(ctx, key), absl::StrCat("must be true or false, is ", v->type_name()));
     return v->get<bool>();
   }
-  absl::StatusOr<std::string> StringAt(const json& obj, const std::string& key, const std::string& ctx,
-                                       size_t max_len = 4096) const {
+  absl::StatusOr<std::string> StringAt(const json& obj, const std::string& key,
+                                       const std::string& ctx, size_t max_len = 4096) const {
     SHARDOPT_ASSIGN_OR_RETURN(const json* v, Member(obj, key, ctx));
-    if (!v->is_string()) return Error(Join(ctx, key), absl::StrCat("must be a string, is ", v->type_name()));
+    if (!v->is_string())
+      return Error(Join(ctx, key), absl::StrCat("must be a string, is ", v->type_name()));
     const std::string& s = v->get_ref<const std::string&>();
     if (s.size() > max_len) return Error(Join(ctx, key), "is too long");
     return s;
   }
-  absl::StatusOr<const json*> ArrayAt(const json& obj, const std::string& key, const std::string& ctx) const {
+  absl::StatusOr<const json*> ArrayAt(const json& obj, const std::string& key,
+                                      const std::string& ctx) const {
     SHARDOPT_ASSIGN_OR_RETURN(const json* v, Member(obj, key, ctx));
-    if (!v->is_array()) return Error(Join(ctx, key), absl::StrCat("must be an array, is ", v->type_name()));
+    if (!v->is_array())
+      return Error(Join(ctx, key), absl::StrCat("must be an array, is ", v->type_name()));
     return v;
   }
-  absl::StatusOr<std::map<std::string, std::string>> StringMap(const json& v, const std::string& field) const {
+  absl::StatusOr<std::map<std::string, std::string>> StringMap(const json& v,
+                                                               const std::string& field) const {
     std::map<std::string, std::string> out;
     if (v.is_null()) return out;
     if (!v.is_object()) return Error(field, "must be an object of strings");
     for (auto it = v.begin(); it != v.end(); ++it) {
-      if (!it.value().is_string()) return Error(absl::StrCat(field, ".", it.key()), "must be a string");
+      if (!it.value().is_string())
+        return Error(absl::StrCat(field, ".", it.key()), "must be a string");
       out[it.key()] = it.value().get<std::string>();
     }
     return out;
@@ -133,13 +148,16 @@ class Fields {
   std::string where_;
 };
 
-absl::StatusOr<SavedOptimizer> ParseOptimizerJson(const json& o, const Fields& f, const std::string& ctx) {
+absl::StatusOr<SavedOptimizer> ParseOptimizerJson(const json& o, const Fields& f,
+                                                  const std::string& ctx) {
   SavedOptimizer s;
   SHARDOPT_ASSIGN_OR_RETURN(s.kind, f.StringAt(o, "kind", ctx, 16));
   SHARDOPT_ASSIGN_OR_RETURN(s.lr, f.DoubleAt(o, "lr", ctx));
   SHARDOPT_ASSIGN_OR_RETURN(s.weight_decay, f.DoubleAt(o, "weight_decay", ctx));
-  if (s.lr < 0 || s.lr > FLT_MAX) return f.Error(ctx + ".lr", "must be in [0, 3.4e38] (fp32 kernels)");
-  if (s.weight_decay < 0 || s.weight_decay > FLT_MAX) return f.Error(ctx + ".weight_decay", "must be >= 0");
+  if (s.lr < 0 || s.lr > FLT_MAX)
+    return f.Error(ctx + ".lr", "must be in [0, 3.4e38] (fp32 kernels)");
+  if (s.weight_decay < 0 || s.weight_decay > FLT_MAX)
+    return f.Error(ctx + ".weight_decay", "must be >= 0");
   absl::Status valid;
   if (s.kind == "adam" || s.kind == "adamw") {
     SHARDOPT_ASSIGN_OR_RETURN(const json* betas, f.ArrayAt(o, "betas", ctx));
@@ -228,21 +246,25 @@ absl::Status ParseParams(const json& doc, const Fields& f, Manifest* m) {
     const std::string ctx = absl::StrCat("params[", i, "]");
     ManifestParam p;
     SHARDOPT_ASSIGN_OR_RETURN(p.name, f.StringAt(pj, "name", ctx));
-    if (p.name.empty() || !names.insert(p.name).second) return f.Error(ctx + ".name", "is empty or repeated");
+    if (p.name.empty() || !names.insert(p.name).second)
+      return f.Error(ctx + ".name", "is empty or repeated");
     SHARDOPT_ASSIGN_OR_RETURN(const json* shape, f.ArrayAt(pj, "shape", ctx));
     if (shape->size() > 32) return f.Error(ctx + ".shape", "has too many dimensions");
     p.numel = 1;
     for (size_t d = 0; d < shape->size(); ++d) {
-      SHARDOPT_ASSIGN_OR_RETURN(int64_t dim, f.Int((*shape)[d], absl::StrCat(ctx, ".shape[", d, "]"), 0,
-                                                   kMaxTensorElements));
+      SHARDOPT_ASSIGN_OR_RETURN(
+          int64_t dim,
+          f.Int((*shape)[d], absl::StrCat(ctx, ".shape[", d, "]"), 0, kMaxTensorElements));
       p.shape.push_back(dim);
       if (dim != 0 && p.numel > kMaxTensorElements / dim) {
-        return f.Error(ctx + ".shape", absl::StrCat("has more than ", kMaxTensorElements, " elements"));
+        return f.Error(ctx + ".shape",
+                       absl::StrCat("has more than ", kMaxTensorElements, " elements"));
       }
       p.numel *= dim;
     }
     SHARDOPT_ASSIGN_OR_RETURN(std::string dtype, f.StringAt(pj, "dtype", ctx, 32));
-    if (!ParseDType(dtype, &p.dtype)) return f.Error(ctx + ".dtype", absl::StrCat("'", dtype, "' is unknown"));
+    if (!ParseDType(dtype, &p.dtype))
+      return f.Error(ctx + ".dtype", absl::StrCat("'", dtype, "' is unknown"));
     SHARDOPT_ASSIGN_OR_RETURN(p.trainable, f.BoolAt(pj, "trainable", ctx));
     m->params.push_back(std::move(p));
   }
@@ -252,7 +274,8 @@ absl::Status ParseParams(const json& doc, const Fields& f, Manifest* m) {
 absl::Status ParseFiles(const json& doc, const Fields& f, Manifest* m) {
   SHARDOPT_ASSIGN_OR_RETURN(const json* files, f.ArrayAt(doc, "files", ""));
   if (files->size() != static_cast<size_t>(m->world_size)) {
-    return f.Error("files", absl::StrCat("lists ", files->size(), " shards for ", m->world_size, " ranks"));
+    return f.Error("files",
+                   absl::StrCat("lists ", files->size(), " shards for ", m->world_size, " ranks"));
   }
   for (size_t q = 0; q < files->size(); ++q) {
     const json& fj = (*files)[q];
@@ -262,8 +285,9 @@ absl::Status ParseFiles(const json& doc, const Fields& f, Manifest* m) {
     // Names are fixed by the format, so nothing outside the step directory
     // (no '/', no '..', no other file) can ever be named.
     if (file.name != ShardFileName(static_cast<int>(q), m->world_size)) {
-      return f.Error(ctx + ".name", absl::StrCat("'", file.name, "' is not ",
-                                                 ShardFileName(static_cast<int>(q), m->world_size)));
+      return f.Error(ctx + ".name",
+                     absl::StrCat("'", file.name, "' is not ",
+                                  ShardFileName(static_cast<int>(q), m->world_size)));
     }
     SHARDOPT_ASSIGN_OR_RETURN(file.bytes, f.IntAt(fj, "bytes", ctx, 8, INT64_MAX / 4));
     SHARDOPT_ASSIGN_OR_RETURN(int64_t crc, f.IntAt(fj, "crc32c", ctx, 0, UINT32_MAX));
@@ -275,10 +299,12 @@ absl::Status ParseFiles(const json& doc, const Fields& f, Manifest* m) {
 
 absl::Status ParsePiece(const json& pj, const Fields& f, const std::string& ctx, const Manifest& m,
                         ManifestPiece* p) {
-  SHARDOPT_ASSIGN_OR_RETURN(int64_t param, f.IntAt(pj, "param", ctx, 0, static_cast<int64_t>(m.params.size()) - 1));
+  SHARDOPT_ASSIGN_OR_RETURN(
+      int64_t param, f.IntAt(pj, "param", ctx, 0, static_cast<int64_t>(m.params.size()) - 1));
   p->param = static_cast<int>(param);
   const ManifestParam& mp = m.params[p->param];
-  if (!mp.trainable) return f.Error(ctx + ".param", absl::StrCat("names frozen parameter '", mp.name, "'"));
+  if (!mp.trainable)
+    return f.Error(ctx + ".param", absl::StrCat("names frozen parameter '", mp.name, "'"));
   SHARDOPT_ASSIGN_OR_RETURN(p->offset, f.IntAt(pj, "offset", ctx, 0, mp.numel - 1));
   SHARDOPT_ASSIGN_OR_RETURN(p->length, f.IntAt(pj, "length", ctx, 1, mp.numel - p->offset));
   SHARDOPT_ASSIGN_OR_RETURN(int64_t file, f.IntAt(pj, "file", ctx, 0, m.world_size - 1));
@@ -288,21 +314,24 @@ absl::Status ParsePiece(const json& pj, const Fields& f, const std::string& ctx,
   SHARDOPT_ASSIGN_OR_RETURN(const json* begin, f.ArrayAt(pj, "begin", ctx));
   SHARDOPT_ASSIGN_OR_RETURN(const json* crcs, f.ArrayAt(pj, "crc32c", ctx));
   if (begin->size() != m.states.size() || crcs->size() != m.states.size()) {
-    return f.Error(ctx, absl::StrCat("needs one begin and one CRC list per state (", m.states.size(), ")"));
+    return f.Error(
+        ctx, absl::StrCat("needs one begin and one CRC list per state (", m.states.size(), ")"));
   }
   const int64_t blocks = (bytes + m.block_bytes - 1) / m.block_bytes;
   for (size_t s = 0; s < m.states.size(); ++s) {
-    SHARDOPT_ASSIGN_OR_RETURN(int64_t b, f.Int((*begin)[s], absl::StrCat(ctx, ".begin[", s, "]"), 8,
-                                               file_bytes - bytes));
+    SHARDOPT_ASSIGN_OR_RETURN(
+        int64_t b, f.Int((*begin)[s], absl::StrCat(ctx, ".begin[", s, "]"), 8, file_bytes - bytes));
     p->begin.push_back(b);
     const json& list = (*crcs)[s];
     if (!list.is_array() || static_cast<int64_t>(list.size()) != blocks) {
-      return f.Error(absl::StrCat(ctx, ".crc32c[", s, "]"), absl::StrCat("must list ", blocks, " block CRCs"));
+      return f.Error(absl::StrCat(ctx, ".crc32c[", s, "]"),
+                     absl::StrCat("must list ", blocks, " block CRCs"));
     }
     std::vector<uint32_t> out;
     out.reserve(static_cast<size_t>(blocks));
     for (size_t k = 0; k < list.size(); ++k) {
-      SHARDOPT_ASSIGN_OR_RETURN(int64_t c, f.Int(list[k], absl::StrCat(ctx, ".crc32c[", s, "]"), 0, UINT32_MAX));
+      SHARDOPT_ASSIGN_OR_RETURN(
+          int64_t c, f.Int(list[k], absl::StrCat(ctx, ".crc32c[", s, "]"), 0, UINT32_MAX));
       out.push_back(static_cast<uint32_t>(c));
     }
     p->crc32c.push_back(std::move(out));
@@ -314,24 +343,26 @@ absl::Status ParsePiece(const json& pj, const Fields& f, const std::string& ctx,
 // none; no two byte ranges in a file overlap.
 absl::Status CheckCoverage(const Fields& f, Manifest* m) {
   m->pieces_of_param.assign(m->params.size(), {});
-  for (size_t k = 0; k < m->pieces.size(); ++k) m->pieces_of_param[m->pieces[k].param].push_back(static_cast<int>(k));
+  for (size_t k = 0; k < m->pieces.size(); ++k)
+    m->pieces_of_param[m->pieces[k].param].push_back(static_cast<int>(k));
   for (size_t i = 0; i < m->params.size(); ++i) {
     auto& v = m->pieces_of_param[i];
-    std::sort(v.begin(), v.end(), [&](int a, int b) { return m->pieces[a].offset < m->pieces[b].offset; });
+    std::sort(v.begin(), v.end(),
+              [&](int a, int b) { return m->pieces[a].offset < m->pieces[b].offset; });
     if (!m->params[i].trainable) continue;
     int64_t next = 0;
     for (int k : v) {
       const ManifestPiece& p = m->pieces[k];
       if (p.offset != next) {
         return f.Error("pieces", absl::StrCat("of parameter '", m->params[i].name, "' ",
-                                              p.offset < next ? "overlap" : "leave a gap", " at element ",
-                                              std::min(p.offset, next)));
+                                              p.offset < next ? "overlap" : "leave a gap",
+                                              " at element ", std::min(p.offset, next)));
       }
       next = p.offset + p.length;
     }
     if (next != m->params[i].numel) {
-      return f.Error("pieces", absl::StrCat("cover ", next, " of the ", m->params[i].numel, " elements of '",
-                                            m->params[i].name, "'"));
+      return f.Error("pieces", absl::StrCat("cover ", next, " of the ", m->params[i].numel,
+                                            " elements of '", m->params[i].name, "'"));
     }
   }
   std::vector<std::vector<std::pair<int64_t, int64_t>>> ranges(m->files.size());
@@ -343,7 +374,8 @@ absl::Status CheckCoverage(const Fields& f, Manifest* m) {
     std::sort(r.begin(), r.end());
     for (size_t k = 1; k < r.size(); ++k) {
       if (r[k].first < r[k - 1].second) {
-        return f.Error("pieces", absl::StrCat("overlap inside ", m->files[q].name, " at byte ", r[k].first));
+        return f.Error("pieces",
+                       absl::StrCat("overlap inside ", m->files[q].name, " at byte ", r[k].first));
       }
     }
   }
@@ -369,8 +401,8 @@ absl::Status ParseBody(const json& doc, const Fields& f, Manifest* m) {
     m->states.push_back(s.get<std::string>());
   }
   if (m->states != ExpectedStates(m->optimizer)) {
-    return f.Error("states", absl::StrCat("are ", states->dump(), ", ", m->optimizer.kind, " needs ",
-                                          json(ExpectedStates(m->optimizer)).dump()));
+    return f.Error("states", absl::StrCat("are ", states->dump(), ", ", m->optimizer.kind,
+                                          " needs ", json(ExpectedStates(m->optimizer)).dump()));
   }
   SHARDOPT_ASSIGN_OR_RETURN(m->block_bytes, f.IntAt(doc, "block_bytes", "", 4, 64 << 20));
   if (m->block_bytes % 4 != 0) return f.Error("block_bytes", "must be a multiple of 4");
@@ -390,7 +422,7 @@ absl::Status ParseBody(const json& doc, const Fields& f, Manifest* m) {
   return absl::OkStatus();
 }
 
-uint32_t DocumentCrc(const json& doc_without_crc) { 
+uint32_t DocumentCrc(const json& doc_without_crc) {
   const std::string canonical = doc_without_crc.dump(1);
   return Crc32c(canonical.data(), canonical.size());
 }
@@ -405,7 +437,8 @@ int64_t Manifest::total_file_bytes() const {
 
 absl::StatusOr<Manifest> ParseManifest(const std::string& text, const std::string& where) {
   if (static_cast<int64_t>(text.size()) > kMaxManifestBytes) {
-    return absl::DataLossError(absl::StrCat("'", where, "' is larger than ", kMaxManifestBytes, " bytes"));
+    return absl::DataLossError(
+        absl::StrCat("'", where, "' is larger than ", kMaxManifestBytes, " bytes"));
   }
   SHARDOPT_ASSIGN_OR_RETURN(json doc, ParseJson(text, where));
   Fields f(where);
@@ -417,7 +450,8 @@ absl::StatusOr<Manifest> ParseManifest(const std::string& text, const std::strin
     SHARDOPT_ASSIGN_OR_RETURN(int64_t crc, f.IntAt(doc, kCrcKey, "", 0, UINT32_MAX));
     doc.erase(kCrcKey);
     if (DocumentCrc(doc) != static_cast<uint32_t>(crc)) {
-      return absl::DataLossError(absl::StrCat("'", where, "' fails its CRC32C check (edited or corrupt)"));
+      return absl::DataLossError(
+          absl::StrCat("'", where, "' fails its CRC32C check (edited or corrupt)"));
     }
   } else if (format == kManifestFormatV1) {
     m.self_checked = false;
@@ -442,8 +476,10 @@ std::string SerializeManifest(const Manifest& m) {
   doc["block_bytes"] = m.block_bytes;
   doc["params"] = json::array();
   for (const ManifestParam& p : m.params) {
-    doc["params"].push_back(
-        {{"name", p.name}, {"shape", p.shape}, {"dtype", DTypeName(p.dtype)}, {"trainable", p.trainable}});
+    doc["params"].push_back({{"name", p.name},
+                             {"shape", p.shape},
+                             {"dtype", DTypeName(p.dtype)},
+                             {"trainable", p.trainable}});
   }
   doc["files"] = json::array();
   for (const ManifestFile& f : m.files) {
@@ -474,7 +510,8 @@ std::string ResealManifestForTesting(const std::string& text) {
 
 std::string SavedOptimizerJson(const SavedOptimizer& o) { return OptimizerToJson(o).dump(); }
 
-absl::StatusOr<SavedOptimizer> ParseSavedOptimizer(const std::string& text, const std::string& where) {
+absl::StatusOr<SavedOptimizer> ParseSavedOptimizer(const std::string& text,
+                                                   const std::string& where) {
   SHARDOPT_ASSIGN_OR_RETURN(json doc, ParseJson(text, where));
   Fields f(where);
   return ParseOptimizerJson(doc, f, "optimizer");
@@ -483,18 +520,20 @@ absl::StatusOr<SavedOptimizer> ParseSavedOptimizer(const std::string& text, cons
 absl::Status CheckBlockCrc(const Manifest& m, const ManifestPiece& p, size_t state, int64_t block,
                            const char* data, size_t n, const std::string& file) {
   if (Crc32c(data, n) != p.crc32c[state][static_cast<size_t>(block)]) {
-    return absl::DataLossError(absl::StrCat("shard '", file, "' is corrupt: CRC32C mismatch in ", m.states[state],
-                                            " of parameter '", m.params[p.param].name, "'"));
+    return absl::DataLossError(absl::StrCat("shard '", file, "' is corrupt: CRC32C mismatch in ",
+                                            m.states[state], " of parameter '",
+                                            m.params[p.param].name, "'"));
   }
   return absl::OkStatus();
 }
 
-absl::Status CheckPieceCrcs(const Manifest& m, const ManifestPiece& p, size_t state, const char* data,
-                            const std::string& file) {
+absl::Status CheckPieceCrcs(const Manifest& m, const ManifestPiece& p, size_t state,
+                            const char* data, const std::string& file) {
   const int64_t bytes = p.length * 4;
   for (int64_t b = 0; b * m.block_bytes < bytes; ++b) {
     const int64_t n = std::min(m.block_bytes, bytes - b * m.block_bytes);
-    SHARDOPT_RETURN_IF_ERROR(CheckBlockCrc(m, p, state, b, data + b * m.block_bytes, static_cast<size_t>(n), file));
+    SHARDOPT_RETURN_IF_ERROR(
+        CheckBlockCrc(m, p, state, b, data + b * m.block_bytes, static_cast<size_t>(n), file));
   }
   return absl::OkStatus();
 }
@@ -507,11 +546,12 @@ absl::StatusOr<Manifest> ReadManifest(FileSystem* fs, const std::string& dir) {
     const std::string fp = dir + "/" + f.name;
     auto size = fs->FileSize(fp);
     if (!size.ok()) {
-      return absl::NotFoundError(absl::StrCat("shard '", fp, "' is missing or unreadable: ", size.status().message()));
+      return absl::NotFoundError(
+          absl::StrCat("shard '", fp, "' is missing or unreadable: ", size.status().message()));
     }
     if (static_cast<int64_t>(*size) != f.bytes) {
-      return absl::DataLossError(absl::StrCat("shard '", fp, "' has ", *size, " bytes, the manifest says ", f.bytes,
-                                              " (truncated?)"));
+      return absl::DataLossError(absl::StrCat(
+          "shard '", fp, "' has ", *size, " bytes, the manifest says ", f.bytes, " (truncated?)"));
     }
   }
   return m;
@@ -534,17 +574,21 @@ const SafetensorsEntry* SafetensorsHeader::Find(const std::string& name) const {
   return nullptr;
 }
 
-absl::StatusOr<SafetensorsHeader> ParseSafetensorsHeader(const std::string& prefix, int64_t file_bytes,
+absl::StatusOr<SafetensorsHeader> ParseSafetensorsHeader(const std::string& prefix,
+                                                         int64_t file_bytes,
                                                          const std::string& where) {
   auto bad = [&](const std::string& what) {
-    return absl::DataLossError(absl::StrCat("'", where, "' is not a valid safetensors file: ", what));
+    return absl::DataLossError(
+        absl::StrCat("'", where, "' is not a valid safetensors file: ", what));
   };
   if (prefix.size() < 8 || file_bytes < 8) return bad("shorter than 8 bytes");
   uint64_t hlen = 0;
-  for (int i = 0; i < 8; ++i) hlen |= static_cast<uint64_t>(static_cast<unsigned char>(prefix[i])) << (8 * i);
+  for (int i = 0; i < 8; ++i)
+    hlen |= static_cast<uint64_t>(static_cast<unsigned char>(prefix[i])) << (8 * i);
   if (hlen < 2 || hlen > static_cast<uint64_t>(kMaxSafetensorsHeaderBytes) ||
       hlen > static_cast<uint64_t>(file_bytes - 8)) {
-    return bad(absl::StrCat("header length ", hlen, " does not fit the file (", file_bytes, " bytes)"));
+    return bad(
+        absl::StrCat("header length ", hlen, " does not fit the file (", file_bytes, " bytes)"));
   }
   if (prefix.size() < 8 + hlen) return bad("header truncated");
   SafetensorsHeader out;
@@ -559,7 +603,8 @@ absl::StatusOr<SafetensorsHeader> ParseSafetensorsHeader(const std::string& pref
     if (name == "__metadata__") {
       if (!v.is_object()) return bad("__metadata__ is not an object");
       for (auto m = v.begin(); m != v.end(); ++m) {
-        if (!m.value().is_string()) return bad(absl::StrCat("__metadata__.", m.key(), " is not a string"));
+        if (!m.value().is_string())
+          return bad(absl::StrCat("__metadata__.", m.key(), " is not a string"));
         out.metadata[m.key()] = m.value().get<std::string>();
       }
       continue;
@@ -574,7 +619,8 @@ absl::StatusOr<SafetensorsHeader> ParseSafetensorsHeader(const std::string& pref
     const int esize = SafetensorsDTypeSize(e.dtype);
     if (esize == 0) return bad(absl::StrCat(ctx, " has unknown dtype '", e.dtype, "'"));
     auto shape = v.find("shape");
-    if (shape == v.end() || !shape->is_array() || shape->size() > 32) return bad(ctx + " has no valid shape");
+    if (shape == v.end() || !shape->is_array() || shape->size() > 32)
+      return bad(ctx + " has no valid shape");
     int64_t numel = 1;
     for (const json& d : *shape) {
       if (!d.is_number_integer() || d.get<int64_t>() < 0 || d.get<int64_t>() > kMaxTensorElements) {
@@ -586,26 +632,30 @@ absl::StatusOr<SafetensorsHeader> ParseSafetensorsHeader(const std::string& pref
       e.shape.push_back(dim);
     }
     auto offs = v.find("data_offsets");
-    if (offs == v.end() || !offs->is_array() || offs->size() != 2 || !(*offs)[0].is_number_integer() ||
-        !(*offs)[1].is_number_integer()) {
+    if (offs == v.end() || !offs->is_array() || offs->size() != 2 ||
+        !(*offs)[0].is_number_integer() || !(*offs)[1].is_number_integer()) {
       return bad(ctx + " has no valid data_offsets");
     }
     const int64_t a = (*offs)[0].get<int64_t>(), b = (*offs)[1].get<int64_t>();
     if (a < 0 || b < a || b > data_bytes) return bad(ctx + " lies outside the file");
-    if (b - a != numel * esize) return bad(absl::StrCat(ctx, " has ", b - a, " bytes for ", numel, " elements"));
+    if (b - a != numel * esize)
+      return bad(absl::StrCat(ctx, " has ", b - a, " bytes for ", numel, " elements"));
     e.begin = out.data_start + a;
     e.end = out.data_start + b;
     out.tensors.push_back(std::move(e));
   }
-  std::sort(out.tensors.begin(), out.tensors.end(), [](const SafetensorsEntry& x, const SafetensorsEntry& y) {
-    return x.begin != y.begin ? x.begin < y.begin : x.end < y.end;
-  });
+  std::sort(out.tensors.begin(), out.tensors.end(),
+            [](const SafetensorsEntry& x, const SafetensorsEntry& y) {
+              return x.begin != y.begin ? x.begin < y.begin : x.end < y.end;
+            });
   int64_t next = out.data_start;
   for (const SafetensorsEntry& e : out.tensors) {
-    if (e.begin != next) return bad(absl::StrCat("tensor '", e.name, "' overlaps another or leaves a hole"));
+    if (e.begin != next)
+      return bad(absl::StrCat("tensor '", e.name, "' overlaps another or leaves a hole"));
     next = e.end;
   }
-  if (next != file_bytes) return bad(absl::StrCat("the data ends at byte ", next, ", the file at ", file_bytes));
+  if (next != file_bytes)
+    return bad(absl::StrCat("the data ends at byte ", next, ", the file at ", file_bytes));
   return out;
 }
 
@@ -615,7 +665,8 @@ absl::StatusOr<SafetensorsHeader> ReadSafetensorsHeader(FileSystem* fs, const st
   if (size < 8) return ParseSafetensorsHeader("", static_cast<int64_t>(size), path);
   SHARDOPT_RETURN_IF_ERROR(fs->ReadAt(path, 0, 8, prefix.data()));
   uint64_t hlen = 0;
-  for (int i = 0; i < 8; ++i) hlen |= static_cast<uint64_t>(static_cast<unsigned char>(prefix[i])) << (8 * i);
+  for (int i = 0; i < 8; ++i)
+    hlen |= static_cast<uint64_t>(static_cast<unsigned char>(prefix[i])) << (8 * i);
   if (hlen <= static_cast<uint64_t>(kMaxSafetensorsHeaderBytes) && hlen <= size - 8) {
     prefix.resize(8 + hlen);
     SHARDOPT_RETURN_IF_ERROR(fs->ReadAt(path, 8, hlen, prefix.data() + 8));

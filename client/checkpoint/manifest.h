@@ -111,7 +111,8 @@ std::string ResealManifestForTesting(const std::string& text);
 // The optimizer hyper-parameters as a JSON object text, and back (validated:
 // a known kind, finite numbers in torch.optim's ranges).
 std::string SavedOptimizerJson(const SavedOptimizer& o);
-absl::StatusOr<SavedOptimizer> ParseSavedOptimizer(const std::string& json_text, const std::string& where);
+absl::StatusOr<SavedOptimizer> ParseSavedOptimizer(const std::string& json_text,
+                                                   const std::string& where);
 
 // Checks block `block` of state `state` of piece `p` (its `n` bytes at
 // `data`) against the manifest's CRC; DataLoss naming `file` and the
@@ -119,8 +120,8 @@ absl::StatusOr<SavedOptimizer> ParseSavedOptimizer(const std::string& json_text,
 absl::Status CheckBlockCrc(const Manifest& m, const ManifestPiece& p, size_t state, int64_t block,
                            const char* data, size_t n, const std::string& file);
 // The same for a whole piece's state held in memory (p.length * 4 bytes).
-absl::Status CheckPieceCrcs(const Manifest& m, const ManifestPiece& p, size_t state, const char* data,
-                            const std::string& file);
+absl::Status CheckPieceCrcs(const Manifest& m, const ManifestPiece& p, size_t state,
+                            const char* data, const std::string& file);
 
 // Reads `dir`/manifest.json (a regular file, not a symlink, at most
 // kMaxManifestBytes), parses it, and checks every shard file it names exists
@@ -137,7 +138,7 @@ struct SafetensorsEntry {
 };
 
 struct SafetensorsHeader {
-  int64_t data_start = 0;  // 8 + header length
+  int64_t data_start = 0;                 // 8 + header length
   std::vector<SafetensorsEntry> tensors;  // in data order
   std::map<std::string, std::string> metadata;
   const SafetensorsEntry* Find(const std::string& name) const;
@@ -147,7 +148,8 @@ struct SafetensorsHeader {
 // bytes are `prefix` (at least the 8-byte length and the header): JSON types,
 // known dtypes, shape x dtype size == byte range, ranges inside the file and
 // not overlapping, names unique.
-absl::StatusOr<SafetensorsHeader> ParseSafetensorsHeader(const std::string& prefix, int64_t file_bytes,
+absl::StatusOr<SafetensorsHeader> ParseSafetensorsHeader(const std::string& prefix,
+                                                         int64_t file_bytes,
                                                          const std::string& where);
 // Reads and validates the header of the safetensors file at `path`.
 absl::StatusOr<SafetensorsHeader> ReadSafetensorsHeader(FileSystem* fs, const std::string& path);

@@ -130,9 +130,8 @@ void QueuedCommunicator::WorkerLoop() {
     Op op;
     {
       absl::MutexLock lock(&mu_);
-      auto ready = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
-        return stopping_ || !queue_.empty();
-      };
+      auto ready = [this]()
+                       ABSL_SHARED_LOCKS_REQUIRED(mu_) { return stopping_ || !queue_.empty(); };
       mu_.Await(absl::Condition(&ready));
       if (queue_.empty()) return;  // stopping and drained
       op = std::move(queue_.front());
@@ -168,7 +167,8 @@ CommHandlePtr QueuedCommunicator::Enqueue(std::function<absl::Status()> run,
   return handle;
 }
 
-absl::Status CheckCollectiveArgs(const void* buffer, int64_t count, ElementType type, bool reduces) {
+absl::Status CheckCollectiveArgs(const void* buffer, int64_t count, ElementType type,
+                                 bool reduces) {
   if (count < 0) return absl::InvalidArgumentError(absl::StrCat("negative count ", count));
   if (count > 0 && buffer == nullptr) return absl::InvalidArgumentError("null buffer");
   if (reduces && type == ElementType::kByte) {
@@ -188,8 +188,8 @@ absl::Status CheckRoot(int root, int world_size) {
 absl::Status CheckChunks(const std::vector<void*>& chunks, int world_size, int64_t count,
                          ElementType type) {
   if (static_cast<int>(chunks.size()) != world_size) {
-    return absl::InvalidArgumentError(absl::StrCat(chunks.size(), " chunk pointers for a world of ",
-                                                   world_size, " ranks"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(chunks.size(), " chunk pointers for a world of ", world_size, " ranks"));
   }
   for (void* c : chunks) {
     absl::Status s = CheckCollectiveArgs(c, count, type, /*reduces=*/true);

@@ -190,8 +190,7 @@ class QueuedCommunicator : public Communicator {
   virtual absl::Status RunReduceScatter(const std::vector<char*>& chunks, int64_t count,
                                         ElementType type, ReduceOp op) = 0;
   virtual absl::Status RunAllGather(void* buffer, int64_t count, ElementType type) = 0;
-  virtual absl::Status RunAllReduce(void* buffer, int64_t count, ElementType type,
-                                    ReduceOp op) = 0;
+  virtual absl::Status RunAllReduce(void* buffer, int64_t count, ElementType type, ReduceOp op) = 0;
   virtual absl::Status RunBroadcast(void* buffer, int64_t count, ElementType type, int root) = 0;
   virtual absl::Status RunBarrier() = 0;
   // Called (from any thread) by Abort(): wake up whatever Run*() is blocked on.

@@ -110,7 +110,8 @@ CommHandlePtr FlightRecordingCommunicator::ReduceScatterChunks(const std::vector
                 [&] { return inner_->ReduceScatterChunks(chunks, count, type, op); });
 }
 
-CommHandlePtr FlightRecordingCommunicator::AllGather(void* buffer, int64_t count, ElementType type) {
+CommHandlePtr FlightRecordingCommunicator::AllGather(void* buffer, int64_t count,
+                                                     ElementType type) {
   const int64_t bytes = count * ElementSize(type) * inner_->world_size();
   return Record(CollectiveKind::kAllGather, bytes,
                 [&] { return inner_->AllGather(buffer, count, type); });

@@ -33,15 +33,15 @@ enum class FlightState : uint8_t { kRunning = 0, kDone, kFailed };
 const char* FlightStateName(FlightState state);
 
 struct FlightEntry {
-  int64_t seq = 0;        // 1 for the first collective of the communicator
+  int64_t seq = 0;  // 1 for the first collective of the communicator
   CollectiveKind op = CollectiveKind::kBarrier;
-  int32_t bucket = -1;    // -1: not a bucket collective
-  int64_t bytes = 0;      // size of the collective's buffer on this rank
+  int32_t bucket = -1;        // -1: not a bucket collective
+  int64_t bytes = 0;          // size of the collective's buffer on this rank
   int64_t start_unix_ns = 0;  // when this rank issued it
   int64_t end_unix_ns = 0;    // when it completed here; 0: not yet
   FlightState state = FlightState::kRunning;
   bool timed_out = false;  // a wait on it timed out, or it failed with DeadlineExceeded
-  int64_t step = 0;       // FlightRecorder::step() when issued (0: unknown)
+  int64_t step = 0;        // FlightRecorder::step() when issued (0: unknown)
 };
 
 class FlightRecorder final : public CommObserver {

@@ -75,9 +75,8 @@ class GlooCommunicator::Registered {
   std::unique_ptr<gloo::transport::UnboundBuffer> buffer_;
 };
 
-absl::StatusOr<std::unique_ptr<GlooCommunicator>>
-GlooCommunicator::Create(KeyValueStore* store, int rank, int world_size,
-                         const GlooOptions& options) {
+absl::StatusOr<std::unique_ptr<GlooCommunicator>> GlooCommunicator::Create(
+    KeyValueStore* store, int rank, int world_size, const GlooOptions& options) {
   if (world_size < 1 || rank < 0 || rank >= world_size) {
     return absl::InvalidArgumentError(
         absl::StrCat("rank ", rank, " / world size ", world_size, " out of range"));
@@ -100,8 +99,8 @@ GlooCommunicator::Create(KeyValueStore* store, int rank, int world_size,
     comm->Start();
     return comm;
   } catch (const std::exception& e) {
-    return absl::UnavailableError(absl::StrCat("gloo rendezvous failed for rank ", rank, " of ",
-                                               world_size, ": ", e.what()));
+    return absl::UnavailableError(
+        absl::StrCat("gloo rendezvous failed for rank ", rank, " of ", world_size, ": ", e.what()));
   }
 }
 
@@ -146,15 +145,18 @@ uint64_t Slot(uint64_t base, int step, int64_t segment) {
 
 // A wait that ends early ended because the connection broke (a peer died),
 // not because time ran out: say which.
-absl::Status GlooCommunicator::WaitFailure(const char* what, absl::Duration waited, const char* error) const {
+absl::Status GlooCommunicator::WaitFailure(const char* what, absl::Duration waited,
+                                           const char* error) const {
   if (waited < options_.timeout * 0.9) {
-    return absl::UnavailableError(absl::StrCat("rank ", rank(), ": ", what, " failed after ",
-                                               absl::FormatDuration(absl::Trunc(waited, absl::Milliseconds(1))),
-                                               ", before its ", absl::FormatDuration(options_.timeout),
-                                               " timeout: the connection to a peer broke (did it exit?): ", error));
+    return absl::UnavailableError(
+        absl::StrCat("rank ", rank(), ": ", what, " failed after ",
+                     absl::FormatDuration(absl::Trunc(waited, absl::Milliseconds(1))),
+                     ", before its ", absl::FormatDuration(options_.timeout),
+                     " timeout: the connection to a peer broke (did it exit?): ", error));
   }
   return absl::DeadlineExceededError(absl::StrCat("rank ", rank(), ": ", what, " timed out after ",
-                                                  absl::FormatDuration(options_.timeout), ": ", error));
+                                                  absl::FormatDuration(options_.timeout), ": ",
+                                                  error));
 }
 
 absl::Status GlooCommunicator::WaitRecv(Registered& buffer) {
@@ -188,8 +190,8 @@ absl::Status GlooCommunicator::WaitSend(Registered& buffer) {
 // (r-s-2) mod N from its left one, reducing it into its own copy; a segment is
 // forwarded as soon as it has been reduced. After N-1 steps chunk r is complete.
 absl::Status GlooCommunicator::RingReduceScatter(const std::vector<char*>& chunk_ptr,
-                                                 int64_t chunk_bytes, ElementType type,
-                                                 ReduceOp op, CollectiveKind kind) {
+                                                 int64_t chunk_bytes, ElementType type, ReduceOp op,
+                                                 CollectiveKind kind) {
   const int n = world_size(), r = rank();
   if (n == 1 || chunk_bytes == 0) return absl::OkStatus();
   const int elem = ElementSize(type);
@@ -229,8 +231,7 @@ absl::Status GlooCommunicator::RingReduceScatter(const std::vector<char*>& chunk
       status = WaitRecv(*scratch[j % 2]);
       if (!status.ok()) break;
       const int target = chunk_of_step(s, 2);
-      ReduceInto(chunk_ptr[target] + k * seg, scratch_ptr[j % 2], seg_len(k) / elem,
-                 type, op);
+      ReduceInto(chunk_ptr[target] + k * seg, scratch_ptr[j % 2], seg_len(k) / elem, type, op);
       if (j + 2 < items) post_recv(j + 2);
       if (s + 1 < n - 1) {
         (*chunks[target])->send(right, Slot(base[s + 1], s + 1, k), k * seg, seg_len(k));

@@ -66,8 +66,7 @@ class GlooCommunicator : public QueuedCommunicator {
   absl::Status WaitRecv(Registered& buffer);
   absl::Status WaitSend(Registered& buffer);
   absl::Status RingReduceScatter(const std::vector<char*>& chunks, int64_t chunk_bytes,
-                                 ElementType type, ReduceOp op,
-                                 CollectiveKind kind);
+                                 ElementType type, ReduceOp op, CollectiveKind kind);
   absl::Status RingAllGather(char* buffer, int64_t chunk_bytes, CollectiveKind kind);
   uint64_t NextSlotBase();
 

@@ -26,7 +26,8 @@ const char* CpuTransportName(CpuTransport transport) {
 namespace {
 
 absl::Status Rendezvous(int rank, const absl::Status& s) {
-  return absl::Status(s.code(), absl::StrCat("transport rendezvous of rank ", rank, ": ", s.message()));
+  return absl::Status(s.code(),
+                      absl::StrCat("transport rendezvous of rank ", rank, ": ", s.message()));
 }
 
 }  // namespace
@@ -67,9 +68,9 @@ absl::StatusOr<CpuComm> CreateCpuCommunicator(KeyValueStore* store, int rank, in
     // /dev/shm, limits). Every rank says how it went and reads everyone's, so
     // all of them keep shm or all fall back to Gloo together.
     PrefixKeyValueStore kv(store, options.store_prefix + "/auto");
-    auto results = ExchangeRecords(&kv, "shm-ok", rank, world_size,
-                                   c.ok() ? "1" : absl::StrCat("0", c.status().message()),
-                                   options.timeout);
+    auto results =
+        ExchangeRecords(&kv, "shm-ok", rank, world_size,
+                        c.ok() ? "1" : absl::StrCat("0", c.status().message()), options.timeout);
     if (!results.ok()) return Rendezvous(rank, results.status());
     std::string why;
     for (int p = 0; p < world_size && why.empty(); ++p) {

@@ -45,7 +45,8 @@ class InProcessCommunicator : public QueuedCommunicator {
     const int64_t seq = seq_++;
     if (faults_.delay_per_op > absl::ZeroDuration()) absl::SleepFor(faults_.delay_per_op);
     if (seq == faults_.fail_at_op) {
-      return absl::UnavailableError(absl::StrCat("rank ", rank(), ": injected failure at op ", seq));
+      return absl::UnavailableError(
+          absl::StrCat("rank ", rank(), ": injected failure at op ", seq));
     }
     if (seq == faults_.stall_at_op) {
       // Alive but silent: never arrives; returns only when aborted.
@@ -76,8 +77,7 @@ class InProcessCommunicator : public QueuedCommunicator {
         if ((rank() - c.root + n) % n < n - 1) CountSent(c.kind, bytes);
         if (rank() != c.root) CountReceived(c.kind, bytes);
         break;
-      case CollectiveKind::kBarrier:
-        break;
+      case CollectiveKind::kBarrier: break;
     }
   }
 
@@ -130,9 +130,9 @@ absl::Status InProcessWorld::Arrive(int rank, int64_t seq, const Arrival& call,
     }
     if (interrupted->load()) return absl::AbortedError("aborted");
     (void)ok;
-    return absl::DeadlineExceededError(absl::StrCat(
-        "rank ", rank, ": collective #", seq, " timed out after ", absl::FormatDuration(timeout_),
-        " waiting for rank(s) ", missing));
+    return absl::DeadlineExceededError(
+        absl::StrCat("rank ", rank, ": collective #", seq, " timed out after ",
+                     absl::FormatDuration(timeout_), " waiting for rank(s) ", missing));
   }
   absl::Status status = q.status;
   if (--q.count == 0) pending_.erase(seq);
@@ -145,11 +145,10 @@ absl::Status InProcessWorld::Compute(Pending& p) {
     const Arrival& b = p.calls[r];
     if (b.kind != a.kind || b.count != a.count || b.type != a.type || b.op != a.op ||
         b.root != a.root) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("collective mismatch: rank 0 called ", CollectiveKindName(a.kind), "(",
-                       a.count, " x ", ElementTypeName(a.type), ") but rank ", r, " called ",
-                       CollectiveKindName(b.kind), "(", b.count, " x ", ElementTypeName(b.type),
-                       ")"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "collective mismatch: rank 0 called ", CollectiveKindName(a.kind), "(", a.count, " x ",
+          ElementTypeName(a.type), ") but rank ", r, " called ", CollectiveKindName(b.kind), "(",
+          b.count, " x ", ElementTypeName(b.type), ")"));
     }
   }
   const int n = world_size_;
@@ -163,7 +162,8 @@ absl::Status InProcessWorld::Compute(Pending& p) {
       for (int c = 0; c < n; ++c) {
         if (bytes == 0) break;
         std::memcpy(acc.data(), p.calls[0].chunks[c], bytes);
-        for (int r = 1; r < n; ++r) ReduceInto(acc.data(), p.calls[r].chunks[c], a.count, a.type, a.op);
+        for (int r = 1; r < n; ++r)
+          ReduceInto(acc.data(), p.calls[r].chunks[c], a.count, a.type, a.op);
         if (a.op == ReduceOp::kAverage) Scale(acc.data(), a.count, a.type, 1.0f / n);
         std::memcpy(p.calls[c].chunks[c], acc.data(), bytes);
       }
@@ -192,8 +192,7 @@ absl::Status InProcessWorld::Compute(Pending& p) {
         if (r != a.root) std::memcpy(p.calls[r].buffer, p.calls[a.root].buffer, bytes);
       }
       break;
-    case CollectiveKind::kBarrier:
-      break;
+    case CollectiveKind::kBarrier: break;
   }
   return absl::OkStatus();
 }

@@ -65,7 +65,8 @@ absl::Status FileKeyValueStore::Set(const std::string& key, const std::string& v
     std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
     out.write(value.data(), static_cast<std::streamsize>(value.size()));
     if (!out) {
-      return absl::UnavailableError(absl::StrCat("cannot write '", tmp, "': ", std::strerror(errno)));
+      return absl::UnavailableError(
+          absl::StrCat("cannot write '", tmp, "': ", std::strerror(errno)));
     }
   }
   if (std::rename(tmp.c_str(), path.c_str()) != 0) {
@@ -75,8 +76,7 @@ absl::Status FileKeyValueStore::Set(const std::string& key, const std::string& v
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::string> FileKeyValueStore::Get(const std::string& key,
-                                                   absl::Duration timeout) {
+absl::StatusOr<std::string> FileKeyValueStore::Get(const std::string& key, absl::Duration timeout) {
   const std::string path = PathOf(key);
   const absl::Time deadline = absl::Now() + timeout;
   while (true) {

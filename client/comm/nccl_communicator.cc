@@ -88,15 +88,20 @@ NcclCommunicator::NcclCommunicator(int rank, int world, const NcclOptions& optio
 absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(
     KeyValueStore* store, int rank, int world_size, const NcclOptions& options) {
   if (world_size < 1 || rank < 0 || rank >= world_size) {
-    return absl::InvalidArgumentError(absl::StrCat("rank ", rank, " / world size ", world_size, " out of range"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("rank ", rank, " / world size ", world_size, " out of range"));
   }
-  if (cudaError_t e = cudaSetDevice(options.device); e != cudaSuccess) return CudaError(e, "cudaSetDevice");
+  if (cudaError_t e = cudaSetDevice(options.device); e != cudaSuccess)
+    return CudaError(e, "cudaSetDevice");
   // The unique id: made by rank 0, shared through the store.
   ncclUniqueId id;
   const std::string key = options.store_prefix + "/unique_id";
   if (rank == 0) {
-    if (ncclResult_t r = ncclGetUniqueId(&id); r != ncclSuccess) return NcclError(r, "ncclGetUniqueId");
-    if (absl::Status s = store->Set(key, std::string(reinterpret_cast<char*>(&id), sizeof(id))); !s.ok()) return s;
+    if (ncclResult_t r = ncclGetUniqueId(&id); r != ncclSuccess)
+      return NcclError(r, "ncclGetUniqueId");
+    if (absl::Status s = store->Set(key, std::string(reinterpret_cast<char*>(&id), sizeof(id)));
+        !s.ok())
+      return s;
   } else {
     auto v = store->Get(key, options.timeout);
     if (!v.ok()) return v.status();
@@ -104,7 +109,8 @@ absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(
     std::memcpy(&id, v->data(), sizeof(id));
   }
   std::unique_ptr<NcclCommunicator> c(new NcclCommunicator(rank, world_size, options));
-  if (cudaError_t e = cudaStreamCreateWithFlags(&c->state_->stream, cudaStreamNonBlocking); e != cudaSuccess) {
+  if (cudaError_t e = cudaStreamCreateWithFlags(&c->state_->stream, cudaStreamNonBlocking);
+      e != cudaSuccess) {
     return CudaError(e, "cudaStreamCreate");
   }
   if (cudaError_t e = cudaMalloc(&c->state_->scratch, sizeof(float)); e != cudaSuccess) {
@@ -126,7 +132,8 @@ absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(
     if (absl::Now() > deadline) {
       ncclCommAbort(c->state_->comm);
       c->state_->comm = nullptr;
-      return absl::DeadlineExceededError(absl::StrCat("NCCL initialisation of rank ", rank, " timed out"));
+      return absl::DeadlineExceededError(
+          absl::StrCat("NCCL initialisation of rank ", rank, " timed out"));
     }
     absl::SleepFor(absl::Milliseconds(1));
   }
@@ -201,14 +208,14 @@ CommHandlePtr NcclCommunicator::Submit(CollectiveKind kind, int64_t sent, void* 
         return Done(CudaError(e, "staging a host buffer"));
       }
     }
-    const ncclResult_t r = Settle(state_->comm, enqueue(dev, stream), absl::Now() + options_.timeout);
+    const ncclResult_t r =
+        Settle(state_->comm, enqueue(dev, stream), absl::Now() + options_.timeout);
     if (r != ncclSuccess) {
       cudaEventDestroy(done);
-      failed = r == ncclInProgress
-                   ? absl::DeadlineExceededError(absl::StrCat(
-                         CollectiveKindName(kind), ": NCCL did not enqueue within ",
-                         absl::FormatDuration(options_.timeout)))
-                   : NcclError(r, CollectiveKindName(kind));
+      failed = r == ncclInProgress ? absl::DeadlineExceededError(absl::StrCat(
+                                         CollectiveKindName(kind), ": NCCL did not enqueue within ",
+                                         absl::FormatDuration(options_.timeout)))
+                                   : NcclError(r, CollectiveKindName(kind));
     } else {
       if (staged) {
         cudaMemcpyAsync(pinned, dev, bytes, cudaMemcpyDeviceToHost, stream);
@@ -267,9 +274,9 @@ void NcclCommunicator::Watch() {
         status = NcclError(async, "collective");
         finished = true;
       } else if (absl::Now() > front.deadline) {
-        status = absl::DeadlineExceededError(absl::StrCat(
-            "rank ", rank_, ": NCCL collective did not complete within ",
-            absl::FormatDuration(options_.timeout)));
+        status = absl::DeadlineExceededError(
+            absl::StrCat("rank ", rank_, ": NCCL collective did not complete within ",
+                         absl::FormatDuration(options_.timeout)));
         finished = true;
       }
     }
@@ -318,33 +325,41 @@ void NcclCommunicator::Abort(const absl::Status& reason) {
   }
 }
 
-CommHandlePtr NcclCommunicator::ReduceScatter(void* buffer, int64_t count, ElementType type, ReduceOp op) {
-  if (absl::Status s = CheckCollectiveArgs(buffer, count, type, /*reduces=*/true); !s.ok()) return Done(s);
+CommHandlePtr NcclCommunicator::ReduceScatter(void* buffer, int64_t count, ElementType type,
+                                              ReduceOp op) {
+  if (absl::Status s = CheckCollectiveArgs(buffer, count, type, /*reduces=*/true); !s.ok())
+    return Done(s);
   const int64_t bytes = count * ElementSize(type);
   return Submit(CollectiveKind::kReduceScatter, (world_ - 1) * bytes, buffer, world_ * bytes,
                 [&](void* buf, cudaStream_t s) {
-    char* base = static_cast<char*>(buf);
-    return ncclReduceScatter(base, base + rank_ * bytes, count, NcclType(type), NcclOp(op), state_->comm, s);
-  });
+                  char* base = static_cast<char*>(buf);
+                  return ncclReduceScatter(base, base + rank_ * bytes, count, NcclType(type),
+                                           NcclOp(op), state_->comm, s);
+                });
 }
 
 CommHandlePtr NcclCommunicator::AllGather(void* buffer, int64_t count, ElementType type) {
-  if (absl::Status s = CheckCollectiveArgs(buffer, count, type, /*reduces=*/false); !s.ok()) return Done(s);
+  if (absl::Status s = CheckCollectiveArgs(buffer, count, type, /*reduces=*/false); !s.ok())
+    return Done(s);
   const int64_t bytes = count * ElementSize(type);
   return Submit(CollectiveKind::kAllGather, (world_ - 1) * bytes, buffer, world_ * bytes,
                 [&](void* buf, cudaStream_t s) {
-    char* base = static_cast<char*>(buf);
-    return ncclAllGather(base + rank_ * bytes, base, count, NcclType(type), state_->comm, s);
-  });
+                  char* base = static_cast<char*>(buf);
+                  return ncclAllGather(base + rank_ * bytes, base, count, NcclType(type),
+                                       state_->comm, s);
+                });
 }
 
-CommHandlePtr NcclCommunicator::AllReduce(void* buffer, int64_t count, ElementType type, ReduceOp op) {
-  if (absl::Status s = CheckCollectiveArgs(buffer, count, type, /*reduces=*/true); !s.ok()) return Done(s);
+CommHandlePtr NcclCommunicator::AllReduce(void* buffer, int64_t count, ElementType type,
+                                          ReduceOp op) {
+  if (absl::Status s = CheckCollectiveArgs(buffer, count, type, /*reduces=*/true); !s.ok())
+    return Done(s);
   const int64_t bytes = count * ElementSize(type);
   return Submit(CollectiveKind::kAllReduce, 2 * (world_ - 1) * bytes / world_, buffer, bytes,
                 [&](void* buf, cudaStream_t s) {
-    return ncclAllReduce(buf, buf, count, NcclType(type), NcclOp(op), state_->comm, s);
-  });
+                  return ncclAllReduce(buf, buf, count, NcclType(type), NcclOp(op), state_->comm,
+                                       s);
+                });
 }
 
 CommHandlePtr NcclCommunicator::Broadcast(void* buffer, int64_t count, ElementType type, int root) {
@@ -354,13 +369,14 @@ CommHandlePtr NcclCommunicator::Broadcast(void* buffer, int64_t count, ElementTy
   const int64_t bytes = count * ElementSize(type);
   return Submit(CollectiveKind::kBroadcast, rank_ == root ? bytes : 0, buffer, bytes,
                 [&](void* buf, cudaStream_t s) {
-    return ncclBroadcast(buf, buf, count, NcclType(type), root, state_->comm, s);
-  });
+                  return ncclBroadcast(buf, buf, count, NcclType(type), root, state_->comm, s);
+                });
 }
 
 CommHandlePtr NcclCommunicator::Barrier() {
   return Submit(CollectiveKind::kBarrier, 0, nullptr, 0, [&](void*, cudaStream_t s) {
-    return ncclAllReduce(state_->scratch, state_->scratch, 1, ncclFloat32, ncclSum, state_->comm, s);
+    return ncclAllReduce(state_->scratch, state_->scratch, 1, ncclFloat32, ncclSum, state_->comm,
+                         s);
   });
 }
 

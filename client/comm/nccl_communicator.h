@@ -29,7 +29,7 @@
 namespace shardopt {
 
 struct NcclOptions {
-  int device = 0;                 // CUDA device of this rank
+  int device = 0;                  // CUDA device of this rank
   void* compute_stream = nullptr;  // cudaStream_t the buffers are produced on (nullptr: default)
   absl::Duration timeout = absl::Seconds(300);
   std::string store_prefix = "nccl";
@@ -38,8 +38,8 @@ struct NcclOptions {
 class NcclCommunicator : public Communicator {
  public:
   static absl::StatusOr<std::unique_ptr<NcclCommunicator>> Create(KeyValueStore* store, int rank,
-                                                                   int world_size,
-                                                                   const NcclOptions& options);
+                                                                  int world_size,
+                                                                  const NcclOptions& options);
   ~NcclCommunicator() override;
 
   int rank() const override { return rank_; }
@@ -64,7 +64,8 @@ class NcclCommunicator : public Communicator {
   // `buffer`/`bytes`: the memory the collective reads and writes; host
   // memory is staged through the device. enqueue(device_buffer, stream).
   template <typename Enqueue>
-  CommHandlePtr Submit(CollectiveKind kind, int64_t sent, void* buffer, size_t bytes, Enqueue enqueue);
+  CommHandlePtr Submit(CollectiveKind kind, int64_t sent, void* buffer, size_t bytes,
+                       Enqueue enqueue);
   static bool IsHostMemory(const void* p);
   void Watch();
 

@@ -92,7 +92,8 @@ absl::Status BarrierFromHalves(int world_size, const RingReduceHalf& reduce_scat
   auto padded = std::make_unique<std::vector<char>>(world_size * sizeof(float), 0);
   const float token = 1.0f;
   std::memcpy(padded->data(), &token, sizeof(float));
-  absl::Status s = reduce_scatter(AdjacentChunks(padded->data(), world_size, sizeof(float)), sizeof(float));
+  absl::Status s =
+      reduce_scatter(AdjacentChunks(padded->data(), world_size, sizeof(float)), sizeof(float));
   if (s.ok()) s = all_gather(padded->data(), sizeof(float));
   if (!s.ok()) keep_on_failure->push_back(std::move(padded));
   return s;

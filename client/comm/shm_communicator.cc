@@ -116,9 +116,8 @@ std::string ShmHostIdentity() {
   std::ifstream in("/proc/sys/kernel/random/boot_id");
   std::getline(in, boot);
   struct stat st {};
-  std::string shm = stat("/dev/shm", &st) == 0
-                        ? absl::StrCat(st.st_dev, ":", st.st_ino)
-                        : std::string("no-dev-shm");
+  std::string shm = stat("/dev/shm", &st) == 0 ? absl::StrCat(st.st_dev, ":", st.st_ino)
+                                               : std::string("no-dev-shm");
   // The network namespace too: ranks that see different networks are treated
   // as different hosts (as tests that simulate hosts with namespaces expect;
   // Gloo works across them, whatever they share).
@@ -172,7 +171,8 @@ absl::StatusOr<std::unique_ptr<ShmCommunicator>> ShmCommunicator::Create(
     return comm;
   }
   PrefixKeyValueStore kv(store, options.store_prefix);
-  const std::string where = absl::StrCat("shared-memory rendezvous of rank ", rank, " of ", world_size);
+  const std::string where =
+      absl::StrCat("shared-memory rendezvous of rank ", rank, " of ", world_size);
   // A rank that fails says so where its neighbours wait for it, so they fail
   // at once naming the cause instead of at their timeout.
   bool region_published = false, mapped_published = false;
@@ -187,12 +187,11 @@ absl::StatusOr<std::unique_ptr<ShmCommunicator>> ShmCommunicator::Create(
   auto get = [&](const std::string& key, int peer) -> absl::StatusOr<std::string> {
     auto v = kv.Get(absl::StrCat(key, "/", peer), options.timeout);
     if (!v.ok()) {
-      return absl::Status(v.status().code(), absl::StrCat("waiting for rank ", peer, ": ",
-                                                          v.status().message()));
+      return absl::Status(v.status().code(),
+                          absl::StrCat("waiting for rank ", peer, ": ", v.status().message()));
     }
     if (!v->empty() && (*v)[0] == '!') {
-      return absl::FailedPreconditionError(
-          absl::StrCat("rank ", peer, " failed: ", v->substr(1)));
+      return absl::FailedPreconditionError(absl::StrCat("rank ", peer, " failed: ", v->substr(1)));
     }
     return v;
   };
@@ -214,9 +213,9 @@ absl::StatusOr<std::unique_ptr<ShmCommunicator>> ShmCommunicator::Create(
   auto own = std::make_unique<Region>();
   {
     std::random_device rd;
-    own->name = absl::StrCat("/shardopt-", getpid(), "-r", rank, "-",
-                             absl::Hex((static_cast<uint64_t>(rd()) << 32) | rd(),
-                                       absl::kZeroPad16));
+    own->name =
+        absl::StrCat("/shardopt-", getpid(), "-r", rank, "-",
+                     absl::Hex((static_cast<uint64_t>(rd()) << 32) | rd(), absl::kZeroPad16));
     const int fd = shm_open(own->name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
     if (fd < 0) return fail(Errno(absl::StrCat("shm_open ", own->name)));
     own->owner = true;
@@ -226,9 +225,9 @@ absl::StatusOr<std::unique_ptr<ShmCommunicator>> ShmCommunicator::Create(
     const int err = posix_fallocate(fd, 0, static_cast<off_t>(own->size));
     if (err != 0) {
       close(fd);
-      return fail(absl::ResourceExhaustedError(absl::StrCat(
-          "cannot allocate ", own->size, " bytes in /dev/shm for ", own->name, ": ",
-          std::strerror(err))));
+      return fail(absl::ResourceExhaustedError(absl::StrCat("cannot allocate ", own->size,
+                                                            " bytes in /dev/shm for ", own->name,
+                                                            ": ", std::strerror(err))));
     }
     own->base = mmap(nullptr, own->size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     close(fd);
@@ -298,8 +297,8 @@ absl::StatusOr<std::unique_ptr<ShmCommunicator>> ShmCommunicator::Create(
     if (h->magic != kMagic || h->version != kVersion || h->owner_rank != peer ||
         h->slots != static_cast<uint32_t>(options.slots) ||
         h->slot_bytes != static_cast<uint64_t>(options.slot_bytes)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "rank ", peer, "'s region (", region->name, ") does not match this rank's options"));
+      return absl::InvalidArgumentError(absl::StrCat("rank ", peer, "'s region (", region->name,
+                                                     ") does not match this rank's options"));
     }
     return region;
   };
@@ -378,8 +377,8 @@ absl::Status ShmCommunicator::Fail(absl::Status status) {
 
 absl::Status ShmCommunicator::PeerFailure(int peer, std::string* origin) const {
   const bool is_left = peer == left_;
-  const Region* region = !is_left || left_region_ == nullptr ? right_region_.get()
-                                                             : left_region_.get();
+  const Region* region =
+      !is_left || left_region_ == nullptr ? right_region_.get() : left_region_.get();
   const Header* h = region->h();
   if (h->closed.load(std::memory_order_acquire) != 0) {
     *origin = std::string(h->reason, strnlen(h->reason, sizeof(h->reason)));
@@ -426,9 +425,8 @@ ShmCommunicator::OpDesc ShmCommunicator::NextDesc(CollectiveKind kind, int phase
 }
 
 absl::Status ShmCommunicator::Exchange(const OpDesc& desc, std::deque<Send> sends,
-                                       int64_t num_recvs,
-                                       const std::function<Recv(int64_t)>& recv, ElementType type,
-                                       ReduceOp op) {
+                                       int64_t num_recvs, const std::function<Recv(int64_t)>& recv,
+                                       ElementType type, ReduceOp op) {
   Header* in = own_->h();
   Header* out = right_region_->h();
   Header* back = (left_region_ != nullptr ? left_region_ : right_region_)->h();
@@ -446,7 +444,7 @@ absl::Status ShmCommunicator::Exchange(const OpDesc& desc, std::deque<Send> send
       const uint64_t i = sent_ % slots;
       const Send& m = sends.front();
       std::memcpy(right_region_->slot(i), m.data, static_cast<size_t>(m.bytes));
-      out->meta[i] = SlotMeta{desc.seq, desc.bytes, desc.code, static_cast<uint32_t>(m.bytes),
+      out->meta[i] = SlotMeta{desc.seq, desc.bytes,  desc.code, static_cast<uint32_t>(m.bytes),
                               desc.sub, desc.type_op};
       out->head.store(++sent_, std::memory_order_release);
       RingBell(out);
@@ -464,9 +462,8 @@ absl::Status ShmCommunicator::Exchange(const OpDesc& desc, std::deque<Send> send
         return Fail(absl::InvalidArgumentError(absl::StrCat(
             "collective mismatch: rank ", left_, " sent a segment of its collective #", meta.seq,
             " (", Describe(meta.code, meta.type_op, meta.bytes), ") while rank ", rank(),
-            " runs its collective #", desc.seq, " (",
-            Describe(desc.code, desc.type_op, desc.bytes), ")",
-            ": every rank must issue the same collectives in the same order")));
+            " runs its collective #", desc.seq, " (", Describe(desc.code, desc.type_op, desc.bytes),
+            ")", ": every rank must issue the same collectives in the same order")));
       }
       const char* src = own_->slot(i);
       if (r.reduce) {
@@ -512,9 +509,10 @@ absl::Status ShmCommunicator::Exchange(const OpDesc& desc, std::deque<Send> send
     }
     const absl::Duration waited = absl::Now() - last_progress;
     if (waited >= options_.timeout) {
-      std::string whom =
-          want_data ? absl::StrCat("rank ", left_, " to send") : absl::StrCat("rank ", right_, " to take its messages");
-      if (want_data && want_slots) absl::StrAppend(&whom, " and rank ", right_, " to take its messages");
+      std::string whom = want_data ? absl::StrCat("rank ", left_, " to send")
+                                   : absl::StrCat("rank ", right_, " to take its messages");
+      if (want_data && want_slots)
+        absl::StrAppend(&whom, " and rank ", right_, " to take its messages");
       return Fail(absl::DeadlineExceededError(absl::StrCat(
           "rank ", rank(), ": ", Describe(desc.code, desc.type_op, desc.bytes), " timed out after ",
           absl::FormatDuration(options_.timeout), " without progress, waiting for ", whom)));
@@ -532,8 +530,8 @@ absl::Status ShmCommunicator::Exchange(const OpDesc& desc, std::deque<Send> send
 // (r-1) mod N; the s-th incoming chunk, (r-s-2) mod N, is reduced into place
 // straight from the slot and forwarded while s < N-2. Chunk r ends complete.
 absl::Status ShmCommunicator::RingReduceScatter(const std::vector<char*>& chunks,
-                                                int64_t chunk_bytes, ElementType type,
-                                                ReduceOp op, CollectiveKind kind) {
+                                                int64_t chunk_bytes, ElementType type, ReduceOp op,
+                                                CollectiveKind kind) {
   const int n = world_size(), r = rank();
   if (n == 1 || chunk_bytes == 0) return absl::OkStatus();
   const int elem = ElementSize(type);
@@ -566,7 +564,8 @@ absl::Status ShmCommunicator::RingAllGather(char* buffer, int64_t chunk_bytes, E
   const int64_t nseg = (chunk_bytes + seg - 1) / seg;
   auto seg_len = [&](int64_t k) { return std::min(seg, chunk_bytes - k * seg); };
   std::deque<Send> sends;
-  for (int64_t k = 0; k < nseg; ++k) sends.push_back(Send{buffer + r * chunk_bytes + k * seg, seg_len(k)});
+  for (int64_t k = 0; k < nseg; ++k)
+    sends.push_back(Send{buffer + r * chunk_bytes + k * seg, seg_len(k)});
   const OpDesc desc = NextDesc(kind, 1, 0, type, ReduceOp::kSum, chunk_bytes);
   return Exchange(
       desc, std::move(sends), (n - 1) * nseg,
@@ -629,7 +628,9 @@ absl::Status ShmCommunicator::RunBroadcast(void* buffer, int64_t count, ElementT
   const OpDesc desc = NextDesc(CollectiveKind::kBroadcast, 2, root, type, ReduceOp::kSum, bytes);
   return Exchange(
       desc, std::move(sends), pos == 0 ? 0 : nseg,
-      [&](int64_t k) { return Recv{buf + k * seg, seg_len(k), false, pos < n - 1}; },
+      [&](int64_t k) {
+        return Recv{buf + k * seg, seg_len(k), false, pos < n - 1};
+      },
       ElementType::kByte, ReduceOp::kSum);
 }
 

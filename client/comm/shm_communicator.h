@@ -110,8 +110,7 @@ class ShmCommunicator : public QueuedCommunicator {
   absl::Status Exchange(const OpDesc& desc, std::deque<Send> sends, int64_t num_recvs,
                         const std::function<Recv(int64_t)>& recv, ElementType type, ReduceOp op);
   absl::Status RingReduceScatter(const std::vector<char*>& chunks, int64_t chunk_bytes,
-                                 ElementType type, ReduceOp op,
-                                 CollectiveKind kind);
+                                 ElementType type, ReduceOp op, CollectiveKind kind);
   absl::Status RingAllGather(char* buffer, int64_t chunk_bytes, ElementType type,
                              CollectiveKind kind);
   absl::Status Fail(absl::Status status);
@@ -122,7 +121,7 @@ class ShmCommunicator : public QueuedCommunicator {
 
   const ShmOptions options_;
   int left_ = 0, right_ = 0;
-  std::unique_ptr<Region> own_;    // inbound channel, and this rank's doorbell
+  std::unique_ptr<Region> own_;           // inbound channel, and this rank's doorbell
   std::unique_ptr<Region> left_region_;   // for the left neighbour's doorbell
   std::unique_ptr<Region> right_region_;  // outbound channel (n == 2: same rank as left)
   int left_pidfd_ = -1, right_pidfd_ = -1;

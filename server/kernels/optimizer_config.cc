@@ -19,7 +19,8 @@ const char* OptimizerKindName(OptimizerKind kind) {
 namespace {
 
 absl::Status Bad(const char* field, double value, const char* want) {
-  return absl::InvalidArgumentError(absl::StrCat("invalid ", field, " ", value, ": must be ", want));
+  return absl::InvalidArgumentError(
+      absl::StrCat("invalid ", field, " ", value, ": must be ", want));
 }
 
 // The kernels compute in float32: a value past FLT_MAX would be inf there
@@ -37,7 +38,8 @@ absl::Status ValidateAdamConfig(const AdamConfig& c) {
   if (!NonNegativeFloat(c.eps)) return Bad("eps", c.eps, kNonNegativeFloat);
   if (!(c.beta1 >= 0.0 && c.beta1 < 1.0)) return Bad("beta1", c.beta1, "in [0, 1)");
   if (!(c.beta2 >= 0.0 && c.beta2 < 1.0)) return Bad("beta2", c.beta2, "in [0, 1)");
-  if (!NonNegativeFloat(c.weight_decay)) return Bad("weight_decay", c.weight_decay, kNonNegativeFloat);
+  if (!NonNegativeFloat(c.weight_decay))
+    return Bad("weight_decay", c.weight_decay, kNonNegativeFloat);
   return absl::OkStatus();
 }
 
@@ -47,7 +49,8 @@ absl::Status ValidateSgdConfig(const SgdConfig& c) {
   if (!(std::fabs(c.dampening) <= static_cast<double>(FLT_MAX))) {
     return Bad("dampening", c.dampening, "finite in float32");
   }
-  if (!NonNegativeFloat(c.weight_decay)) return Bad("weight_decay", c.weight_decay, kNonNegativeFloat);
+  if (!NonNegativeFloat(c.weight_decay))
+    return Bad("weight_decay", c.weight_decay, kNonNegativeFloat);
   if (c.nesterov && (c.momentum <= 0.0 || c.dampening != 0.0)) {
     return absl::InvalidArgumentError("Nesterov momentum requires a momentum and zero dampening");
   }

@@ -136,7 +136,8 @@ int Main(int argc, char** argv) {
               gb / Median(write_s), Median(write_s) / Median(save_s));
   std::printf("  load %.2f GB/s vs plain read %.2f GB/s: %.2fx\n", gb / Median(load_s),
               gb / Median(read_s), Median(read_s) / Median(load_s));
-  std::printf("  consolidate: %.2f s (%s)\n", consolidate_s, c.ok() ? "ok" : std::string(c.message()).c_str());
+  std::printf("  consolidate: %.2f s (%s)\n", consolidate_s,
+              c.ok() ? "ok" : std::string(c.message()).c_str());
   if (f->Has("json")) std::ofstream(f->Str("json", "")) << out.dump(2) << "\n";
   (void)std::system(("rm -rf " + base).c_str());
   return 0;

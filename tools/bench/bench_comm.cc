@@ -152,10 +152,12 @@ int RunRank(int rank, const Flags& flags, const std::string& dir) {
       for (auto& [seg, comm] : comms) {
         barrier();
         t0 = std::chrono::steady_clock::now();
-        absl::Status s = comm->ReduceScatter(buf.data(), count / 2, ElementType::kFloat32,
-                                             ReduceOp::kSum)->Wait(absl::Seconds(120));
-        if (s.ok()) s = comm->AllGather(buf.data(), count / 2, ElementType::kFloat32)
-                            ->Wait(absl::Seconds(120));
+        absl::Status s =
+            comm->ReduceScatter(buf.data(), count / 2, ElementType::kFloat32, ReduceOp::kSum)
+                ->Wait(absl::Seconds(120));
+        if (s.ok())
+          s = comm->AllGather(buf.data(), count / 2, ElementType::kFloat32)
+                  ->Wait(absl::Seconds(120));
         if (!s.ok()) {
           std::fprintf(stderr, "rank %d: %s\n", rank, s.ToString().c_str());
           return 1;
@@ -165,10 +167,14 @@ int RunRank(int rank, const Flags& flags, const std::string& dir) {
       }
       barrier();
       t0 = std::chrono::steady_clock::now();
-      absl::Status s = (*shm)->ReduceScatter(buf.data(), count / 2, ElementType::kFloat32,
-                                             ReduceOp::kSum)->Wait(absl::Seconds(120));
-      if (s.ok()) s = (*shm)->AllGather(buf.data(), count / 2, ElementType::kFloat32)
-                          ->Wait(absl::Seconds(120));
+      absl::Status s =
+          (*shm)
+              ->ReduceScatter(buf.data(), count / 2, ElementType::kFloat32, ReduceOp::kSum)
+              ->Wait(absl::Seconds(120));
+      if (s.ok())
+        s = (*shm)
+                ->AllGather(buf.data(), count / 2, ElementType::kFloat32)
+                ->Wait(absl::Seconds(120));
       if (!s.ok()) {
         std::fprintf(stderr, "rank %d: shm: %s\n", rank, s.ToString().c_str());
         return 1;
@@ -225,8 +231,10 @@ int main(int argc, char** argv) {
     std::perror("mkdtemp");
     return 1;
   }
-  std::printf("bench_comm: 2 ranks (processes), Gloo TCP on 127.0.0.1 and shared memory, median of %d runs\n",
-              flags.reps);
+  std::printf(
+      "bench_comm: 2 ranks (processes), Gloo TCP on 127.0.0.1 and shared memory, median of %d "
+      "runs\n",
+      flags.reps);
   std::fflush(stdout);
   pid_t child = fork();
   if (child == 0) _exit(RunRank(1, flags, dir));

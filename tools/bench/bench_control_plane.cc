@@ -70,7 +70,8 @@ double CpuSeconds(pid_t pid) {
 class SimRank : public grpc::ClientBidiReactor<v1::HeartbeatRequest, v1::HeartbeatResponse> {
  public:
   SimRank(v1::Coordinator::Stub* stub, int rank, int64_t first_step,
-          std::function<void(const v1::HeartbeatResponse&)> on_notice, std::function<void()> on_sent)
+          std::function<void(const v1::HeartbeatResponse&)> on_notice,
+          std::function<void()> on_sent)
       : rank_(rank), on_notice_(std::move(on_notice)), on_sent_(std::move(on_sent)) {
     stub->async()->Session(&ctx_, this);
     StartRead(&resp_);
@@ -158,17 +159,21 @@ class SimRank : public grpc::ClientBidiReactor<v1::HeartbeatRequest, v1::Heartbe
 };
 
 int Main(int argc, char** argv) {
-  auto f = Flags::Parse(argc, argv, {"ranks", "heartbeat-timeout", "steady", "fixture", "json", "help"});
+  auto f =
+      Flags::Parse(argc, argv, {"ranks", "heartbeat-timeout", "steady", "fixture", "json", "help"});
   if (!f.ok() || f->Has("help")) {
-    std::printf("usage: bench_control_plane [--ranks=1024] [--heartbeat-timeout=3] [--steady=10]\n"
-                "                           [--fixture=tests/fixtures/gpt2_small_params.json] [--json=PATH]\n");
+    std::printf(
+        "usage: bench_control_plane [--ranks=1024] [--heartbeat-timeout=3] [--steady=10]\n"
+        "                           [--fixture=tests/fixtures/gpt2_small_params.json] "
+        "[--json=PATH]\n");
     return f.ok() ? 0 : 2;
   }
   const int n = static_cast<int>(f->Int("ranks", 1024).value_or(1024));
   const double hb_timeout = f->Double("heartbeat-timeout", 3).value_or(3);
   const double steady = f->Double("steady", 10).value_or(10);
   if (n < 2 || hb_timeout <= 1.5) {
-    std::fprintf(stderr, "need --ranks >= 2 and --heartbeat-timeout > 1.5 s (heartbeats are 1 s apart)\n");
+    std::fprintf(stderr,
+                 "need --ranks >= 2 and --heartbeat-timeout > 1.5 s (heartbeats are 1 s apart)\n");
     return 2;
   }
   auto model = LoadModelShapes(f->Str("fixture", "tests/fixtures/gpt2_small_params.json"));
@@ -231,12 +236,12 @@ int Main(int argc, char** argv) {
   // Shared state of the simulated ranks, under mu.
   std::mutex mu;
   std::condition_variable cv;
-  std::vector<double> join_sent(n, 0);    // 0: Join not sent yet
-  std::vector<double> last_sent(n, 0);    // last heartbeat sent (or Join)
-  std::vector<double> max_gap(n, 0);      // largest interval between those
-  std::vector<double> abort_seen(n, 0);   // first abort pushed on the session
+  std::vector<double> join_sent(n, 0);   // 0: Join not sent yet
+  std::vector<double> last_sent(n, 0);   // last heartbeat sent (or Join)
+  std::vector<double> max_gap(n, 0);     // largest interval between those
+  std::vector<double> abort_seen(n, 0);  // first abort pushed on the session
   std::vector<int64_t> ckpt_seen(n, 0);
-  std::string abort_reason;               // first abort any rank learned of
+  std::string abort_reason;  // first abort any rank learned of
   double abort_first = 0;
   int64_t unary_ok = 0, unary_refused = 0, unary_failed = 0, unary_in_flight = 0;
   std::string unary_error;
@@ -375,8 +380,8 @@ int Main(int argc, char** argv) {
   const double join_s = Now() - t;
   if (join_errors > 0 || joined != n) {
     std::lock_guard<std::mutex> l(mu);
-    std::fprintf(stderr, "join failed after %.3f s: %d/%d answered, %d errors (%s)\n", join_s, joined, n,
-                 join_errors, join_error.c_str());
+    std::fprintf(stderr, "join failed after %.3f s: %d/%d answered, %d errors (%s)\n", join_s,
+                 joined, n, join_errors, join_error.c_str());
     return 1;
   }
 
@@ -402,7 +407,8 @@ int Main(int argc, char** argv) {
   t = Now();
   double handoff_s = 0;
   while (true) {
-    const bool all = std::all_of(sims.begin(), sims.end(), [](const auto& s) { return s->Acknowledged(); });
+    const bool all =
+        std::all_of(sims.begin(), sims.end(), [](const auto& s) { return s->Acknowledged(); });
     handoff_s = Now() - t;
     if (all || handoff_s > 10) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
@@ -417,14 +423,16 @@ int Main(int argc, char** argv) {
   auto premature = [&](const char* when) {
     std::lock_guard<std::mutex> l(mu);
     if (abort_reason.empty()) return false;
-    std::fprintf(stderr,
-                 "the coordinator aborted the job %s, before any rank went silent: %s\n"
-                 "  (join %.3f s, sessions acknowledged after %.3f s, largest heartbeat gap %.2f s, "
-                 "%lld heartbeats delayed; unary heartbeats: %lld ok, %lld refused, %lld failed %s)\n",
-                 when, abort_reason.c_str(), join_s, handoff_s,
-                 *std::max_element(max_gap.begin(), max_gap.end()), static_cast<long long>(hb_delayed.load()),
-                 static_cast<long long>(unary_ok), static_cast<long long>(unary_refused),
-                 static_cast<long long>(unary_failed), unary_error.c_str());
+    std::fprintf(
+        stderr,
+        "the coordinator aborted the job %s, before any rank went silent: %s\n"
+        "  (join %.3f s, sessions acknowledged after %.3f s, largest heartbeat gap %.2f s, "
+        "%lld heartbeats delayed; unary heartbeats: %lld ok, %lld refused, %lld failed %s)\n",
+        when, abort_reason.c_str(), join_s, handoff_s,
+        *std::max_element(max_gap.begin(), max_gap.end()),
+        static_cast<long long>(hb_delayed.load()), static_cast<long long>(unary_ok),
+        static_cast<long long>(unary_refused), static_cast<long long>(unary_failed),
+        unary_error.c_str());
     return true;
   };
   if (premature("at steady state")) return 1;
@@ -450,7 +458,9 @@ int Main(int argc, char** argv) {
     while (true) {
       {
         std::lock_guard<std::mutex> l(mu);
-        if (std::all_of(ckpt_seen.begin(), ckpt_seen.end(), [&](int64_t v) { return v >= resp.request(); })) break;
+        if (std::all_of(ckpt_seen.begin(), ckpt_seen.end(),
+                        [&](int64_t v) { return v >= resp.request(); }))
+          break;
       }
       if (Now() - t > 10) break;
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
@@ -495,35 +505,51 @@ int Main(int argc, char** argv) {
     reason = abort_reason;
   }
   // The abort must be for the silent rank, not for a live one.
-  const bool right_rank = reason.find(absl::StrCat("rank ", victim, " sent no heartbeat")) != std::string::npos;
+  const bool right_rank =
+      reason.find(absl::StrCat("rank ", victim, " sent no heartbeat")) != std::string::npos;
 
-  std::printf("bench_control_plane: %d simulated ranks, GPT-2 small manifest (%zu tensors), "
-              "heartbeat 1 Hz, timeout %.1f s\n", n, model->params.size(), hb_timeout);
+  std::printf(
+      "bench_control_plane: %d simulated ranks, GPT-2 small manifest (%zu tensors), "
+      "heartbeat 1 Hz, timeout %.1f s\n",
+      n, model->params.size(), hb_timeout);
   std::printf("  all joined and planned:         %.3f s   (target < 5 s)\n", join_s);
   std::printf("  planner time for %d ranks:    %.3f s\n", n, plan_s);
-  std::printf("  sessions acknowledged:          %.3f s after the join (unary heartbeats until then: "
-              "%lld ok, %lld before the rank was registered)\n",
-              handoff_s, static_cast<long long>(unary_ok), static_cast<long long>(unary_refused));
-  std::printf("  largest gap between a live rank's heartbeats: %.2f s, from its Join on (timeout %.1f s)\n",
-              steady_gap, hb_timeout);
-  std::printf("  coordinator CPU, steady state:  %.1f%% of one core for %d streamed heartbeats/s (target < 10%%)\n",
-              100 * cpu_fraction, n);
+  std::printf(
+      "  sessions acknowledged:          %.3f s after the join (unary heartbeats until then: "
+      "%lld ok, %lld before the rank was registered)\n",
+      handoff_s, static_cast<long long>(unary_ok), static_cast<long long>(unary_refused));
+  std::printf(
+      "  largest gap between a live rank's heartbeats: %.2f s, from its Join on (timeout %.1f s)\n",
+      steady_gap, hb_timeout);
+  std::printf(
+      "  coordinator CPU, steady state:  %.1f%% of one core for %d streamed heartbeats/s (target < "
+      "10%%)\n",
+      100 * cpu_fraction, n);
   std::printf("  checkpoint rounds seen by all:  %.2f s, %.2f s\n", round_s[0], round_s[1]);
-  std::printf("  silent rank %d: abort seen by %d/%d others, at most %.2f s after its last "
-              "heartbeat (target < timeout + 1 s = %.1f s)\n",
-              victim, seen, n - 1, worst, hb_timeout + 1);
-  std::printf("  abort reason: %s%s\n", reason.c_str(), right_rank ? "" : "   (expected the silent rank)");
+  std::printf(
+      "  silent rank %d: abort seen by %d/%d others, at most %.2f s after its last "
+      "heartbeat (target < timeout + 1 s = %.1f s)\n",
+      victim, seen, n - 1, worst, hb_timeout + 1);
+  std::printf("  abort reason: %s%s\n", reason.c_str(),
+              right_rank ? "" : "   (expected the silent rank)");
   std::printf("  heartbeats delayed (previous one still being written): %lld\n",
               static_cast<long long>(hb_delayed.load()));
-  nlohmann::json out = {{"ranks", n}, {"join_s", join_s}, {"plan_s", plan_s},
-                        {"session_handoff_s", handoff_s}, {"max_heartbeat_gap_s", steady_gap},
-                        {"coordinator_cpu_fraction", cpu_fraction}, {"checkpoint_rounds_s", round_s},
-                        {"abort_seen_by", seen}, {"abort_latency_s", worst}, {"abort_reason", reason},
+  nlohmann::json out = {{"ranks", n},
+                        {"join_s", join_s},
+                        {"plan_s", plan_s},
+                        {"session_handoff_s", handoff_s},
+                        {"max_heartbeat_gap_s", steady_gap},
+                        {"coordinator_cpu_fraction", cpu_fraction},
+                        {"checkpoint_rounds_s", round_s},
+                        {"abort_seen_by", seen},
+                        {"abort_latency_s", worst},
+                        {"abort_reason", reason},
                         {"heartbeat_timeout_s", hb_timeout},
                         // delayed behind a write still in progress (none are dropped)
                         {"heartbeat_errors", hb_delayed.load()}};
   if (f->Has("json")) std::ofstream(f->Str("json", "")) << out.dump(2) << "\n";
-  const bool ok = join_s < 5 && cpu_fraction < 0.10 && seen == n - 1 && worst < hb_timeout + 1 && right_rank;
+  const bool ok =
+      join_s < 5 && cpu_fraction < 0.10 && seen == n - 1 && worst < hb_timeout + 1 && right_rank;
   return ok ? 0 : 3;
 }
 

@@ -77,7 +77,8 @@ struct ShardoptRun {
     if (!c.ok()) return c.status();
     comm = std::move(*c);
     std::vector<std::pair<std::string, torch::Tensor>> named;
-    for (size_t i = 0; i < model.params.size(); ++i) named.emplace_back(shapes.params[i].name, model.params[i]);
+    for (size_t i = 0; i < model.params.size(); ++i)
+      named.emplace_back(shapes.params[i].name, model.params[i]);
     ShardedOptimizerOptions o;
     o.kernel_backend = MakeCudaKernelBackend();
     o.device_async_step = async;
@@ -93,7 +94,8 @@ struct ShardoptRun {
   void Step() {
     auto r = opt->Step();
     if (!r.ok()) {
-      std::fprintf(stderr, "%s step: %s\n", async ? "async" : "default", r.status().ToString().c_str());
+      std::fprintf(stderr, "%s step: %s\n", async ? "async" : "default",
+                   r.status().ToString().c_str());
       std::exit(1);
     }
   }
@@ -111,12 +113,18 @@ int main(int argc, char** argv) {
   int iters = 20, rounds = 5;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    if (a.rfind("--json=", 0) == 0) json = a.substr(7);
-    else if (a.rfind("--fixture=", 0) == 0) fixture = a.substr(10);
-    else if (a.rfind("--iters=", 0) == 0) iters = std::atoi(a.c_str() + 8);
-    else if (a.rfind("--rounds=", 0) == 0) rounds = std::atoi(a.c_str() + 9);
+    if (a.rfind("--json=", 0) == 0)
+      json = a.substr(7);
+    else if (a.rfind("--fixture=", 0) == 0)
+      fixture = a.substr(10);
+    else if (a.rfind("--iters=", 0) == 0)
+      iters = std::atoi(a.c_str() + 8);
+    else if (a.rfind("--rounds=", 0) == 0)
+      rounds = std::atoi(a.c_str() + 9);
     else {
-      std::fprintf(stderr, "usage: bench_gpu_step [--json=PATH] [--iters=20] [--rounds=5] [--fixture=PATH]\n");
+      std::fprintf(
+          stderr,
+          "usage: bench_gpu_step [--json=PATH] [--iters=20] [--rounds=5] [--fixture=PATH]\n");
       return a == "--help" ? 0 : 1;
     }
   }
@@ -174,7 +182,8 @@ int main(int argc, char** argv) {
       s.size = b.params[i].numel();
       slices.push_back(s);
     }
-    absl::Status st = cuda::AdamStep(MakeAdamScalars(AdamConfig(), bare_step_count), slices, nullptr);
+    absl::Status st =
+        cuda::AdamStep(MakeAdamScalars(AdamConfig(), bare_step_count), slices, nullptr);
     if (!st.ok()) {
       std::fprintf(stderr, "bare: %s\n", st.ToString().c_str());
       std::exit(1);
@@ -244,18 +253,23 @@ int main(int argc, char** argv) {
   const double s_ms = Median(ts) * 1e3, b_ms = Median(tb) * 1e3, a_ms = Median(ta) * 1e3;
   const double t_ms = have_torch ? Median(tt) * 1e3 : 0.0;
   const double bytes = 28.0 * static_cast<double>(nparams);
-  std::printf("bench_gpu_step: %lld parameters in %zu tensors, %zu buckets; one step, synchronized before "
-              "and after (median of %d):\n  shardopt ShardedOptimizer::Step() %.3f ms (%.0f GB/s of Adam traffic)\n"
-              "  bare kernel (one multi-tensor CUDA Adam call) %.3f ms (%.0f GB/s)\n",
-              static_cast<long long>(nparams), a.params.size(), so->layout().buckets().size(),
-              rounds * iters, s_ms, bytes / s_ms / 1e6, b_ms, bytes / b_ms / 1e6);
-  std::printf("  shardopt_async (device_async_step) %.3f ms (%.0f GB/s); %.2fx the default step's speed\n",
-              a_ms, bytes / a_ms / 1e6, s_ms / a_ms);
+  std::printf(
+      "bench_gpu_step: %lld parameters in %zu tensors, %zu buckets; one step, synchronized before "
+      "and after (median of %d):\n  shardopt ShardedOptimizer::Step() %.3f ms (%.0f GB/s of Adam "
+      "traffic)\n"
+      "  bare kernel (one multi-tensor CUDA Adam call) %.3f ms (%.0f GB/s)\n",
+      static_cast<long long>(nparams), a.params.size(), so->layout().buckets().size(),
+      rounds * iters, s_ms, bytes / s_ms / 1e6, b_ms, bytes / b_ms / 1e6);
+  std::printf(
+      "  shardopt_async (device_async_step) %.3f ms (%.0f GB/s); %.2fx the default step's speed\n",
+      a_ms, bytes / a_ms / 1e6, s_ms / a_ms);
   if (have_torch) {
-    std::printf("  ATen fused Adam (_foreach_add_ on steps + _fused_adam_) %.3f ms (%.0f GB/s)\n"
-                "  ShardedOptimizer step is %.2fx the fused Adam step's speed (async: %.2fx; target >= 1.0); "
-                "its overhead over the bare kernel %.3f ms (async: %.3f ms)\n",
-                t_ms, bytes / t_ms / 1e6, t_ms / s_ms, t_ms / a_ms, s_ms - b_ms, a_ms - b_ms);
+    std::printf(
+        "  ATen fused Adam (_foreach_add_ on steps + _fused_adam_) %.3f ms (%.0f GB/s)\n"
+        "  ShardedOptimizer step is %.2fx the fused Adam step's speed (async: %.2fx; target >= "
+        "1.0); "
+        "its overhead over the bare kernel %.3f ms (async: %.3f ms)\n",
+        t_ms, bytes / t_ms / 1e6, t_ms / s_ms, t_ms / a_ms, s_ms - b_ms, a_ms - b_ms);
   }
   if (!json.empty()) {
     FILE* f = std::fopen(json.c_str(), "w");
@@ -269,7 +283,8 @@ int main(int argc, char** argv) {
                  "\"bare_kernel_step_ms\": %.4f, \"torch_fused_step_ms\": %s, "
                  "\"shardopt_vs_torch_fused\": %s, \"shardopt_async_vs_torch_fused\": %s}\n",
                  static_cast<long long>(nparams), a.params.size(), so->layout().buckets().size(),
-                 rounds * iters, s_ms, a_ms, b_ms, have_torch ? std::to_string(t_ms).c_str() : "null",
+                 rounds * iters, s_ms, a_ms, b_ms,
+                 have_torch ? std::to_string(t_ms).c_str() : "null",
                  have_torch ? std::to_string(t_ms / s_ms).c_str() : "null",
                  have_torch ? std::to_string(t_ms / a_ms).c_str() : "null");
     std::fclose(f);

@@ -92,8 +92,9 @@ bool ParseFlags(int argc, char** argv, Flags* f) {
     }
   }
   if (f->reps < 1 || f->warmup < 0 || f->threads < 0 || !(f->scale > 0 && f->scale <= 4)) {
-    std::fprintf(stderr, "bench_kernels: --reps >= 1, --warmup >= 0, --threads >= 0, "
-                         "0 < --scale <= 4\n");
+    std::fprintf(stderr,
+                 "bench_kernels: --reps >= 1, --warmup >= 0, --threads >= 0, "
+                 "0 < --scale <= 4\n");
     return false;
   }
   return true;
@@ -199,10 +200,10 @@ int main(int argc, char** argv) {
 
   Workload w(MlpShapes(flags.scale));
   const double n = static_cast<double>(w.n);
-  std::printf("bench_kernels: %lld fp32 parameters (mlp%s), ISA %s, %d hardware threads, "
-              "multi-thread rows use %d\n",
-              static_cast<long long>(w.n), flags.scale == 1.0 ? "" : " scaled",
-              IsaName(BestIsa()), hw, mt);
+  std::printf(
+      "bench_kernels: %lld fp32 parameters (mlp%s), ISA %s, %d hardware threads, "
+      "multi-thread rows use %d\n",
+      static_cast<long long>(w.n), flags.scale == 1.0 ? "" : " scaled", IsaName(BestIsa()), hw, mt);
 
   nlohmann::json out;
   out["parameters"] = w.n;
@@ -226,12 +227,12 @@ int main(int argc, char** argv) {
     for (const auto& [suffix, threads] : modes) {
       at::set_num_threads(threads);
       torch::optim::Adam opt(w.torch_params, torch::optim::AdamOptions(1e-4));
-      auto r = Interleaved({{"torch_adam_default", [&] { opt.step(); }}}, 1,
-                           flags.default_malloc_reps);
+      auto r =
+          Interleaved({{"torch_adam_default", [&] { opt.step(); }}}, 1, flags.default_malloc_reps);
       const Stat s = r["torch_adam_default"];
       out["torch_adam_default_ns_per_param_" + suffix] = s.median * 1e9 / n;
-      std::printf("  [%s] torch Adam, default malloc: %.2f ns/param (%.2f..%.2f)\n",
-                  suffix.c_str(), s.median * 1e9 / n, s.lo * 1e9 / n, s.hi * 1e9 / n);
+      std::printf("  [%s] torch Adam, default malloc: %.2f ns/param (%.2f..%.2f)\n", suffix.c_str(),
+                  s.median * 1e9 / n, s.lo * 1e9 / n, s.hi * 1e9 / n);
     }
   }
 
@@ -296,10 +297,11 @@ int main(int argc, char** argv) {
       out[key + "_vs_torch_speedup_" + suffix] = speedup;
       out[key + "_gbps_" + suffix] = gbps;
       out[key + "_stream_fraction_" + suffix] = gbps / stream_gbps;
-      std::printf("  %-6s shardopt   : %6.3f ns/param (%.3f..%.3f)  %6.2f GB/s  %.2f of "
-                  "same-traffic\n",
-                  row.name, ns(row.name), r[key].lo * 1e9 / n, r[key].hi * 1e9 / n, gbps,
-                  gbps / stream_gbps);
+      std::printf(
+          "  %-6s shardopt   : %6.3f ns/param (%.3f..%.3f)  %6.2f GB/s  %.2f of "
+          "same-traffic\n",
+          row.name, ns(row.name), r[key].lo * 1e9 / n, r[key].hi * 1e9 / n, gbps,
+          gbps / stream_gbps);
       std::printf("  %-6s LibTorch   : %6.3f ns/param (%.3f..%.3f)  -> shardopt %.2fx faster\n",
                   row.name, ns(row.torch), r[row.torch].lo * 1e9 / n, r[row.torch].hi * 1e9 / n,
                   speedup);

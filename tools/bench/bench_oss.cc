@@ -31,8 +31,8 @@
 // Every row reports its gradient bytes per rank (buffers held across the
 // step; autograd's transient gradients are not counted, in any row).
 // Each (row, round) is a fresh pair of processes, so peak RSS is per row; rows
-// are interleaved round by round, each round starting one row later (A B C D B C D A ...); warm-up steps are
-// excluded.
+// are interleaved round by round, each round starting one row later (A B C D B C D A ...); warm-up
+// steps are excluded.
 #include <ATen/Parallel.h>
 #include <signal.h>
 #include <sys/resource.h>
@@ -78,17 +78,20 @@ namespace shardopt {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-double Since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+double Since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
 
 // DDP's gradient path: flat bucketed gradients, an all-reduce per bucket
 // launched from autograd hooks in bucket order as buckets fill.
 class DdpGradients {
  public:
-  DdpGradients(const std::vector<std::pair<std::string, torch::Tensor>>& params,
-               Communicator* comm, int64_t bucket_cap_elements)
+  DdpGradients(const std::vector<std::pair<std::string, torch::Tensor>>& params, Communicator* comm,
+               int64_t bucket_cap_elements)
       : comm_(comm) {
     std::vector<ParamSpec> specs;
-    for (const auto& [name, t] : params) specs.push_back({name, t.sizes().vec(), DType::kFloat32, true});
+    for (const auto& [name, t] : params)
+      specs.push_back({name, t.sizes().vec(), DType::kFloat32, true});
     PlanOptions po;
     po.bucket_cap_elements = bucket_cap_elements;
     po.alignment_elements = 1;
@@ -187,7 +190,8 @@ int RunWorker(const Flags& f) {
   co.transport = *transport;
   co.store_prefix = row;
   co.timeout = absl::Seconds(300);
-  absl::StatusOr<std::unique_ptr<Communicator>> comm = [&]() -> absl::StatusOr<std::unique_ptr<Communicator>> {
+  absl::StatusOr<std::unique_ptr<Communicator>> comm =
+      [&]() -> absl::StatusOr<std::unique_ptr<Communicator>> {
     auto c = CreateCpuCommunicator(&store, rank, world, co);
     if (!c.ok()) return c.status();
     return std::move(c->comm);
@@ -238,7 +242,8 @@ int RunWorker(const Flags& f) {
       if (thread->joinable()) thread->join();
     }
   } joiner{&stop_metrics, &heartbeat};
-  // shardopt_zero2[:cap=N][:staging=N][:pieces=0|1][:overlap=0|1]: variants side by side in one run.
+  // shardopt_zero2[:cap=N][:staging=N][:pieces=0|1][:overlap=0|1]: variants side by side in one
+  // run.
   const std::vector<std::string> row_parts = absl::StrSplit(row, ':');
   const bool zero2 = row_parts[0] == "shardopt_zero2";
   int64_t zero2_bucket_cap = f.Int("zero2-bucket-cap", 2 << 20).value_or(2 << 20);
@@ -248,14 +253,17 @@ int RunWorker(const Flags& f) {
   for (size_t i = 1; i < row_parts.size(); ++i) {
     int64_t v = 0;
     const std::string& part = row_parts[i];
-    const bool cap = absl::StartsWith(part, "cap=") && absl::SimpleAtoi(part.substr(4), &v) && v > 0;
-    const bool staging = absl::StartsWith(part, "staging=") && absl::SimpleAtoi(part.substr(8), &v) && v > 0;
+    const bool cap =
+        absl::StartsWith(part, "cap=") && absl::SimpleAtoi(part.substr(4), &v) && v > 0;
+    const bool staging =
+        absl::StartsWith(part, "staging=") && absl::SimpleAtoi(part.substr(8), &v) && v > 0;
     const bool pieces = part == "pieces=0" || part == "pieces=1";
     const bool ovl = part == "overlap=0" || part == "overlap=1";
     if (!zero2 || (!cap && !staging && !pieces && !ovl)) {
-      std::fprintf(stderr,
-                   "bad row '%s' (variants: shardopt_zero2:cap=N:staging=N:pieces=0|1:overlap=0|1)\n",
-                   row.c_str());
+      std::fprintf(
+          stderr,
+          "bad row '%s' (variants: shardopt_zero2:cap=N:staging=N:pieces=0|1:overlap=0|1)\n",
+          row.c_str());
       return 2;
     }
     if (pieces) zero2_pieces = part == "pieces=1";
@@ -321,7 +329,9 @@ int RunWorker(const Flags& f) {
   } else {
     // Every rank starts from rank 0's weights, as DDP does.
     for (auto& p : params) {
-      (void)(*comm)->Broadcast(p.data_ptr(), p.numel(), ElementType::kFloat32, 0)->Wait(absl::Seconds(300));
+      (void)(*comm)
+          ->Broadcast(p.data_ptr(), p.numel(), ElementType::kFloat32, 0)
+          ->Wait(absl::Seconds(300));
     }
     ddp = std::make_unique<DdpGradients>(named, comm->get(), 25 * 1024 * 1024 / 4);
     if (row == "ddp") {
@@ -463,7 +473,8 @@ int RunWorker(const Flags& f) {
   out["optimizer_state_bytes"] = state_bytes;
   out["grad_bytes"] = grad_bytes;
   out["peak_rss_bytes"] = static_cast<int64_t>(ru.ru_maxrss) * 1024;
-  out["bytes_sent_per_step"] = static_cast<double>(after.total_sent() - before.total_sent()) / steps;
+  out["bytes_sent_per_step"] =
+      static_cast<double>(after.total_sent() - before.total_sent()) / steps;
   for (const StepTimes& t : times) {
     out["step_s"].push_back(t.total);
     out["fwd_bwd_s"].push_back(t.fwd_bwd);
@@ -502,14 +513,18 @@ std::vector<nlohmann::json> RunPair(const std::string& self, const std::string& 
   const std::string dir = mkdtemp(tmpl);
   std::vector<pid_t> pids;
   for (int r = 0; r < world; ++r) {
-    std::vector<std::string> args = {self, "--worker", "--rank=" + std::to_string(r),
-                                      "--world=" + std::to_string(world),
-                                      "--row=" + row, "--model=" + model,
-                                      "--steps=" + std::to_string(steps),
-                                      "--warmup=" + std::to_string(warmup), "--store=" + dir,
-                                      absl::StrCat("--zero2-bucket-cap=", zero2_bucket_cap),
-                                      "--transport=" + row_transport,
-                                      absl::StrCat("--out=", dir, "/out", r, ".json")};
+    std::vector<std::string> args = {self,
+                                     "--worker",
+                                     "--rank=" + std::to_string(r),
+                                     "--world=" + std::to_string(world),
+                                     "--row=" + row,
+                                     "--model=" + model,
+                                     "--steps=" + std::to_string(steps),
+                                     "--warmup=" + std::to_string(warmup),
+                                     "--store=" + dir,
+                                     absl::StrCat("--zero2-bucket-cap=", zero2_bucket_cap),
+                                     "--transport=" + row_transport,
+                                     absl::StrCat("--out=", dir, "/out", r, ".json")};
     pid_t pid = fork();
     if (pid == 0) {
       std::vector<char*> argv;
@@ -548,7 +563,8 @@ std::vector<nlohmann::json> RunPair(const std::string& self, const std::string& 
   return out;
 }
 
-constexpr char kUsage[] = R"(usage: bench_oss [--models=mlp,resnet101] [--rows=ddp,ddp_fused,oss_ddp,shardopt]
+constexpr char kUsage[] =
+    R"(usage: bench_oss [--models=mlp,resnet101] [--rows=ddp,ddp_fused,oss_ddp,shardopt]
                  [--rounds=3] [--steps=5] [--warmup=6] [--ranks=2] [--zero2-bucket-cap=N]
                  [--transport=gloo|shm] [--ref=ROW] [--json=PATH] [--png=PATH]
 
@@ -602,15 +618,15 @@ int RunParent(const Flags& f, const std::string& self) {
     }
   }
   if (rounds < 1 || steps < 1 || warmup < 0 || ranks < 1 || ranks > 16 || zero2_cap < 1) {
-    std::fprintf(stderr,
-                 "bench_oss: need --rounds >= 1, --steps >= 1, --warmup >= 0, 1 <= --ranks <= 16\n");
+    std::fprintf(
+        stderr, "bench_oss: need --rounds >= 1, --steps >= 1, --warmup >= 0, 1 <= --ranks <= 16\n");
     return 2;
   }
   std::printf("bench_oss: %d ranks, %s (rows without @TRANSPORT), 1 thread per rank, %s; %s\n",
               ranks, transport == "shm" ? "shared memory" : "Gloo over 127.0.0.1",
               DescribeMallocMode(MallocMode::kTuned).c_str(), DescribeHostAllocator());
-  std::printf("%d rounds x (%d warm-up + %d timed steps) per row, rows interleaved (rotated)\n\n", rounds,
-              warmup, steps);
+  std::printf("%d rounds x (%d warm-up + %d timed steps) per row, rows interleaved (rotated)\n\n",
+              rounds, warmup, steps);
   nlohmann::json all;
   for (const std::string& model : models) {
     std::map<std::string, std::vector<nlohmann::json>> runs;
@@ -665,7 +681,8 @@ int RunParent(const Flags& f, const std::string& self) {
       r["fwd_bwd_s"] = Median(fb);
       r["exposed_comm_s"] = Median(cm);
       r["optimizer_s"] = Median(op);
-      r["minor_faults_per_step_max"] = faults.empty() ? 0.0 : *std::max_element(faults.begin(), faults.end());
+      r["minor_faults_per_step_max"] =
+          faults.empty() ? 0.0 : *std::max_element(faults.begin(), faults.end());
       const size_t at = row.find('@');
       const std::string same_ddp = at == std::string::npos ? "ddp" : "ddp" + row.substr(at);
       if (all[model].contains(same_ddp)) {
@@ -674,10 +691,12 @@ int RunParent(const Flags& f, const std::string& self) {
         r["vs_ddp_same_transport"] = 1.0;
       }
       all[model][row] = r;
-      std::printf("%-30s %11.2f +/- %5.2f %7.3fx %8.0f MiB %8.1f MiB %8.1f MiB %8.1f MiB %8.3f s %8.3f s %8.3f s\n",
-                  row.c_str(), med, StdDev(sps), r["vs_ddp"].get<double>(), Median(rss) / 1048576,
-                  state / 1048576, grads / 1048576, Median(sent) / 1048576, Median(fb), Median(cm),
-                  Median(op));
+      std::printf(
+          "%-30s %11.2f +/- %5.2f %7.3fx %8.0f MiB %8.1f MiB %8.1f MiB %8.1f MiB %8.3f s %8.3f s "
+          "%8.3f s\n",
+          row.c_str(), med, StdDev(sps), r["vs_ddp"].get<double>(), Median(rss) / 1048576,
+          state / 1048576, grads / 1048576, Median(sent) / 1048576, Median(fb), Median(cm),
+          Median(op));
     }
     std::map<std::string, std::vector<double>> round_medians;
     for (const std::string& row : rows) {
@@ -715,10 +734,19 @@ int RunParent(const Flags& f, const std::string& self) {
     std::printf("\n");
     std::fflush(stdout);
   }
-  all["setup"] = {{"ranks", ranks}, {"omp_num_threads", 1}, {"zero2_bucket_cap", zero2_cap}, {"threads_per_rank", 1}, {"transport", transport == "shm" ? "shm (ShmCommunicator); rows @gloo: gloo tcp 127.0.0.1" : "gloo tcp 127.0.0.1; rows @shm: ShmCommunicator"},
-                  {"malloc", DescribeMallocMode(MallocMode::kTuned)},
-                  {"host_allocator", DescribeHostAllocator()}, {"rounds", rounds},
-                  {"steps", steps}, {"warmup", warmup}, {"optimizer", "adam lr 1e-4 fp32"}};
+  all["setup"] = {
+      {"ranks", ranks},
+      {"omp_num_threads", 1},
+      {"zero2_bucket_cap", zero2_cap},
+      {"threads_per_rank", 1},
+      {"transport", transport == "shm" ? "shm (ShmCommunicator); rows @gloo: gloo tcp 127.0.0.1"
+                                       : "gloo tcp 127.0.0.1; rows @shm: ShmCommunicator"},
+      {"malloc", DescribeMallocMode(MallocMode::kTuned)},
+      {"host_allocator", DescribeHostAllocator()},
+      {"rounds", rounds},
+      {"steps", steps},
+      {"warmup", warmup},
+      {"optimizer", "adam lr 1e-4 fp32"}};
   const std::string json = f.Str("json", "");
   if (!json.empty()) {
     std::ofstream(json) << all.dump(2) << "\n";
@@ -730,7 +758,8 @@ int RunParent(const Flags& f, const std::string& self) {
       std::fprintf(stderr, "bench_oss: --png needs --json\n");
       return 2;
     }
-    const std::string cmd = absl::StrCat("/usr/bin/python3 tools/bench/plot_oss.py '", json, "' '", png, "'");
+    const std::string cmd =
+        absl::StrCat("/usr/bin/python3 tools/bench/plot_oss.py '", json, "' '", png, "'");
     if (std::system(cmd.c_str()) != 0) {
       std::fprintf(stderr, "bench_oss: plotting failed (is python3-matplotlib installed?)\n");
       return 1;
@@ -745,9 +774,10 @@ int RunParent(const Flags& f, const std::string& self) {
 
 int main(int argc, char** argv) {
   using namespace shardopt;
-  auto f = Flags::Parse(argc, argv, {"worker", "rank", "world", "row", "model", "steps", "warmup",
-                                     "store", "out", "models", "rows", "rounds", "json", "png", "ranks", "zero2-bucket-cap",
-                                     "transport", "ref", "help"});
+  auto f = Flags::Parse(
+      argc, argv,
+      {"worker", "rank", "world", "row", "model", "steps", "warmup", "store", "out", "models",
+       "rows", "rounds", "json", "png", "ranks", "zero2-bucket-cap", "transport", "ref", "help"});
   if (!f.ok()) {
     std::fprintf(stderr, "bench_oss: %s\n", std::string(f.status().message()).c_str());
     return 2;

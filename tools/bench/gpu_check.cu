@@ -25,13 +25,13 @@ using namespace shardopt::cuda;
 
 namespace {
 
-#define CHECK_CUDA(x)                                                              \
-  do {                                                                             \
-    cudaError_t e_ = (x);                                                          \
-    if (e_ != cudaSuccess) {                                                       \
+#define CHECK_CUDA(x)                                                                         \
+  do {                                                                                        \
+    cudaError_t e_ = (x);                                                                     \
+    if (e_ != cudaSuccess) {                                                                  \
       std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                \
-    }                                                                              \
+      std::exit(1);                                                                           \
+    }                                                                                         \
   } while (0)
 
 AdamArgs MakeAdam(int64_t step, bool adamw) {
@@ -46,7 +46,8 @@ AdamArgs MakeAdam(int64_t step, bool adamw) {
   a.one_minus_beta1 = static_cast<float>(1.0 - b1);
   a.beta2 = static_cast<float>(b2);
   a.one_minus_beta2 = static_cast<float>(1.0 - b2);
-  a.bias_correction2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(b2, static_cast<double>(step))));
+  a.bias_correction2_sqrt =
+      static_cast<float>(std::sqrt(1.0 - std::pow(b2, static_cast<double>(step))));
   a.eps = static_cast<float>(eps);
   a.neg_step_size = static_cast<float>(-(lr / (1.0 - std::pow(b1, static_cast<double>(step)))));
   return a;
@@ -159,7 +160,8 @@ Result CheckCase(const std::vector<int64_t>& sizes, Opt opt, ParamType grad_type
     s.size = n;
     CHECK_CUDA(cudaMemcpy(s.master, p.back().data(), n * 4, cudaMemcpyHostToDevice));
     if (grad_type == ParamType::kFloat32) {
-      CHECK_CUDA(cudaMemcpy(const_cast<void*>(s.grad), g.back().data(), n * 4, cudaMemcpyHostToDevice));
+      CHECK_CUDA(
+          cudaMemcpy(const_cast<void*>(s.grad), g.back().data(), n * 4, cudaMemcpyHostToDevice));
     } else {
       CHECK_CUDA(cudaMemcpy(const_cast<void*>(s.grad), g16.data(), n * 2, cudaMemcpyHostToDevice));
     }
@@ -179,7 +181,8 @@ Result CheckCase(const std::vector<int64_t>& sizes, Opt opt, ParamType grad_type
     } else {
       const SgdArgs a = MakeSgd(step, opt == Opt::kSgdNesterov);
       rc = impl::Sgd(a, dev.data(), static_cast<int>(dev.size()), nullptr, err, sizeof(err));
-      for (size_t i = 0; i < sizes.size(); ++i) ReferenceSgd(a, p[i].data(), g[i].data(), m[i].data(), sizes[i]);
+      for (size_t i = 0; i < sizes.size(); ++i)
+        ReferenceSgd(a, p[i].data(), g[i].data(), m[i].data(), sizes[i]);
     }
     if (rc != 0) return {"", false, err};
   }
@@ -217,7 +220,8 @@ Result CheckCase(const std::vector<int64_t>& sizes, Opt opt, ParamType grad_type
     for (int64_t k = 0; k < n && ok; ++k) {
       if (model[k] != To16(p[i][k], model_type)) {
         ok = false;
-        detail = "16-bit model copy differs at size " + std::to_string(n) + " element " + std::to_string(k);
+        detail = "16-bit model copy differs at size " + std::to_string(n) + " element " +
+                 std::to_string(k);
       }
     }
   }
@@ -244,7 +248,7 @@ double TimeIt(const std::function<void()>& fn, int reps) {
 int main(int argc, char** argv) {
   std::string json = "gpu_check.json";
   int64_t bench_n = int64_t{1} << 27;  // 134M fp32 parameters
-  int64_t big = 600000000;              // one slice of 2.4 GB per array
+  int64_t big = 600000000;             // one slice of 2.4 GB per array
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a.rfind("--json=", 0) == 0) json = a.substr(7);
@@ -264,14 +268,17 @@ int main(int argc, char** argv) {
   std::printf("gpu_check: %s (sm_%d%d, %.0f GiB)\n", prop.name, prop.major, prop.minor,
               prop.totalGlobalMem / 1073741824.0);
   std::vector<Result> results;
-  const std::vector<int64_t> sizes = {0, 1, 3, 7, 8, 15, 16, 1023, 16383, 16384, 16385, 65537, 1000003, 1 << 20};
+  const std::vector<int64_t> sizes = {0,    1,     3,     7,     8,     15,      16,
+                                      1023, 16383, 16384, 16385, 65537, 1000003, 1 << 20};
   auto add = [&](const std::string& name, Result r) {
     r.name = name;
-    std::printf("  %-34s %s\n", name.c_str(), r.ok ? "ok (bitwise equal)" : ("FAILED: " + r.detail).c_str());
+    std::printf("  %-34s %s\n", name.c_str(),
+                r.ok ? "ok (bitwise equal)" : ("FAILED: " + r.detail).c_str());
     std::fflush(stdout);
     results.push_back(r);
   };
-  const ParamType kF32 = ParamType::kFloat32, kBf16 = ParamType::kBFloat16, kF16 = ParamType::kFloat16;
+  const ParamType kF32 = ParamType::kFloat32, kBf16 = ParamType::kBFloat16,
+                  kF16 = ParamType::kFloat16;
   add("adam_fp32", CheckCase(sizes, Opt::kAdam, kF32, false, kF32, 5));
   add("adamw_fp32", CheckCase(sizes, Opt::kAdamW, kF32, false, kF32, 5));
   add("adam_fp32_model_copy", CheckCase(sizes, Opt::kAdam, kF32, true, kF32, 3));
@@ -288,7 +295,8 @@ int main(int argc, char** argv) {
     for (int i = 0; i < 100; ++i) many.push_back(1 + (i * 7919) % 40000);
     add("adam_100_slices", CheckCase(many, Opt::kAdam, kF32, true, kBf16, 3));
   }
-  if (big > 0) add("adam_over_2GiB_per_array", CheckCase({big, 3}, Opt::kAdam, kF32, true, kBf16, 2));
+  if (big > 0)
+    add("adam_over_2GiB_per_array", CheckCase({big, 3}, Opt::kAdam, kF32, true, kBf16, 2));
   bool all_ok = true;
   for (const Result& r : results) all_ok &= r.ok;
   // Benchmark: Adam on bench_n fp32 parameters vs a device-to-device copy of
@@ -350,15 +358,19 @@ int main(int argc, char** argv) {
   sm.model_type = ParamType::kBFloat16;
   const std::vector<DeviceSlice> mixed = {sm};
   void *src, *dst;
-  const size_t copy_bytes = 14 * static_cast<size_t>(bench_n);  // 28 bytes/param moved, half each way
+  const size_t copy_bytes =
+      14 * static_cast<size_t>(bench_n);  // 28 bytes/param moved, half each way
   CHECK_CUDA(cudaMalloc(&src, copy_bytes));
   CHECK_CUDA(cudaMalloc(&dst, copy_bytes));
   CHECK_CUDA(cudaMemset(src, 0, copy_bytes));
   double t_adam = 1e30, t_same = 1e30, t_copy = 1e30, t_many = 1e30, t_mixed = 1e30, t_mis = 1e30;
   for (int round = 0; round < 3; ++round) {  // interleaved rounds, best of each
     t_adam = std::min(t_adam, TimeIt([&] { adam(one); }, reps));
-    t_same = std::min(t_same, TimeIt([&] { impl::SameTraffic(&s, 1, nullptr, err, sizeof(err)); }, reps));
-    t_copy = std::min(t_copy, TimeIt([&] { cudaMemcpyAsync(dst, src, copy_bytes, cudaMemcpyDeviceToDevice); }, reps));
+    t_same = std::min(t_same,
+                      TimeIt([&] { impl::SameTraffic(&s, 1, nullptr, err, sizeof(err)); }, reps));
+    t_copy = std::min(
+        t_copy,
+        TimeIt([&] { cudaMemcpyAsync(dst, src, copy_bytes, cudaMemcpyDeviceToDevice); }, reps));
     t_many = std::min(t_many, TimeIt([&] { adam(many); }, reps));
     t_mixed = std::min(t_mixed, TimeIt([&] { adam(mixed); }, reps));
     t_mis = std::min(t_mis, TimeIt([&] { adam(many_misaligned); }, reps));
@@ -370,22 +382,27 @@ int main(int argc, char** argv) {
   const double many_gbps = 28.0 * bench_n / t_many / 1e9;
   const double mixed_gbps = 30.0 * bench_n / t_mixed / 1e9;
   const double mis_gbps = 28.0 * bench_n / t_mis / 1e9;
-  std::printf("  Adam on %lld fp32 params: %.3f ms, %.0f GB/s; same-traffic kernel %.0f GB/s; d2d copy %.0f GB/s; "
-              "adam_copy_fraction %.3f\n",
-              static_cast<long long>(bench_n), t_adam * 1e3, adam_gbps, same_gbps, copy_gbps,
-              adam_gbps / copy_gbps);
-  std::printf("  Adam over %zu aligned slices: %.0f GB/s; over %zu misaligned slices (scalar path): %.0f GB/s; "
-              "one slice with a bf16 model copy: %.0f GB/s\n",
-              many.size(), many_gbps, many_misaligned.size(), mis_gbps, mixed_gbps);
-  std::fprintf(out,
-               "{\"device\": \"%s\", \"devices\": %d, \"correctness_ok\": %s, \"bench_params\": %lld, "
-               "\"adam_ms\": %.4f, \"adam_gbps\": %.2f, \"same_traffic_gbps\": %.2f, "
-               "\"d2d_copy_gbps\": %.2f, \"adam_copy_fraction\": %.4f, \"adam_multi_slice_count\": %zu, "
-               "\"adam_multi_slice_gbps\": %.2f, \"adam_misaligned_multi_slice_gbps\": %.2f, "
-               "\"adam_bf16_model_gbps\": %.2f, \"cases\": [",
-               prop.name, devices, all_ok ? "true" : "false", static_cast<long long>(bench_n),
-               t_adam * 1e3, adam_gbps, same_gbps, copy_gbps, adam_gbps / copy_gbps, many.size(),
-               many_gbps, mis_gbps, mixed_gbps);
+  std::printf(
+      "  Adam on %lld fp32 params: %.3f ms, %.0f GB/s; same-traffic kernel %.0f GB/s; d2d copy "
+      "%.0f GB/s; "
+      "adam_copy_fraction %.3f\n",
+      static_cast<long long>(bench_n), t_adam * 1e3, adam_gbps, same_gbps, copy_gbps,
+      adam_gbps / copy_gbps);
+  std::printf(
+      "  Adam over %zu aligned slices: %.0f GB/s; over %zu misaligned slices (scalar path): %.0f "
+      "GB/s; "
+      "one slice with a bf16 model copy: %.0f GB/s\n",
+      many.size(), many_gbps, many_misaligned.size(), mis_gbps, mixed_gbps);
+  std::fprintf(
+      out,
+      "{\"device\": \"%s\", \"devices\": %d, \"correctness_ok\": %s, \"bench_params\": %lld, "
+      "\"adam_ms\": %.4f, \"adam_gbps\": %.2f, \"same_traffic_gbps\": %.2f, "
+      "\"d2d_copy_gbps\": %.2f, \"adam_copy_fraction\": %.4f, \"adam_multi_slice_count\": %zu, "
+      "\"adam_multi_slice_gbps\": %.2f, \"adam_misaligned_multi_slice_gbps\": %.2f, "
+      "\"adam_bf16_model_gbps\": %.2f, \"cases\": [",
+      prop.name, devices, all_ok ? "true" : "false", static_cast<long long>(bench_n), t_adam * 1e3,
+      adam_gbps, same_gbps, copy_gbps, adam_gbps / copy_gbps, many.size(), many_gbps, mis_gbps,
+      mixed_gbps);
   for (size_t i = 0; i < results.size(); ++i) {
     std::fprintf(out, "%s{\"name\": \"%s\", \"ok\": %s}", i ? ", " : "", results[i].name.c_str(),
                  results[i].ok ? "true" : "false");

@@ -86,9 +86,9 @@ absl::StatusOr<Flags> Flags::Parse(int argc, char** argv, const std::vector<std:
     }
     auto it = f.values_.find(name);
     if (it != f.values_.end() && it->second != value) {
-      return absl::InvalidArgumentError(absl::StrCat("--", name, " given twice with different values ('",
-                                                     absl::CEscape(it->second), "' and '",
-                                                     absl::CEscape(value), "')"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("--", name, " given twice with different values ('",
+                       absl::CEscape(it->second), "' and '", absl::CEscape(value), "')"));
     }
     f.values_[name] = value;
   }
@@ -103,7 +103,8 @@ std::string Flags::Str(const std::string& name, const std::string& def) const {
 absl::StatusOr<std::string> Flags::NonEmpty(const std::string& name, const std::string& def) const {
   auto it = values_.find(name);
   if (it == values_.end()) return def;
-  if (it->second.empty()) return absl::InvalidArgumentError(absl::StrCat("--", name, " needs a non-empty value"));
+  if (it->second.empty())
+    return absl::InvalidArgumentError(absl::StrCat("--", name, " needs a non-empty value"));
   return it->second;
 }
 
@@ -114,8 +115,8 @@ absl::StatusOr<std::string> Flags::Choice(const std::string& name, const std::st
   for (const auto& c : choices) {
     if (c == it->second) return c;
   }
-  return absl::InvalidArgumentError(absl::StrCat("--", name, " must be one of ",
-                                                 absl::StrJoin(choices, " | "), ", ", Got(it->second)));
+  return absl::InvalidArgumentError(absl::StrCat(
+      "--", name, " must be one of ", absl::StrJoin(choices, " | "), ", ", Got(it->second)));
 }
 
 absl::StatusOr<int64_t> Flags::Int(const std::string& name, int64_t def, int64_t min,
@@ -124,8 +125,8 @@ absl::StatusOr<int64_t> Flags::Int(const std::string& name, int64_t def, int64_t
   if (it == values_.end()) return def;
   int64_t v;
   if (!ParseInt(it->second, &v) || v < min || v > max) {
-    return absl::InvalidArgumentError(absl::StrCat("--", name, " must be an integer in [", min, ", ",
-                                                   max, "], ", Got(it->second)));
+    return absl::InvalidArgumentError(absl::StrCat("--", name, " must be an integer in [", min,
+                                                   ", ", max, "], ", Got(it->second)));
   }
   return v;
 }
@@ -149,9 +150,9 @@ absl::StatusOr<double> Flags::PositiveFloat(const std::string& name, double def)
   if (it == values_.end()) return def;
   double v;
   if (!ParseDouble(it->second, &v) || !std::isfinite(v) || v < FLT_MIN || v > FLT_MAX) {
-    return absl::InvalidArgumentError(absl::StrCat("--", name, " must be a positive number that a float holds, in [",
-                                                   Num(FLT_MIN), ", ", Num(FLT_MAX), "], ",
-                                                   Got(it->second)));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--", name, " must be a positive number that a float holds, in [",
+                     Num(FLT_MIN), ", ", Num(FLT_MAX), "], ", Got(it->second)));
   }
   return v;
 }
@@ -195,7 +196,8 @@ absl::StatusOr<int64_t> Flags::Int(const std::string& name, int64_t def) const {
   if (it == values_.end()) return def;
   int64_t v;
   if (!ParseInt(it->second, &v)) {
-    return absl::InvalidArgumentError(absl::StrCat("--", name, " must be an integer, ", Got(it->second)));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--", name, " must be an integer, ", Got(it->second)));
   }
   return v;
 }
@@ -205,7 +207,8 @@ absl::StatusOr<double> Flags::Double(const std::string& name, double def) const 
   if (it == values_.end()) return def;
   double v;
   if (!ParseDouble(it->second, &v) || !std::isfinite(v)) {
-    return absl::InvalidArgumentError(absl::StrCat("--", name, " must be a finite number, ", Got(it->second)));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--", name, " must be a finite number, ", Got(it->second)));
   }
   return v;
 }
@@ -215,9 +218,8 @@ absl::StatusOr<int64_t> EnvInt(const char* name, int64_t def, int64_t min, int64
   if (e == nullptr) return def;
   int64_t v;
   if (!ParseInt(e, &v) || v < min || v > max) {
-    return absl::InvalidArgumentError(absl::StrCat("environment variable ", name,
-                                                   " must be an integer in [", min, ", ", max, "], ",
-                                                   Got(e)));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "environment variable ", name, " must be an integer in [", min, ", ", max, "], ", Got(e)));
   }
   return v;
 }
@@ -227,7 +229,8 @@ absl::StatusOr<std::string> ReadTokenFile(const std::string& path) {
   if (!read.ok()) return absl::NotFoundError(absl::StrCat("cannot read token file '", path, "'"));
   std::string t = *read;
   while (!t.empty() && (t.back() == '\n' || t.back() == '\r' || t.back() == ' ')) t.pop_back();
-  if (t.empty()) return absl::InvalidArgumentError(absl::StrCat("token file '", path, "' is empty"));
+  if (t.empty())
+    return absl::InvalidArgumentError(absl::StrCat("token file '", path, "' is empty"));
   return t;
 }
 

@@ -117,9 +117,10 @@ absl::Status CheckFlags(const Flags& f) {
   check(f.Choice("format", "safetensors", {"safetensors", "torch"}).status());
   check(f.Choice("optimizer", "adam", {"adam", "adamw", "sgd"}).status());
   check(f.Seconds("interval", 1, kMinTopInterval, kMaxTopInterval).status());  // top
-  check(f.Bool("once", false).status());                                      // top
+  check(f.Bool("once", false).status());                                       // top
   check(f.Int("rank", -1, 0, (1 << 20) - 1).status());
-  for (const char* name : {"coordinator", "token-file", "tls-ca", "tls-cert", "tls-key", "params"}) {
+  for (const char* name :
+       {"coordinator", "token-file", "tls-ca", "tls-cert", "tls-key", "params"}) {
     check(f.NonEmpty(name, "").status());
   }
   return bad;
@@ -157,7 +158,8 @@ int FlightRecorderCommand(CoordinatorClient& client, bool json, int64_t only_ran
   if (!f.ok()) return unreachable(f.status());
   if (only_rank >= 0) {
     if (only_rank >= f->records_size()) {
-      return Fail(absl::StrCat("--rank=", only_rank, ": the job has ", f->records_size(), " ranks"));
+      return Fail(
+          absl::StrCat("--rank=", only_rank, ": the job has ", f->records_size(), " ranks"));
     }
     v1::FlightRecord keep = f->records(static_cast<int>(only_rank));
     f->clear_records();
@@ -173,9 +175,10 @@ int FlightRecorderCommand(CoordinatorClient& client, bool json, int64_t only_ran
     }
     const int n = r.records_size();
     const int first = std::max(0, n - kShown);
-    std::printf("\nrank %d: %d collectives in its ring%s%s\n", r.rank(), n,
-                n > kShown ? absl::StrCat(", the last ", kShown, " shown (--json: all)").c_str() : "",
-                r.reason().empty() ? "" : absl::StrCat("; reported when it failed: ", r.reason()).c_str());
+    std::printf(
+        "\nrank %d: %d collectives in its ring%s%s\n", r.rank(), n,
+        n > kShown ? absl::StrCat(", the last ", kShown, " shown (--json: all)").c_str() : "",
+        r.reason().empty() ? "" : absl::StrCat("; reported when it failed: ", r.reason()).c_str());
     if (n == 0) continue;
     std::printf("%10s %8s  %-15s %6s %12s %12s %10s  %s\n", "seq", "step", "op", "bucket", "bytes",
                 "started", "took", "state");
@@ -183,12 +186,14 @@ int FlightRecorderCommand(CoordinatorClient& client, bool json, int64_t only_ran
       const v1::CollectiveRecord& c = r.records(i);
       const double ago = r.captured_unix() - c.start_unix();
       const double took = (c.end_unix() > 0 ? c.end_unix() : r.captured_unix()) - c.start_unix();
-      std::printf("%10lld %8lld  %-15s %6s %12s %12s %10s  %s\n", static_cast<long long>(c.seq()),
-                  static_cast<long long>(c.step()), c.op().c_str(),
-                  c.bucket() < 0 ? "-" : absl::StrCat(c.bucket()).c_str(), Bytes(c.bytes()).c_str(),
-                  absl::StrFormat("%.3f s ago", ago).c_str(),
-                  (c.end_unix() > 0 ? absl::StrFormat("%.4f s", took) : absl::StrFormat("%.1f s+", took)).c_str(),
-                  c.state().c_str());
+      std::printf(
+          "%10lld %8lld  %-15s %6s %12s %12s %10s  %s\n", static_cast<long long>(c.seq()),
+          static_cast<long long>(c.step()), c.op().c_str(),
+          c.bucket() < 0 ? "-" : absl::StrCat(c.bucket()).c_str(), Bytes(c.bytes()).c_str(),
+          absl::StrFormat("%.3f s ago", ago).c_str(),
+          (c.end_unix() > 0 ? absl::StrFormat("%.4f s", took) : absl::StrFormat("%.1f s+", took))
+              .c_str(),
+          c.state().c_str());
     }
   }
   return 0;
@@ -199,14 +204,18 @@ int CheckpointCommand(const std::vector<std::string>& args, const Flags& flags) 
   FileSystem* fs = PosixFileSystem();
   const std::string& cmd = args[0];
   if (cmd == "import") {
-    if (args.size() != 3) return Fail("usage: shardctl import OPT.pt OUTDIR [--params=MODEL.pt] [--optimizer=adam]");
+    if (args.size() != 3)
+      return Fail("usage: shardctl import OPT.pt OUTDIR [--params=MODEL.pt] [--optimizer=adam]");
     const std::string k = flags.Str("optimizer", "adam");
-    OptimizerKind kind = k == "sgd" ? OptimizerKind::kSgd : k == "adamw" ? OptimizerKind::kAdamW : OptimizerKind::kAdam;
-    if (k != "sgd" && k != "adamw" && k != "adam") return Fail("--optimizer must be adam, adamw or sgd");
+    OptimizerKind kind = k == "sgd"     ? OptimizerKind::kSgd
+                         : k == "adamw" ? OptimizerKind::kAdamW
+                                        : OptimizerKind::kAdam;
+    if (k != "sgd" && k != "adamw" && k != "adam")
+      return Fail("--optimizer must be adam, adamw or sgd");
     absl::Status s = ImportTorch(args[1], flags.Str("params", ""), kind, args[2]);
     if (!s.ok()) return Fail(std::string(s.message()));
-    std::printf("imported %s into %s (resume with --resume=%s at any world size)\n", args[1].c_str(),
-                args[2].c_str(), args[2].c_str());
+    std::printf("imported %s into %s (resume with --resume=%s at any world size)\n",
+                args[1].c_str(), args[2].c_str(), args[2].c_str());
     return 0;
   }
   if (cmd == "checkpoints") {
@@ -224,18 +233,24 @@ int CheckpointCommand(const std::vector<std::string>& args, const Flags& flags) 
     }
     std::sort(steps.begin(), steps.end());
     nlohmann::json out = nlohmann::json::array();
-    if (!json) std::printf("%-14s %8s %6s %12s  %s\n", "checkpoint", "step", "ranks", "size", "status");
+    if (!json)
+      std::printf("%-14s %8s %6s %12s  %s\n", "checkpoint", "step", "ranks", "size", "status");
     for (const auto& [step, name] : steps) {
       const std::string dir = args[1] + "/" + name;
       auto m = fs->Kind(dir) == EntryKind::kDirectory
                    ? ReadManifest(fs, dir)
                    : absl::StatusOr<Manifest>(absl::FailedPreconditionError("not a directory"));
-      std::string status = m.ok() ? "complete" : absl::StrCat("incomplete (", m.status().message(), ")");
+      std::string status =
+          m.ok() ? "complete" : absl::StrCat("incomplete (", m.status().message(), ")");
       const int64_t bytes = m.ok() ? m->total_file_bytes() : 0;
       if (m.ok() && latest.ok() && *latest == dir) status += ", LATEST";
       const int ranks = m.ok() ? m->world_size : 0;
-      out.push_back({{"name", name}, {"step", step}, {"world_size", ranks}, {"bytes", bytes},
-                     {"complete", m.ok()}, {"status", status}});
+      out.push_back({{"name", name},
+                     {"step", step},
+                     {"world_size", ranks},
+                     {"bytes", bytes},
+                     {"complete", m.ok()},
+                     {"status", status}});
       if (!json) {
         std::printf("%-14s %8lld %6d %12s  %s\n", name.c_str(), static_cast<long long>(step), ranks,
                     Bytes(bytes).c_str(), status.c_str());
@@ -251,9 +266,10 @@ int CheckpointCommand(const std::vector<std::string>& args, const Flags& flags) 
     auto m = ReadManifest(fs, *dir);
     if (!m.ok()) return Fail(std::string(m.status().message()));
     absl::Status v = VerifyCheckpoint(fs, *dir);
-    const std::string verdict = !v.ok()            ? std::string(v.message())
-                                : m->self_checked ? "every CRC matches (manifest and shards)"
-                                                   : "every shard CRC matches (a v1 manifest has no CRC of its own)";
+    const std::string verdict =
+        !v.ok()           ? std::string(v.message())
+        : m->self_checked ? "every CRC matches (manifest and shards)"
+                          : "every shard CRC matches (a v1 manifest has no CRC of its own)";
     if (json) {
       nlohmann::json out;
       out["path"] = *dir;
@@ -265,24 +281,28 @@ int CheckpointCommand(const std::vector<std::string>& args, const Flags& flags) 
       out["states"] = m->states;
       out["params"] = nlohmann::json::array();
       for (const auto& p : m->params) {
-        out["params"].push_back({{"name", p.name}, {"shape", p.shape}, {"dtype", DTypeName(p.dtype)},
+        out["params"].push_back({{"name", p.name},
+                                 {"shape", p.shape},
+                                 {"dtype", DTypeName(p.dtype)},
                                  {"trainable", p.trainable}});
       }
       out["pieces"] = m->pieces.size();
       out["files"] = nlohmann::json::array();
-      for (const auto& f : m->files) out["files"].push_back({{"name", f.name}, {"bytes", f.bytes}, {"crc32c", f.crc32c}});
+      for (const auto& f : m->files)
+        out["files"].push_back({{"name", f.name}, {"bytes", f.bytes}, {"crc32c", f.crc32c}});
       out["user_metadata"] = m->user_metadata;
       out["verified"] = v.ok();
       if (!v.ok()) out["error"] = std::string(v.message());
       std::printf("%s\n", out.dump(1).c_str());
     } else {
-      std::printf("checkpoint %s\n  step %lld, saved by %d ranks, optimizer %s, layout %s\n", dir->c_str(),
-                  static_cast<long long>(m->step), m->world_size, SavedOptimizerJson(m->optimizer).c_str(),
-                  m->layout_hash.c_str());
+      std::printf("checkpoint %s\n  step %lld, saved by %d ranks, optimizer %s, layout %s\n",
+                  dir->c_str(), static_cast<long long>(m->step), m->world_size,
+                  SavedOptimizerJson(m->optimizer).c_str(), m->layout_hash.c_str());
       std::printf("  %zu parameters, %zu pieces, states %s\n", m->params.size(), m->pieces.size(),
                   nlohmann::json(m->states).dump().c_str());
       for (const auto& f : m->files) {
-        std::printf("  %-28s %12s  crc32c %08x\n", f.name.c_str(), Bytes(f.bytes).c_str(), f.crc32c);
+        std::printf("  %-28s %12s  crc32c %08x\n", f.name.c_str(), Bytes(f.bytes).c_str(),
+                    f.crc32c);
       }
       if (!m->user_metadata.empty()) {
         std::printf("  user metadata %s\n", nlohmann::json(m->user_metadata).dump().c_str());
@@ -292,7 +312,8 @@ int CheckpointCommand(const std::vector<std::string>& args, const Flags& flags) 
     return v.ok() ? 0 : 1;
   }
   // consolidate
-  if (args.size() != 3) return Fail("usage: shardctl consolidate CKPT OUT [--format=safetensors|torch]");
+  if (args.size() != 3)
+    return Fail("usage: shardctl consolidate CKPT OUT [--format=safetensors|torch]");
   auto dir = ResolveCheckpoint(fs, args[1]);
   if (!dir.ok()) return Fail(std::string(dir.status().message()));
   const std::string format = flags.Str("format", "safetensors");
@@ -311,8 +332,8 @@ int CheckpointCommand(const std::vector<std::string>& args, const Flags& flags) 
     const int pct = total > 0 ? static_cast<int>(100 * done / total) : 100;
     if (pct != last_pct) {
       last_pct = pct;
-      std::fprintf(stderr, "\r[%-40s] %3d%%  %s / %s", std::string(pct * 40 / 100, '#').c_str(), pct,
-                   Bytes(done).c_str(), Bytes(total).c_str());
+      std::fprintf(stderr, "\r[%-40s] %3d%%  %s / %s", std::string(pct * 40 / 100, '#').c_str(),
+                   pct, Bytes(done).c_str(), Bytes(total).c_str());
     }
   });
   std::fprintf(stderr, "\n");
@@ -339,7 +360,7 @@ volatile sig_atomic_t g_top_raw = 0;     // the terminal is ours to restore
 volatile sig_atomic_t g_top_signal = 0;  // SIGINT, SIGTERM, SIGHUP or SIGQUIT received
 volatile sig_atomic_t g_top_winch = 0;
 volatile sig_atomic_t g_top_tstp = 0;
-int g_top_wake[2] = {-1, -1};            // self-pipe: signals and new data wake the loop
+int g_top_wake[2] = {-1, -1};  // self-pipe: signals and new data wake the loop
 
 void TopWake() {
   if (g_top_wake[1] >= 0) {
@@ -411,7 +432,8 @@ class TopTerminal {
     Handle(SIGQUIT, TopOnQuitSignal, 0);
     Handle(SIGWINCH, TopOnWinch, SA_RESTART);
     Handle(SIGTSTP, TopOnTstp, SA_RESTART);
-    for (int sig : {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT}) Handle(sig, TopOnFatal, SA_RESETHAND);
+    for (int sig : {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT})
+      Handle(sig, TopOnFatal, SA_RESETHAND);
     return EnterRaw();
   }
 
@@ -464,7 +486,8 @@ class TopPoller {
     int64_t fetches = 0;
   };
 
-  TopPoller(CoordinatorClient* client, absl::Duration interval) : client_(client), interval_(interval) {
+  TopPoller(CoordinatorClient* client, absl::Duration interval)
+      : client_(client), interval_(interval) {
     thread_ = std::thread([this] { Run(); });
   }
   ~TopPoller() {
@@ -527,12 +550,15 @@ class TopPoller {
 // The status line of a live frame: "" while the coordinator answers. What
 // matters comes first (the line is cut to the width): who, that it retries,
 // how old the data on screen is, then the error itself.
-std::string TopStatusLine(const TopPoller::Snapshot& s, const std::string& address, absl::Duration interval) {
+std::string TopStatusLine(const TopPoller::Snapshot& s, const std::string& address,
+                          absl::Duration interval) {
   if (s.fetches == 0) return absl::StrCat("connecting to the coordinator at ", address, " ...");
   if (s.error.ok()) return "";
-  std::string line = absl::StrFormat("error from %s, retrying every %gs", address, absl::ToDoubleSeconds(interval));
+  std::string line = absl::StrFormat("error from %s, retrying every %gs", address,
+                                     absl::ToDoubleSeconds(interval));
   if (s.job) {
-    absl::StrAppend(&line, absl::StrFormat(" (data from %.0fs ago)", absl::ToDoubleSeconds(absl::Now() - s.job_time)));
+    absl::StrAppend(&line, absl::StrFormat(" (data from %.0fs ago)",
+                                           absl::ToDoubleSeconds(absl::Now() - s.job_time)));
   }
   return absl::StrCat(line, ": ", s.error.message());
 }
@@ -542,8 +568,10 @@ std::string TopStatusLine(const TopPoller::Snapshot& s, const std::string& addre
 // blanked. Nothing is written past the last row (that would scroll).
 std::string TopScreen(const std::vector<std::string>& lines, int height) {
   std::string out;
-  for (size_t i = 0; i < lines.size(); ++i) absl::StrAppend(&out, "\x1b[", i + 1, ";1H\x1b[2K", lines[i]);
-  if (static_cast<int>(lines.size()) < height) absl::StrAppend(&out, "\x1b[", lines.size() + 1, ";1H\x1b[J");
+  for (size_t i = 0; i < lines.size(); ++i)
+    absl::StrAppend(&out, "\x1b[", i + 1, ";1H\x1b[2K", lines[i]);
+  if (static_cast<int>(lines.size()) < height)
+    absl::StrAppend(&out, "\x1b[", lines.size() + 1, ";1H\x1b[J");
   return out;
 }
 
@@ -563,7 +591,8 @@ int TopLive(CoordinatorClient* client, const std::string& address, absl::Duratio
   }
   const char* no_color = std::getenv("NO_COLOR");
   const char* term_name = std::getenv("TERM");
-  const bool highlight = !(no_color && *no_color) && !(term_name && std::string(term_name) == "dumb");
+  const bool highlight =
+      !(no_color && *no_color) && !(term_name && std::string(term_name) == "dumb");
   int code = 0;
   bool joined = true;
   std::string error;  // printed once the terminal is back
@@ -643,10 +672,13 @@ int TopLive(CoordinatorClient* client, const std::string& address, absl::Duratio
 
 int TopCommand(CoordinatorClient* client, const std::string& address, const Flags& flags) {
   if (flags.positional().size() != 1) {
-    return Fail(absl::StrCat("top takes no argument, got '", flags.positional()[1], "' (see --help)"));
+    return Fail(
+        absl::StrCat("top takes no argument, got '", flags.positional()[1], "' (see --help)"));
   }
-  if (*flags.Bool("json", false)) return Fail("top has no --json output (use shardctl status --json)");
-  const absl::Duration interval = *flags.Seconds("interval", 1, kMinTopInterval, kMaxTopInterval);  // checked
+  if (*flags.Bool("json", false))
+    return Fail("top has no --json output (use shardctl status --json)");
+  const absl::Duration interval =
+      *flags.Seconds("interval", 1, kMinTopInterval, kMaxTopInterval);  // checked
   if (!*flags.Bool("once", false)) return TopLive(client, address, interval);
   // One frame, plain text, no terminal control: for scripts.
   auto job = client->GetJob();
@@ -659,10 +691,11 @@ int TopCommand(CoordinatorClient* client, const std::string& address, const Flag
 }
 
 int Main(int argc, char** argv) {
-  auto flags = Flags::Parse(argc, argv, {"coordinator", "token-file", "json", "wait", "rate", "duration",
-                                         "tls-ca", "tls-cert", "tls-key", "format", "params",
-                                         "optimizer", "rank", "interval", "once", "help"},
-                                {"help", "json", "once"});
+  auto flags = Flags::Parse(
+      argc, argv,
+      {"coordinator", "token-file", "json", "wait", "rate", "duration", "tls-ca", "tls-cert",
+       "tls-key", "format", "params", "optimizer", "rank", "interval", "once", "help"},
+      {"help", "json", "once"});
   if (!flags.ok()) return Fail(std::string(flags.status().message()));
   if (absl::Status s = CheckFlags(*flags); !s.ok() && !flags->Has("help")) {
     return Fail(std::string(s.message()));
@@ -672,8 +705,7 @@ int Main(int argc, char** argv) {
     return flags->Has("help") ? 0 : 2;
   }
   const std::string& first = flags->positional()[0];
-  if (first == "checkpoints" || first == "inspect" || first == "consolidate" ||
-      first == "import") {
+  if (first == "checkpoints" || first == "inspect" || first == "consolidate" || first == "import") {
     return CheckpointCommand(flags->positional(), *flags);
   }
   const char* env = std::getenv("SHARDOPT_COORDINATOR");
@@ -700,9 +732,11 @@ int Main(int argc, char** argv) {
   CoordinatorClient client(address, token, *creds);
   const std::string cmd = flags->positional()[0];
   const size_t nargs = flags->positional().size();
-  if ((cmd == "status" || cmd == "layout" || cmd == "memory" || cmd == "health" || cmd == "checkpoint" ||
-       cmd == "load") && nargs != 1) {
-    return Fail(absl::StrCat(cmd, " takes no argument, got '", flags->positional()[1], "' (see --help)"));
+  if ((cmd == "status" || cmd == "layout" || cmd == "memory" || cmd == "health" ||
+       cmd == "checkpoint" || cmd == "load") &&
+      nargs != 1) {
+    return Fail(
+        absl::StrCat(cmd, " takes no argument, got '", flags->positional()[1], "' (see --help)"));
   }
   if (cmd == "top") return TopCommand(&client, address, *flags);
   if (cmd == "abort" && nargs > 2) {
@@ -728,9 +762,8 @@ int Main(int argc, char** argv) {
     // The ranks' learning rate; a requested one they have not applied yet
     // (compared as the float they train with) is shown beside it.
     std::string lr = absl::StrFormat("%g", job->learning_rate());
-    if (job->requested_learning_rate() > 0 &&
-        static_cast<float>(job->requested_learning_rate()) !=
-            static_cast<float>(job->learning_rate())) {
+    if (job->requested_learning_rate() > 0 && static_cast<float>(job->requested_learning_rate()) !=
+                                                  static_cast<float>(job->learning_rate())) {
       lr += absl::StrFormat(" (%g requested)", job->requested_learning_rate());
     }
     std::printf("job %s: %s, %d ranks, step %lld, lr %s, layout %016llx\n", job->job_id().c_str(),
@@ -746,7 +779,8 @@ int Main(int argc, char** argv) {
                   r.seconds_since_heartbeat() < 0
                       ? "-"
                       : absl::StrFormat("%.1fs ago%s", r.seconds_since_heartbeat(),
-                                        r.alive() ? "" : " DEAD").c_str());
+                                        r.alive() ? "" : " DEAD")
+                            .c_str());
     }
     return job->state() == "failed" ? 1 : 0;
   }
@@ -754,12 +788,12 @@ int Main(int argc, char** argv) {
     auto l = client.GetLayout();
     if (!l.ok()) return unreachable(l.status());
     if (json) return PrintJson(*l);
-    std::printf("layout %016llx: %d ranks, %zu buckets, %lld elements, padding %lld, imbalance "
-                "%.5f, %d cut tensors\n",
-                static_cast<unsigned long long>(l->layout_hash()), l->world_size(),
-                static_cast<size_t>(l->bucket_capacity_size()),
-                static_cast<long long>(l->num_elements()),
-                static_cast<long long>(l->padding_elements()), l->imbalance(), l->cut_tensors());
+    std::printf(
+        "layout %016llx: %d ranks, %zu buckets, %lld elements, padding %lld, imbalance "
+        "%.5f, %d cut tensors\n",
+        static_cast<unsigned long long>(l->layout_hash()), l->world_size(),
+        static_cast<size_t>(l->bucket_capacity_size()), static_cast<long long>(l->num_elements()),
+        static_cast<long long>(l->padding_elements()), l->imbalance(), l->cut_tensors());
     std::printf("%6s %5s %12s %12s  %s\n", "bucket", "rank", "elements", "capacity", "parameters");
     for (const auto& row : l->ranges()) {
       std::string params = absl::StrJoin(row.params(), ", ");
@@ -810,10 +844,11 @@ int Main(int argc, char** argv) {
   if (cmd == "set-lr") {
     if (flags->positional().size() != 2) return Fail("usage: shardctl set-lr VALUE");
     double lr = 0;
-    if (!absl::SimpleAtod(flags->positional()[1], &lr) || !std::isfinite(lr) || lr < FLT_MIN || lr > FLT_MAX) {
-      return Fail(absl::StrCat("set-lr: the learning rate must be a positive number that a float holds, in [",
-                               absl::StrFormat("%g, %g", FLT_MIN, FLT_MAX), "], got '",
-                               flags->positional()[1], "'"));
+    if (!absl::SimpleAtod(flags->positional()[1], &lr) || !std::isfinite(lr) || lr < FLT_MIN ||
+        lr > FLT_MAX) {
+      return Fail(absl::StrCat(
+          "set-lr: the learning rate must be a positive number that a float holds, in [",
+          absl::StrFormat("%g, %g", FLT_MIN, FLT_MAX), "], got '", flags->positional()[1], "'"));
     }
     auto v = client.SetLearningRate(lr);
     if (!v.ok() && v.status().code() == absl::StatusCode::kInvalidArgument) {
@@ -828,8 +863,10 @@ int Main(int argc, char** argv) {
   if (cmd == "checkpoint") {
     auto r = client.RequestCheckpoint();
     if (!r.ok()) return unreachable(r.status());
-    std::printf("checkpoint requested (request %lld); every rank saves at the same next step "
-                "boundary\n", static_cast<long long>(*r));
+    std::printf(
+        "checkpoint requested (request %lld); every rank saves at the same next step "
+        "boundary\n",
+        static_cast<long long>(*r));
     return 0;
   }
   if (cmd == "abort") {
@@ -841,7 +878,8 @@ int Main(int argc, char** argv) {
   }
   if (cmd == "flight-recorder") {
     if (nargs != 1) return Fail("flight-recorder takes no argument (see --help)");
-    return FlightRecorderCommand(client, json, *flags->Int("rank", -1, 0, (1 << 20) - 1), unreachable);
+    return FlightRecorderCommand(client, json, *flags->Int("rank", -1, 0, (1 << 20) - 1),
+                                 unreachable);
   }
   if (cmd == "load") {
     auto rate = flags->Double("rate", 50);
@@ -871,11 +909,15 @@ int Main(int argc, char** argv) {
       ms.push_back(absl::ToDoubleMilliseconds(absl::Now() - t0));
     }
     std::sort(ms.begin(), ms.end());
-    auto pct = [&](double p) { return ms.empty() ? 0 : ms[static_cast<size_t>(p * (ms.size() - 1))]; };
-    std::printf("%zu answered queries in %.1f s (%d errors): latency p50 %.2f ms, p90 %.2f ms, p99 %.2f ms, "
-                "max %.2f ms\n",
-                ms.size(), absl::ToDoubleSeconds(absl::Now() - start), errors, pct(0.5), pct(0.9),
-                pct(0.99), ms.empty() ? 0 : ms.back());
+    auto pct = [&](double p) {
+      return ms.empty() ? 0 : ms[static_cast<size_t>(p * (ms.size() - 1))];
+    };
+    std::printf(
+        "%zu answered queries in %.1f s (%d errors): latency p50 %.2f ms, p90 %.2f ms, p99 %.2f "
+        "ms, "
+        "max %.2f ms\n",
+        ms.size(), absl::ToDoubleSeconds(absl::Now() - start), errors, pct(0.5), pct(0.9),
+        pct(0.99), ms.empty() ? 0 : ms.back());
     return ms.empty() ? 1 : 0;
   }
   return Fail(absl::StrCat("unknown command '", cmd, "' (see --help)"));

@@ -155,7 +155,6 @@ std::string EnvStr(const char* name, const std::string& def) {
   return v == nullptr ? def : std::string(v);
 }
 
-
 // Every flag and environment variable, checked.
 struct Config {
   int world = 1, rank = 0;
@@ -167,7 +166,8 @@ struct Config {
   double lr = 0, clip = 0;
   bool has_lr = false, has_batch = false, overlap = true, shard_gradients = false;
   absl::Duration collective_timeout;
-  int64_t stall_rank = -1, stall_step = -1, nan_rank = -1, nan_step = -1, slow_rank = -1, slow_ms = 0;
+  int64_t stall_rank = -1, stall_step = -1, nan_rank = -1, nan_step = -1, slow_rank = -1,
+          slow_ms = 0;
   MallocMode malloc_mode;
 };
 
@@ -184,22 +184,23 @@ absl::Status ReadConfig(const Flags& flags, Config* c) {
   c->batch_flag = Take(flags.Int("batch", 0, 1, kMaxBatch), &bad);
   c->has_batch = flags.Has("batch");
   c->clip = Take(flags.Double("clip", 0, 0, kMaxClip), &bad);
-  c->shard_gradients =
-      Take(flags.Choice("shard-gradients", "off", {"on", "off"}), &bad) == "on";
-  c->bucket_cap = Take(flags.Int("bucket-cap", c->shard_gradients ? 2 * 1024 * 1024 : 25 * 1024 * 1024 / 4,
-                                 1, kMaxBucketCap),
-                       &bad);
+  c->shard_gradients = Take(flags.Choice("shard-gradients", "off", {"on", "off"}), &bad) == "on";
+  c->bucket_cap =
+      Take(flags.Int("bucket-cap", c->shard_gradients ? 2 * 1024 * 1024 : 25 * 1024 * 1024 / 4, 1,
+                     kMaxBucketCap),
+           &bad);
   c->threads = Take(flags.Int("threads", 1, 1, kMaxThreads), &bad);
   const std::string malloc_flag = Take(flags.Choice("malloc", "tuned", {"tuned", "default"}), &bad);
   c->overlap = Take(flags.Choice("overlap", "on", {"on", "off"}), &bad) == "on";
   c->coordinator = Take(flags.NonEmpty("coordinator", EnvStr("SHARDOPT_COORDINATOR", "")), &bad);
   c->job_id = Take(flags.NonEmpty("job-id", EnvStr("SHARDOPT_JOB_ID", "job")), &bad);
-  const std::string token_file = Take(flags.NonEmpty("token-file", EnvStr("SHARDOPT_TOKEN_FILE", "")), &bad);
+  const std::string token_file =
+      Take(flags.NonEmpty("token-file", EnvStr("SHARDOPT_TOKEN_FILE", "")), &bad);
   c->bind = Take(flags.NonEmpty("bind", "127.0.0.1"), &bad);
   {
-    auto t = ParseCpuTransport(Take(flags.Choice("transport", EnvStr("SHARDOPT_TRANSPORT", "auto"),
-                                                 {"auto", "gloo", "shm"}),
-                                    &bad));
+    auto t = ParseCpuTransport(Take(
+        flags.Choice("transport", EnvStr("SHARDOPT_TRANSPORT", "auto"), {"auto", "gloo", "shm"}),
+        &bad));
     if (t.ok()) {
       c->transport = *t;
     } else if (bad.ok()) {
@@ -209,12 +210,14 @@ absl::Status ReadConfig(const Flags& flags, Config* c) {
   c->tls.ca_file = Take(flags.NonEmpty("tls-ca", EnvStr("SHARDOPT_TLS_CA", "")), &bad);
   c->tls.cert_file = Take(flags.NonEmpty("tls-cert", EnvStr("SHARDOPT_TLS_CERT", "")), &bad);
   c->tls.key_file = Take(flags.NonEmpty("tls-key", EnvStr("SHARDOPT_TLS_KEY", "")), &bad);
-  c->log_every = Take(flags.Int("log-every", std::max<int64_t>(1, c->steps / 10), 1, kMaxSteps), &bad);
+  c->log_every =
+      Take(flags.Int("log-every", std::max<int64_t>(1, c->steps / 10), 1, kMaxSteps), &bad);
   c->ckpt_dir = Take(flags.NonEmpty("ckpt-dir", ""), &bad);
   c->ckpt_every = Take(flags.Int("ckpt-every", 0, 0, kMaxSteps), &bad);
   c->ckpt_keep = Take(flags.Int("ckpt-keep", 0, 0, kMaxCkptKeep), &bad);
   c->resume = Take(flags.NonEmpty("resume", ""), &bad);
-  c->collective_timeout = Take(flags.Seconds("collective-timeout", 120, 0.1, kMaxTimeoutSeconds), &bad);
+  c->collective_timeout =
+      Take(flags.Seconds("collective-timeout", 120, 0.1, kMaxTimeoutSeconds), &bad);
   c->stall_rank = Take(flags.Int("debug-stall-rank", -1, -1, c->world - 1), &bad);
   c->stall_step = Take(flags.Int("debug-stall-step", -1, -1, kMaxSteps), &bad);
   c->nan_rank = Take(flags.Int("debug-nan-rank", -1, -1, c->world - 1), &bad);
@@ -226,7 +229,8 @@ absl::Status ReadConfig(const Flags& flags, Config* c) {
     return absl::InvalidArgumentError("--ckpt-every and --ckpt-keep need --ckpt-dir");
   }
   if (c->coordinator.empty()) {
-    return absl::InvalidArgumentError("no coordinator: run under shardrun, or pass --coordinator=HOST:PORT");
+    return absl::InvalidArgumentError(
+        "no coordinator: run under shardrun, or pass --coordinator=HOST:PORT");
   }
   if (!token_file.empty()) {
     auto t = ReadTokenFile(token_file);
@@ -241,11 +245,37 @@ absl::Status ReadConfig(const Flags& flags, Config* c) {
 // replaced by its default).
 int ParseConfig(int argc, char** argv, Config* c) {
   auto flags = Flags::Parse(argc, argv,
-                            {"model", "steps", "lr", "optimizer", "batch", "clip", "bucket-cap",
-                             "threads", "malloc", "overlap", "shard-gradients", "coordinator", "job-id", "token-file", "bind", "transport",
-                             "log-every", "tls-ca", "tls-cert", "tls-key", "ckpt-dir", "ckpt-every",
-                             "resume", "ckpt-keep", "collective-timeout", "debug-stall-rank", "debug-stall-step",
-                             "debug-nan-rank", "debug-nan-step", "debug-slow-rank", "debug-slow-ms",
+                            {"model",
+                             "steps",
+                             "lr",
+                             "optimizer",
+                             "batch",
+                             "clip",
+                             "bucket-cap",
+                             "threads",
+                             "malloc",
+                             "overlap",
+                             "shard-gradients",
+                             "coordinator",
+                             "job-id",
+                             "token-file",
+                             "bind",
+                             "transport",
+                             "log-every",
+                             "tls-ca",
+                             "tls-cert",
+                             "tls-key",
+                             "ckpt-dir",
+                             "ckpt-every",
+                             "resume",
+                             "ckpt-keep",
+                             "collective-timeout",
+                             "debug-stall-rank",
+                             "debug-stall-step",
+                             "debug-nan-rank",
+                             "debug-nan-step",
+                             "debug-slow-rank",
+                             "debug-slow-ms",
                              "help"});
   if (!flags.ok()) return UsageError(flags.status().message());
   if (flags->Has("help")) {
@@ -255,7 +285,8 @@ int ParseConfig(int argc, char** argv, Config* c) {
   if (!flags->positional().empty() || !flags->rest().empty()) {
     const std::string& extra =
         flags->positional().empty() ? flags->rest().front() : flags->positional().front();
-    return UsageError(absl::StrCat("unexpected argument '", extra, "' (flags are --name=value; see --help)"));
+    return UsageError(
+        absl::StrCat("unexpected argument '", extra, "' (flags are --name=value; see --help)"));
   }
   if (absl::Status s = ReadConfig(*flags, c); !s.ok()) return UsageError(s.message());
   return -1;
@@ -312,7 +343,7 @@ absl::StatusOr<std::unique_ptr<Communicator>> Connect(const Config& c, Coordinat
   if (!comm.ok()) return comm.status();
   if (c.rank == 0 && c.world > 1) {
     std::printf("shardopt_train: transport %s%s\n", CpuTransportName(comm->transport),
-                c.transport != CpuTransport::kAuto ? ""
+                c.transport != CpuTransport::kAuto      ? ""
                 : comm->transport == CpuTransport::kShm ? " (auto: every rank on this host)"
                 : !comm->fallback_reason.empty()
                     ? absl::StrCat(" (auto: ", comm->fallback_reason, ")").c_str()
@@ -338,26 +369,28 @@ absl::StatusOr<int64_t> Resume(const Config& c, ShardedOptimizer* o) {
   if (c.rank == 0) {
     const std::string by = m->world_size > 0 ? absl::StrCat("saved by ", m->world_size, " ranks")
                                              : std::string("consolidated");
-    std::printf("resumed from %s (%s, %s) at step %lld, %s\n", m->path.c_str(), m->format.c_str(), by.c_str(),
-                static_cast<long long>(m->step), lr_note.c_str());
+    std::printf("resumed from %s (%s, %s) at step %lld, %s\n", m->path.c_str(), m->format.c_str(),
+                by.c_str(), static_cast<long long>(m->step), lr_note.c_str());
   }
   return m->step;
 }
 
 // Rank 0's progress line after step `step` of `steps`.
-void PrintProgress(int64_t step, int64_t steps, double loss, double grad_norm, double samples_per_s) {
+void PrintProgress(int64_t step, int64_t steps, double loss, double grad_norm,
+                   double samples_per_s) {
   const int width = 20;
   const int filled = static_cast<int>(width * step / steps);
   std::printf("[%s%s] step %lld/%lld  loss %.5f  grad-norm %.4f  %.1f samples/s/rank\n",
               std::string(filled, '#').c_str(), std::string(width - filled, '.').c_str(),
-              static_cast<long long>(step), static_cast<long long>(steps), loss, grad_norm, samples_per_s);
+              static_cast<long long>(step), static_cast<long long>(steps), loss, grad_norm,
+              samples_per_s);
   std::fflush(stdout);
 }
 
 // The training loop: steps [first_step, c.steps). Returns -1 when every step
 // ran, else the exit status (the agent has reported the failure).
-int TrainLoop(const Config& c, TrainModel& model, int64_t batch, ShardedOptimizer* o, RankAgent* agent,
-              int64_t first_step) {
+int TrainLoop(const Config& c, TrainModel& model, int64_t batch, ShardedOptimizer* o,
+              RankAgent* agent, int64_t first_step) {
   auto t_window = std::chrono::steady_clock::now();
   int64_t window_steps = 0;
   for (int64_t step = first_step; step < c.steps; ++step) {
@@ -405,14 +438,15 @@ int TrainLoop(const Config& c, TrainModel& model, int64_t batch, ShardedOptimize
     if (!std::isfinite(r->grad_norm)) {
       // The norm is global: every rank stops here, at the same step, before
       // anything is checkpointed.
-      return agent->Fail(absl::StrCat("non-finite gradient norm (", Num(r->grad_norm), ") at step ", step + 1,
-                                      " (loss ", Num(l), "); stopping (lower --lr)"));
+      return agent->Fail(absl::StrCat("non-finite gradient norm (", Num(r->grad_norm), ") at step ",
+                                      step + 1, " (loss ", Num(l), "); stopping (lower --lr)"));
     }
     if (agreed->nonfinite_rank >= 0) {
-      return agent->Fail(!std::isfinite(l)
-                             ? absl::StrCat("non-finite loss (", Num(l), ") at step ", step + 1, "; stopping (lower --lr)")
-                             : absl::StrCat("rank ", agreed->nonfinite_rank, " had a non-finite loss at step ",
-                                            step + 1, "; stopping"));
+      return agent->Fail(!std::isfinite(l) ? absl::StrCat("non-finite loss (", Num(l), ") at step ",
+                                                          step + 1, "; stopping (lower --lr)")
+                                           : absl::StrCat("rank ", agreed->nonfinite_rank,
+                                                          " had a non-finite loss at step ",
+                                                          step + 1, "; stopping"));
     }
     agent->FinishStep(step + 1, *r, l);
     ++window_steps;
@@ -420,7 +454,8 @@ int TrainLoop(const Config& c, TrainModel& model, int64_t batch, ShardedOptimize
     const double secs = std::chrono::duration<double>(now - t_window).count();
     double sps = 0;
     if (secs > 0) agent->SetSamplesPerSecond(sps = window_steps * batch / secs);
-    const bool periodic = !c.ckpt_dir.empty() && c.ckpt_every > 0 && (step + 1) % c.ckpt_every == 0 && step + 1 < c.steps;
+    const bool periodic = !c.ckpt_dir.empty() && c.ckpt_every > 0 &&
+                          (step + 1) % c.ckpt_every == 0 && step + 1 < c.steps;
     if (agreed->checkpoint || periodic) {
       if (absl::Status s = agent->CheckpointDuringTraining(step + 1); !s.ok()) {
         return agent->Fail(std::string(s.message()));
@@ -436,22 +471,25 @@ int TrainLoop(const Config& c, TrainModel& model, int64_t batch, ShardedOptimize
 }
 
 // After the last step: the final checkpoint, Finish, and rank 0's summary.
-int Conclude(const Config& c, ShardedOptimizer* o, RankAgent* agent, int64_t first_step, double seconds) {
+int Conclude(const Config& c, ShardedOptimizer* o, RankAgent* agent, int64_t first_step,
+             double seconds) {
   if (!c.ckpt_dir.empty() && first_step < c.steps) {
     CheckpointOutcome sv = agent->Checkpoint(c.steps);
     if (!sv.status.ok()) {
-      return agent->Fail(sv.committed ? std::string(sv.status.message())
-                                      : absl::StrCat(sv.status.message(), "; the final state is not saved"));
+      return agent->Fail(sv.committed
+                             ? std::string(sv.status.message())
+                             : absl::StrCat(sv.status.message(), "; the final state is not saved"));
     }
   }
   agent->Finish();
   if (c.rank == 0) {
     MemoryReport m = o->memory();
-    std::printf("done: %lld steps in %.1f s; rank 0 holds optimizer state %.1f MiB (of %.1f MiB "
-                "for the whole model), layout %016llx\n",
-                static_cast<long long>(c.steps - first_step), seconds, m.state_bytes / 1048576.0,
-                m.param_bytes / 1048576.0 * (o->options().kind == OptimizerKind::kSgd ? 1 : 2),
-                static_cast<unsigned long long>(o->layout().hash()));
+    std::printf(
+        "done: %lld steps in %.1f s; rank 0 holds optimizer state %.1f MiB (of %.1f MiB "
+        "for the whole model), layout %016llx\n",
+        static_cast<long long>(c.steps - first_step), seconds, m.state_bytes / 1048576.0,
+        m.param_bytes / 1048576.0 * (o->options().kind == OptimizerKind::kSgd ? 1 : 2),
+        static_cast<unsigned long long>(o->layout().hash()));
   }
   return 0;
 }
@@ -478,12 +516,12 @@ int Main(int argc, char** argv) {
   const int64_t batch = c.has_batch ? c.batch_flag : (*model)->batch_per_rank();
   const ShardedOptimizerOptions opt = OptimizerOptions(c);
   if (c.rank == 0) {
-    std::printf("shardopt_train: %d ranks, model %s, %s lr %g, batch %lld/rank, %lld steps; %s%s%s\n",
-                c.world, (*model)->name().c_str(), c.kind.c_str(), c.lr,
-                static_cast<long long>(batch), static_cast<long long>(c.steps),
-                DescribeMallocMode(c.malloc_mode).c_str(),
-                c.malloc_mode == MallocMode::kTuned ? "; " : "",
-                c.malloc_mode == MallocMode::kTuned ? DescribeHostAllocator() : "");
+    std::printf(
+        "shardopt_train: %d ranks, model %s, %s lr %g, batch %lld/rank, %lld steps; %s%s%s\n",
+        c.world, (*model)->name().c_str(), c.kind.c_str(), c.lr, static_cast<long long>(batch),
+        static_cast<long long>(c.steps), DescribeMallocMode(c.malloc_mode).c_str(),
+        c.malloc_mode == MallocMode::kTuned ? "; " : "",
+        c.malloc_mode == MallocMode::kTuned ? DescribeHostAllocator() : "");
     std::fflush(stdout);
   }
   auto creds = MakeChannelCredentials(c.tls);
@@ -511,14 +549,16 @@ int Main(int argc, char** argv) {
   if (!c.resume.empty()) {
     auto resumed = Resume(c, o);
     if (!resumed.ok()) {
-      return (*agent)->Fail(absl::StrCat("cannot resume: ", resumed.status().ToString()), resumed.status().ToString());
+      return (*agent)->Fail(absl::StrCat("cannot resume: ", resumed.status().ToString()),
+                            resumed.status().ToString());
     }
     first_step = *resumed;
     (*agent)->Resumed(first_step);
   }
   const auto t_start = std::chrono::steady_clock::now();
   if (int rc = TrainLoop(c, **model, batch, o, agent->get(), first_step); rc >= 0) return rc;
-  const double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
+  const double total =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
   return Conclude(c, o, agent->get(), first_step, total);
 }
 

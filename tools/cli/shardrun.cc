@@ -172,25 +172,28 @@ absl::StatusOr<int> MasterPort(Coordinator* own, const std::string& address,
   }
   int port = 0;
   if (!absl::SimpleAtoi(*v, &port) || port <= 0 || port > 65535) {
-    return absl::DataLossError(absl::StrCat("the coordinator's MASTER_PORT '", *v, "' is not a port"));
+    return absl::DataLossError(
+        absl::StrCat("the coordinator's MASTER_PORT '", *v, "' is not a port"));
   }
   return port;
 }
 
 int Main(int argc, char** argv) {
-  auto flags = Flags::Parse(argc, argv,
-                            {"nproc", "nnodes", "node-rank", "coordinator", "bind", "port",
-                             "port-file", "job-id", "token-file", "heartbeat-timeout", "tls-cert",
-                             "tls-key", "tls-client-ca", "metrics-port", "metrics-port-file",
-                             "slow-factor", "slow-windows", "slow-window", "master-port", "help"});
+  auto flags = Flags::Parse(
+      argc, argv,
+      {"nproc",       "nnodes",       "node-rank",     "coordinator",  "bind",
+       "port",        "port-file",    "job-id",        "token-file",   "heartbeat-timeout",
+       "tls-cert",    "tls-key",      "tls-client-ca", "metrics-port", "metrics-port-file",
+       "slow-factor", "slow-windows", "slow-window",   "master-port",  "help"});
   if (!flags.ok()) return Fail(std::string(flags.status().message()));
   if (flags->Has("help")) {
     std::printf("%s", kUsage);
     return 0;
   }
   if (!flags->positional().empty()) {
-    return Fail(absl::StrCat("unexpected argument '", flags->positional().front(),
-                             "' (the program goes after --: shardrun --nproc N -- PROGRAM ARGS...)"));
+    return Fail(
+        absl::StrCat("unexpected argument '", flags->positional().front(),
+                     "' (the program goes after --: shardrun --nproc N -- PROGRAM ARGS...)"));
   }
   // Every flag is checked before anything starts; a bad value is refused by
   // name, never replaced by its default.
@@ -225,10 +228,11 @@ int Main(int argc, char** argv) {
   }
   if (!coordinator_flag->empty()) {
     // Metrics and slow ranks are the coordinator's: node 0's shardrun.
-    for (const char* f : {"metrics-port", "metrics-port-file", "slow-factor", "slow-windows",
-                          "slow-window"}) {
+    for (const char* f :
+         {"metrics-port", "metrics-port-file", "slow-factor", "slow-windows", "slow-window"}) {
       if (flags->Has(f)) {
-        return Fail(absl::StrCat("--", f, " applies to the shardrun that runs the coordinator "
+        return Fail(absl::StrCat("--", f,
+                                 " applies to the shardrun that runs the coordinator "
                                  "(node 0), not with --coordinator"));
       }
     }
@@ -299,7 +303,8 @@ int Main(int argc, char** argv) {
     }
     std::printf("shardrun: coordinator listening on %s (job %s, %d ranks)\n", address.c_str(),
                 job_id.c_str(), world);
-    if (metrics) std::printf("shardrun: metrics on http://%s/metrics\n", metrics->address().c_str());
+    if (metrics)
+      std::printf("shardrun: metrics on http://%s/metrics\n", metrics->address().c_str());
     std::fflush(stdout);
     // Written whole or not at all (a temporary file renamed).
     auto write_address = [](const std::string& path, const std::string& value,
@@ -344,10 +349,10 @@ int Main(int argc, char** argv) {
     int fds[2];
     if (pipe(fds) != 0) return Fail("pipe() failed");
     std::vector<std::string> env = {
-        absl::StrCat("RANK=", c.rank), absl::StrCat("WORLD_SIZE=", world),
+        absl::StrCat("RANK=", c.rank),      absl::StrCat("WORLD_SIZE=", world),
         absl::StrCat("LOCAL_RANK=", local), absl::StrCat("LOCAL_WORLD_SIZE=", *nproc),
-        "MASTER_ADDR=" + master_addr, "MASTER_PORT=" + master_port,
-        "SHARDOPT_COORDINATOR=" + address, "SHARDOPT_JOB_ID=" + job_id};
+        "MASTER_ADDR=" + master_addr,       "MASTER_PORT=" + master_port,
+        "SHARDOPT_COORDINATOR=" + address,  "SHARDOPT_JOB_ID=" + job_id};
     if (!token_file.empty()) env.push_back("SHARDOPT_TOKEN_FILE=" + token_file);
     if (!tls_cert->empty()) {  // the ranks' shard-owner services use TLS as the coordinator does
       env.push_back("SHARDOPT_OWNER_TLS_CERT=" + *tls_cert);
@@ -408,14 +413,16 @@ int Main(int argc, char** argv) {
         --remaining;
         const bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
         if (!ok && !stopping) {
-          std::string why = WIFEXITED(status)
-                                ? absl::StrCat("rank ", c.rank, " exited with status ", WEXITSTATUS(status))
-                                : absl::StrCat("rank ", c.rank, " was killed by signal ", WTERMSIG(status));
+          std::string why =
+              WIFEXITED(status)
+                  ? absl::StrCat("rank ", c.rank, " exited with status ", WEXITSTATUS(status))
+                  : absl::StrCat("rank ", c.rank, " was killed by signal ", WTERMSIG(status));
           // A rank that exits with an error has usually told the coordinator
           // why first (a non-finite loss, a failed checkpoint): say that.
           if (coordinator && WIFEXITED(status)) {
             JobStatus j = coordinator->GetJob();
-            if (j.state == JobState::kFailed && !j.failure.empty()) why = absl::StrCat(j.failure, " (", why, ")");
+            if (j.state == JobState::kFailed && !j.failure.empty())
+              why = absl::StrCat(j.failure, " (", why, ")");
           }
           stop_all(why, false, AbortCause::kRankExit);
         }

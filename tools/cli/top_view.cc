@@ -42,28 +42,29 @@ bool Dead(const v1::GetJobResponse& job, const v1::RankStatus& r) {
 
 int64_t MemoryBytes(const v1::RankMetrics& m) {
   if (m.rss_bytes() > 0) return m.rss_bytes();
-  const int64_t roles = std::max<int64_t>(0, m.master_bytes()) + std::max<int64_t>(0, m.state_bytes()) +
-                        std::max<int64_t>(0, m.grad_bytes()) + std::max<int64_t>(0, m.param_bytes());
+  const int64_t roles =
+      std::max<int64_t>(0, m.master_bytes()) + std::max<int64_t>(0, m.state_bytes()) +
+      std::max<int64_t>(0, m.grad_bytes()) + std::max<int64_t>(0, m.param_bytes());
   return roles;
 }
 
 // "%c%5s %8s %7s %7s %9s %7s %7s %9s %7s  %s": marker, rank, step, step time
 // p50 and max, samples/s, exposed communication, optimizer update, memory,
 // heartbeat age, note.
-std::string Row(char marker, const std::string& rank, const std::string& step, const std::string& p50,
-                const std::string& max, const std::string& sps, const std::string& comm,
-                const std::string& optim, const std::string& mem, const std::string& hb,
-                const std::string& note) {
-  std::string line = absl::StrFormat("%c%4s %7s %6s %6s %7s %6s %6s %9s %6s", marker, rank, step, p50, max,
-                                     sps, comm, optim, mem, hb);
+std::string Row(char marker, const std::string& rank, const std::string& step,
+                const std::string& p50, const std::string& max, const std::string& sps,
+                const std::string& comm, const std::string& optim, const std::string& mem,
+                const std::string& hb, const std::string& note) {
+  std::string line = absl::StrFormat("%c%4s %7s %6s %6s %7s %6s %6s %9s %6s", marker, rank, step,
+                                     p50, max, sps, comm, optim, mem, hb);
   if (!note.empty()) absl::StrAppend(&line, "  ", note);
   return line;
 }
 
 std::string Header(const v1::GetJobResponse& job) {
   std::string lr = Known(job.learning_rate()) ? absl::StrFormat("%g", job.learning_rate()) : "-";
-  if (Known(job.requested_learning_rate()) &&
-      static_cast<float>(job.requested_learning_rate()) != static_cast<float>(job.learning_rate())) {
+  if (Known(job.requested_learning_rate()) && static_cast<float>(job.requested_learning_rate()) !=
+                                                  static_cast<float>(job.learning_rate())) {
     lr += absl::StrFormat(" (%g requested)", job.requested_learning_rate());
   }
   std::set<int> slow(job.slow_ranks().begin(), job.slow_ranks().end());
@@ -72,8 +73,9 @@ std::string Header(const v1::GetJobResponse& job) {
   }
   const std::string job_id = job.job_id().empty() ? "-" : Printable(job.job_id());
   const std::string state = job.state().empty() ? "-" : Printable(job.state());
-  return absl::StrCat("job ", job_id, "  ", state, "  ", job.world_size(), job.world_size() == 1 ? " rank" : " ranks",
-                      "  step ", job.step(), "  lr ", lr, "  up ", TopDuration(job.duration_seconds()),
+  return absl::StrCat("job ", job_id, "  ", state, "  ", job.world_size(),
+                      job.world_size() == 1 ? " rank" : " ranks", "  step ", job.step(), "  lr ",
+                      lr, "  up ", TopDuration(job.duration_seconds()),
                       "  slow ranks: ", slow.empty() ? "none" : absl::StrJoin(slow, ","));
 }
 
@@ -143,19 +145,22 @@ std::vector<std::string> RenderTopView(const v1::GetJobResponse* job, const TopV
     return lines;
   };
   if (job == nullptr) {
-    lines.push_back(Cut(Printable(o.status.empty() ? "waiting for the coordinator" : o.status), o.width));
+    lines.push_back(
+        Cut(Printable(o.status.empty() ? "waiting for the coordinator" : o.status), o.width));
     return finish();
   }
   lines.push_back(Cut(Header(*job), o.width));
-  if (!job->failure().empty()) lines.push_back(Cut("failure: " + Printable(job->failure()), o.width));
+  if (!job->failure().empty())
+    lines.push_back(Cut("failure: " + Printable(job->failure()), o.width));
   if (!o.status.empty()) lines.push_back(Cut(Printable(o.status), o.width));
-  lines.push_back(Cut(Row(' ', "rank", "step", "t p50", "t max", "samp/s", "comm", "optim", "memory",
-                          "hb age", "note"),
+  lines.push_back(Cut(Row(' ', "rank", "step", "t p50", "t max", "samp/s", "comm", "optim",
+                          "memory", "hb age", "note"),
                       o.width));
 
   const int n = job->ranks_size();
   if (n == 0) {
-    lines.push_back(Cut(absl::StrCat("(no rank has joined yet; ", job->world_size(), " expected)"), o.width));
+    lines.push_back(
+        Cut(absl::StrCat("(no rank has joined yet; ", job->world_size(), " expected)"), o.width));
     return finish();
   }
   const int slowest = SlowestRank(*job);
@@ -188,22 +193,25 @@ std::vector<std::string> RenderTopView(const v1::GetJobResponse* job, const TopV
     const v1::RankStatus& r = job->ranks(i);
     std::vector<std::string> notes;
     if (r.rank() == slowest) notes.push_back("slowest");
-    if (r.slow()) notes.push_back(r.slow_reason().empty() ? "SLOW" : "SLOW: " + Printable(r.slow_reason()));
+    if (r.slow())
+      notes.push_back(r.slow_reason().empty() ? "SLOW" : "SLOW: " + Printable(r.slow_reason()));
     if (!Joined(r)) notes.push_back("not joined");
     const char marker = r.rank() == slowest ? '*' : r.slow() ? '!' : ' ';
     std::string line;
     if (!Joined(r)) {
-      line = Row(marker, absl::StrCat(r.rank()), "-", "-", "-", "-", "-", "-", "-", "-", absl::StrJoin(notes, ", "));
+      line = Row(marker, absl::StrCat(r.rank()), "-", "-", "-", "-", "-", "-", "-", "-",
+                 absl::StrJoin(notes, ", "));
     } else {
       const v1::RankMetrics& m = r.metrics();
-      const std::string hb = Dead(*job, r)                     ? "DEAD"
-                             : r.seconds_since_heartbeat() < 0 ? "-"
-                                                               : absl::StrFormat("%.1fs", r.seconds_since_heartbeat());
-      line = Row(marker, absl::StrCat(r.rank()), absl::StrCat(r.step()), TopSeconds(r.step_seconds_p50()),
-                 TopSeconds(r.step_seconds_max()),
+      const std::string hb = Dead(*job, r) ? "DEAD"
+                             : r.seconds_since_heartbeat() < 0
+                                 ? "-"
+                                 : absl::StrFormat("%.1fs", r.seconds_since_heartbeat());
+      line = Row(marker, absl::StrCat(r.rank()), absl::StrCat(r.step()),
+                 TopSeconds(r.step_seconds_p50()), TopSeconds(r.step_seconds_max()),
                  Known(r.samples_per_s()) ? absl::StrFormat("%.1f", r.samples_per_s()) : "-",
-                 TopSeconds(m.comm_wait_seconds()), TopSeconds(m.update_seconds()), TopBytes(MemoryBytes(m)), hb,
-                 absl::StrJoin(notes, ", "));
+                 TopSeconds(m.comm_wait_seconds()), TopSeconds(m.update_seconds()),
+                 TopBytes(MemoryBytes(m)), hb, absl::StrJoin(notes, ", "));
     }
     line = Cut(line, o.width);
     if (o.highlight && r.rank() == slowest) {
@@ -214,7 +222,8 @@ std::vector<std::string> RenderTopView(const v1::GetJobResponse* job, const TopV
   }
   if (static_cast<int>(shown.size()) < n && room >= 1) {
     const int more = n - static_cast<int>(shown.size());
-    lines.push_back(Cut(absl::StrCat("... ", more, more == 1 ? " more rank" : " more ranks"), o.width));
+    lines.push_back(
+        Cut(absl::StrCat("... ", more, more == 1 ? " more rank" : " more ranks"), o.width));
   }
   return finish();
 }

@@ -49,7 +49,8 @@ int SlowestRank(const v1::GetJobResponse& job);
 
 // The frame's lines, without line terminators. `job` may be null (no answer
 // from the coordinator yet): the frame is then the status line alone.
-std::vector<std::string> RenderTopView(const v1::GetJobResponse* job, const TopViewOptions& options);
+std::vector<std::string> RenderTopView(const v1::GetJobResponse* job,
+                                       const TopViewOptions& options);
 
 // Formatting used by the frame (exposed for tests). Each gives "-" for 0,
 // negative or non-finite values (unknown in the protocol).

@@ -27,7 +27,8 @@ double SumOfSquares(int64_t n, Load load) {
     const double v = load(i);
     lanes[0] += v * v;
   }
-  return ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+  return ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) +
+         ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
 }
 
 class CpuKernelBackend : public KernelBackend {

@@ -24,8 +24,7 @@ const char* IsaName(Isa isa) {
 bool IsaSupported(Isa isa) {
   switch (isa) {
     case Isa::kBaseline: return true;
-    case Isa::kAvx2:
-      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    case Isa::kAvx2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
     case Isa::kAvx512:
       return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
              __builtin_cpu_supports("avx512vl");
@@ -124,7 +123,6 @@ absl::Status Run(absl::Span<const UpdateSlice> slices, const KernelOptions& opti
   }
   return absl::OkStatus();
 }
-
 
 }  // namespace
 

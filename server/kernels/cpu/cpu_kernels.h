@@ -37,8 +37,7 @@ struct KernelOptions {
 
 // One step numbered `step` (1 for the first) over all slices. Errors: invalid
 // config, step < 1, malformed slices, unsupported ISA; nothing is modified then.
-absl::Status AdamStep(const AdamConfig& config, int64_t step,
-                      absl::Span<const UpdateSlice> slices,
+absl::Status AdamStep(const AdamConfig& config, int64_t step, absl::Span<const UpdateSlice> slices,
                       const KernelOptions& options = KernelOptions());
 absl::Status SgdStep(const SgdConfig& config, int64_t step, absl::Span<const UpdateSlice> slices,
                      const KernelOptions& options = KernelOptions());

@@ -17,7 +17,8 @@ absl::Status CheckSlices(const std::vector<DeviceSlice>& slices) {
     const DeviceSlice& s = slices[i];
     if (s.size < 0) return absl::InvalidArgumentError(absl::StrCat("slice ", i, ": negative size"));
     if (s.size > 0 && (s.master == nullptr || s.grad == nullptr)) {
-      return absl::InvalidArgumentError(absl::StrCat("slice ", i, ": missing parameter or gradient"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("slice ", i, ": missing parameter or gradient"));
     }
   }
   return absl::OkStatus();
@@ -36,29 +37,37 @@ absl::Status AdamStep(const AdamScalars& k, const std::vector<DeviceSlice>& slic
   }
   const AdamArgs& a = k;
   char err[256] = {0};
-  return ToStatus(impl::Adam(a, slices.data(), static_cast<int>(slices.size()), stream, err, sizeof(err)), err);
+  return ToStatus(
+      impl::Adam(a, slices.data(), static_cast<int>(slices.size()), stream, err, sizeof(err)), err);
 }
 
 absl::Status SgdStep(const SgdScalars& k, const std::vector<DeviceSlice>& slices, void* stream) {
   if (absl::Status s = CheckSlices(slices); !s.ok()) return s;
   const SgdArgs& a = k;
   char err[256] = {0};
-  return ToStatus(impl::Sgd(a, slices.data(), static_cast<int>(slices.size()), stream, err, sizeof(err)), err);
+  return ToStatus(
+      impl::Sgd(a, slices.data(), static_cast<int>(slices.size()), stream, err, sizeof(err)), err);
 }
 
 absl::Status SquaredNorm(const std::vector<DeviceSlice>& slices, double* out, void* stream) {
   char err[256] = {0};
-  return ToStatus(impl::SquaredNorm(slices.data(), static_cast<int>(slices.size()), out, stream, err, sizeof(err)), err);
+  return ToStatus(impl::SquaredNorm(slices.data(), static_cast<int>(slices.size()), out, stream,
+                                    err, sizeof(err)),
+                  err);
 }
 
 absl::Status CheckOverflow(const std::vector<DeviceSlice>& slices, int* flag, void* stream) {
   char err[256] = {0};
-  return ToStatus(impl::CheckOverflow(slices.data(), static_cast<int>(slices.size()), flag, stream, err, sizeof(err)), err);
+  return ToStatus(impl::CheckOverflow(slices.data(), static_cast<int>(slices.size()), flag, stream,
+                                      err, sizeof(err)),
+                  err);
 }
 
 absl::Status SameTraffic(const std::vector<DeviceSlice>& slices, void* stream) {
   char err[256] = {0};
-  return ToStatus(impl::SameTraffic(slices.data(), static_cast<int>(slices.size()), stream, err, sizeof(err)), err);
+  return ToStatus(
+      impl::SameTraffic(slices.data(), static_cast<int>(slices.size()), stream, err, sizeof(err)),
+      err);
 }
 
 }  // namespace cuda

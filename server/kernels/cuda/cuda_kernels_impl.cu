@@ -62,10 +62,8 @@ __device__ __forceinline__ float LoadGrad(const void* g, ParamType t, int64_t i)
   switch (t) {
     case ParamType::kBFloat16:
       return Bf16Bits(static_cast<uint32_t>(static_cast<const uint16_t*>(g)[i]) << 16);
-    case ParamType::kFloat16:
-      return __half2float(static_cast<const __half*>(g)[i]);
-    default:
-      return static_cast<const float*>(g)[i];
+    case ParamType::kFloat16: return __half2float(static_cast<const __half*>(g)[i]);
+    default: return static_cast<const float*>(g)[i];
   }
 }
 
@@ -204,7 +202,8 @@ __global__ void __launch_bounds__(kThreads) UpdateKernel(const __grid_constant__
   });
 }
 
-__global__ void __launch_bounds__(kThreads) SquaredNormKernel(const __grid_constant__ Batch b, double* out) {
+__global__ void __launch_bounds__(kThreads)
+    SquaredNormKernel(const __grid_constant__ Batch b, double* out) {
   __shared__ double partial[kThreads];
   double acc = 0;
   ForEachChunk(b, [&](const DeviceSlice& s, int64_t begin, int64_t len, bool vec) {
@@ -232,7 +231,8 @@ __global__ void __launch_bounds__(kThreads) SquaredNormKernel(const __grid_const
   if (threadIdx.x == 0 && partial[0] != 0.0) atomicAdd(out, partial[0]);
 }
 
-__global__ void __launch_bounds__(kThreads) OverflowKernel(const __grid_constant__ Batch b, int* flag) {
+__global__ void __launch_bounds__(kThreads)
+    OverflowKernel(const __grid_constant__ Batch b, int* flag) {
   bool bad = false;
   ForEachChunk(b, [&](const DeviceSlice& s, int64_t begin, int64_t len, bool vec) {
     int64_t from = begin;
@@ -282,7 +282,8 @@ int GridFor(const void* kernel, char* err, int errlen, int* blocks) {
     e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
     if (e != cudaSuccess) return Fail(e, "cudaDeviceGetAttribute", err, errlen);
     e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0);
-    if (e != cudaSuccess) return Fail(e, "cudaOccupancyMaxActiveBlocksPerMultiprocessor", err, errlen);
+    if (e != cudaSuccess)
+      return Fail(e, "cudaOccupancyMaxActiveBlocksPerMultiprocessor", err, errlen);
     it = cache.emplace(std::make_pair(kernel, device), sms * (per_sm > 0 ? per_sm : 1)).first;
   }
   *blocks = it->second;
@@ -322,9 +323,10 @@ int Run(const void* kernel, const DeviceSlice* slices, int n, void* stream_ptr, 
 template <bool kState0, bool kState1, typename F>
 int RunUpdate(const F& f, const DeviceSlice* slices, int n, void* stream, char* err, int errlen) {
   const void* kernel = reinterpret_cast<const void*>(&UpdateKernel<kState0, kState1, F>);
-  return Run(kernel, slices, n, stream, err, errlen, [&](const Batch& b, int blocks, cudaStream_t st) {
-    UpdateKernel<kState0, kState1, F><<<blocks, kThreads, 0, st>>>(b, f);
-  });
+  return Run(kernel, slices, n, stream, err, errlen,
+             [&](const Batch& b, int blocks, cudaStream_t st) {
+               UpdateKernel<kState0, kState1, F><<<blocks, kThreads, 0, st>>>(b, f);
+             });
 }
 
 }  // namespace
@@ -339,14 +341,16 @@ int DeviceCount() {
 }
 
 int Adam(const AdamArgs& a, const DeviceSlice* slices, int n, void* stream, char* err, int errlen) {
-  if (a.decoupled) return RunUpdate<true, true>(AdamOp<false, true>{a}, slices, n, stream, err, errlen);
+  if (a.decoupled)
+    return RunUpdate<true, true>(AdamOp<false, true>{a}, slices, n, stream, err, errlen);
   if (a.l2) return RunUpdate<true, true>(AdamOp<true, false>{a}, slices, n, stream, err, errlen);
   return RunUpdate<true, true>(AdamOp<false, false>{a}, slices, n, stream, err, errlen);
 }
 
 namespace {
 template <bool kMomentum, bool kFirst, bool kNesterov>
-int SgdWith(const SgdArgs& a, const DeviceSlice* slices, int n, void* stream, char* err, int errlen) {
+int SgdWith(const SgdArgs& a, const DeviceSlice* slices, int n, void* stream, char* err,
+            int errlen) {
   if (a.l2) {
     return RunUpdate<kMomentum, false>(SgdOp<true, kMomentum, kFirst, kNesterov>{a}, slices, n,
                                        stream, err, errlen);
@@ -366,7 +370,8 @@ int Sgd(const SgdArgs& a, const DeviceSlice* slices, int n, void* stream, char* 
                     : SgdWith<true, false, false>(a, slices, n, stream, err, errlen);
 }
 
-int SquaredNorm(const DeviceSlice* slices, int n, double* out, void* stream, char* err, int errlen) {
+int SquaredNorm(const DeviceSlice* slices, int n, double* out, void* stream, char* err,
+                int errlen) {
   cudaError_t e = cudaMemsetAsync(out, 0, sizeof(double), static_cast<cudaStream_t>(stream));
   if (e != cudaSuccess) return Fail(e, "cudaMemsetAsync", err, errlen);
   return Run(reinterpret_cast<const void*>(&SquaredNormKernel), slices, n, stream, err, errlen,
@@ -375,7 +380,8 @@ int SquaredNorm(const DeviceSlice* slices, int n, double* out, void* stream, cha
              });
 }
 
-int CheckOverflow(const DeviceSlice* slices, int n, int* flag, void* stream, char* err, int errlen) {
+int CheckOverflow(const DeviceSlice* slices, int n, int* flag, void* stream, char* err,
+                  int errlen) {
   cudaError_t e = cudaMemsetAsync(flag, 0, sizeof(int), static_cast<cudaStream_t>(stream));
   if (e != cudaSuccess) return Fail(e, "cudaMemsetAsync", err, errlen);
   return Run(reinterpret_cast<const void*>(&OverflowKernel), slices, n, stream, err, errlen,
