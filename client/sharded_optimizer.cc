@@ -93,13 +93,17 @@ std::string DescribeGroups(OptimizerKind kind, const std::vector<HyperParameters
   for (size_t g = 0; g < groups.size(); ++g) {
     const HyperParameters& h = groups[g];
     if (kind == OptimizerKind::kSgd) {
-      absl::StrAppendFormat(&out, "group %d: lr=%.17g momentum=%.17g dampening=%.17g "
-                            "weight_decay=%.17g nesterov=%d\n", g, h.sgd.lr, h.sgd.momentum,
-                            h.sgd.dampening, h.sgd.weight_decay, h.sgd.nesterov ? 1 : 0);
+      absl::StrAppendFormat(&out,
+                            "group %d: lr=%.17g momentum=%.17g dampening=%.17g "
+                            "weight_decay=%.17g nesterov=%d\n",
+                            g, h.sgd.lr, h.sgd.momentum, h.sgd.dampening, h.sgd.weight_decay,
+                            h.sgd.nesterov ? 1 : 0);
     } else {
-      absl::StrAppendFormat(&out, "group %d: lr=%.17g betas=(%.17g, %.17g) eps=%.17g "
-                            "weight_decay=%.17g\n", g, h.adam.lr, h.adam.beta1, h.adam.beta2,
-                            h.adam.eps, h.adam.weight_decay);
+      absl::StrAppendFormat(&out,
+                            "group %d: lr=%.17g betas=(%.17g, %.17g) eps=%.17g "
+                            "weight_decay=%.17g\n",
+                            g, h.adam.lr, h.adam.beta1, h.adam.beta2, h.adam.eps,
+                            h.adam.weight_decay);
     }
   }
   return out;
@@ -135,17 +139,15 @@ std::string FirstDifference(const std::string& theirs, const std::string& mine, 
 }
 
 std::string DescribeModel(const Layout& layout, const ShardedOptimizerOptions& o) {
-  std::string out = absl::StrCat("options optimizer=", OptimizerKindName(o.kind),
-                                 " bucket_cap=", o.plan.bucket_cap_elements,
-                                 " alignment=", o.plan.alignment_elements,
-                                 " allow_cut=", o.plan.allow_cut,
-                                 " grad_comm=", ElementTypeName(o.grad_comm_type),
-                                 " max_grad_norm=", o.max_grad_norm,
-                                 " shard_gradients=", o.shard_gradients, "\n");
+  std::string out = absl::StrCat(
+      "options optimizer=", OptimizerKindName(o.kind), " bucket_cap=", o.plan.bucket_cap_elements,
+      " alignment=", o.plan.alignment_elements, " allow_cut=", o.plan.allow_cut,
+      " grad_comm=", ElementTypeName(o.grad_comm_type), " max_grad_norm=", o.max_grad_norm,
+      " shard_gradients=", o.shard_gradients, "\n");
   absl::StrAppend(&out, "groups ", std::max<size_t>(1, o.groups.size()), "\n");
-  absl::StrAppend(&out, DescribeGroups(o.kind, o.groups.empty()
-                                                   ? std::vector<HyperParameters>{{o.adam, o.sgd}}
-                                                   : o.groups));
+  absl::StrAppend(
+      &out, DescribeGroups(o.kind, o.groups.empty() ? std::vector<HyperParameters>{{o.adam, o.sgd}}
+                                                    : o.groups));
   for (size_t i = 0; i < layout.params().size(); ++i) {
     const ParamSpec& p = layout.params()[i];
     absl::StrAppend(&out, "param ", p.name, "\t", ShapeString(p.shape), " ", DTypeName(p.dtype),
@@ -180,8 +182,7 @@ absl::Status ValidateOptions(ShardedOptimizerOptions& opt, size_t num_params) {
   if (num_params == 0) return absl::InvalidArgumentError("the model has no parameters");
   if (!opt.param_group.empty() && opt.param_group.size() != num_params) {
     return absl::InvalidArgumentError(absl::StrCat("param_group has ", opt.param_group.size(),
-                                                   " entries for ", num_params,
-                                                   " parameters"));
+                                                   " entries for ", num_params, " parameters"));
   }
   return absl::OkStatus();
 }
@@ -202,11 +203,12 @@ absl::StatusOr<std::unique_ptr<ShardedOptimizer>> ShardedOptimizer::Create(
       return absl::InvalidArgumentError(absl::StrCat("parameter '", name, "' is undefined"));
     }
     if (!t.device().is_cpu() && !t.device().is_cuda()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "parameter '", name, "' is on device ", t.device().str(),
-          "; supported: cpu, cuda (all parameters on one device)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("parameter '", name, "' is on device ", t.device().str(),
+                       "; supported: cpu, cuda (all parameters on one device)"));
     }
-    if (t.device().is_cuda() && (opt.kernel_backend == nullptr || !opt.kernel_backend->on_device())) {
+    if (t.device().is_cuda() &&
+        (opt.kernel_backend == nullptr || !opt.kernel_backend->on_device())) {
       return absl::InvalidArgumentError(absl::StrCat(
           "parameter '", name, "' is on ", t.device().str(),
           " but the options name no CUDA kernel backend (link "
@@ -219,12 +221,13 @@ absl::StatusOr<std::unique_ptr<ShardedOptimizer>> ShardedOptimizer::Create(
     }
     if (t.scalar_type() != torch::kFloat && t.scalar_type() != torch::kBFloat16) {
       return absl::InvalidArgumentError(absl::StrCat("parameter '", name, "' has dtype ",
-                                                      c10::toString(t.scalar_type()),
-                                                      "; supported: float32, bfloat16"));
+                                                     c10::toString(t.scalar_type()),
+                                                     "; supported: float32, bfloat16"));
     }
     if (!t.is_contiguous()) {
       return absl::InvalidArgumentError(
-          absl::StrCat("parameter '", name, "' is not contiguous (call .contiguous() on it "
+          absl::StrCat("parameter '", name,
+                       "' is not contiguous (call .contiguous() on it "
                        "before building the optimizer)"));
     }
     ParamSpec s;
@@ -234,10 +237,9 @@ absl::StatusOr<std::unique_ptr<ShardedOptimizer>> ShardedOptimizer::Create(
     s.trainable = t.requires_grad();
     if (s.trainable) {
       if (have_dtype && t.scalar_type() != dtype) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("parameter '", name, "' is ", c10::toString(t.scalar_type()),
-                         " but earlier ones are ", c10::toString(dtype),
-                         "; all trainable parameters must share one dtype"));
+        return absl::InvalidArgumentError(absl::StrCat(
+            "parameter '", name, "' is ", c10::toString(t.scalar_type()), " but earlier ones are ",
+            c10::toString(dtype), "; all trainable parameters must share one dtype"));
       }
       dtype = t.scalar_type();
       have_dtype = true;
@@ -321,21 +323,45 @@ absl::Status ShardedOptimizer::LaunchHyperAgreement() {
   for (int g = 0; g < owner_->num_groups(); ++g) groups.push_back(owner_->group(g));
   hyper_text_ = DescribeGroups(options_.kind, groups);
   const uint64_t h = Fnv1a(hyper_text_);
+  // [hash (3 floats), -hash, which parameters this rank has a gradient for]:
+  // the maximum over ranks shows a difference in the hash, and is 1 for a
+  // parameter some rank has a gradient for.
+  hyper_buf_.assign(6 + local_active_.size(), 0.0f);
   for (int i = 0; i < 3; ++i) {
-    hyper_hash_[i] = static_cast<float>((h >> (21 * i)) & 0x1FFFFF);  // exact in a float
-    hyper_hash_[i + 3] = -hyper_hash_[i];
+    hyper_buf_[i] = static_cast<float>((h >> (21 * i)) & 0x1FFFFF);  // exact in a float
+    hyper_buf_[i + 3] = -hyper_buf_[i];
   }
-  hyper_handle_ = comm_->AllReduce(hyper_hash_, 6, ElementType::kFloat32, ReduceOp::kMax);
+  std::copy(local_active_.begin(), local_active_.end(), hyper_buf_.begin() + 6);
+  if (world_ == 1) {
+    hyper_handle_ = nullptr;
+    ReadActive();
+    return absl::OkStatus();
+  }
+  hyper_handle_ = comm_->AllReduce(hyper_buf_.data(), static_cast<int64_t>(hyper_buf_.size()),
+                                   ElementType::kFloat32, ReduceOp::kMax);
   return absl::OkStatus();
+}
+
+void ShardedOptimizer::ReadActive() {
+  all_active_ = true;
+  active_.assign(local_active_.size(), 0);
+  for (size_t p = 0; p < local_active_.size(); ++p) {
+    active_[p] = hyper_buf_[6 + p] > 0.5f ? 1 : 0;
+    if (active_[p] == 0 && layout_.placement(static_cast<int>(p)).bucket >= 0) all_active_ = false;
+  }
 }
 
 absl::Status ShardedOptimizer::FinishHyperAgreement(int64_t step) {
   if (hyper_handle_ == nullptr) return absl::OkStatus();
   CommHandlePtr handle = std::move(hyper_handle_);
   hyper_handle_ = nullptr;
-  SHARDOPT_RETURN_IF_ERROR(WaitOrAbort(handle, "hyper-parameter agreement", -1));
+  const int64_t t0 = NowNs();
+  absl::Status waited = WaitOrAbort(handle, "hyper-parameter agreement", -1);
+  wait_ns_ += NowNs() - t0;
+  SHARDOPT_RETURN_IF_ERROR(waited);
+  ReadActive();
   bool same = true;
-  for (int i = 0; i < 3; ++i) same = same && hyper_hash_[i] == -hyper_hash_[i + 3];
+  for (int i = 0; i < 3; ++i) same = same && hyper_buf_[i] == -hyper_buf_[i + 3];
   if (same) return absl::OkStatus();
   // Every rank saw the difference: rank 0's values go to all, each names its own.
   std::string theirs;
@@ -439,7 +465,8 @@ absl::Status ShardedOptimizer::Init(
   if (async_) {
     norm_parts_t_ = torch::zeros({world_}, on_device.dtype(torch::kDouble));
     if (!device_.is_cpu()) {
-      norm_host_ = torch::zeros({2, 2}, torch::TensorOptions().dtype(torch::kFloat).pinned_memory(true));
+      norm_host_ =
+          torch::zeros({2, 2}, torch::TensorOptions().dtype(torch::kFloat).pinned_memory(true));
     }
   }
   SHARDOPT_RETURN_IF_ERROR(BroadcastInitialValues());
@@ -462,9 +489,9 @@ absl::Status ShardedOptimizer::BroadcastInitialValues() {
   for (size_t i = 0; i < params_.size(); ++i) {
     if (layout_.placement(static_cast<int>(i)).bucket >= 0 || params_[i].numel() == 0) continue;
     torch::Tensor& p = params_[i];
-    SHARDOPT_RETURN_IF_ERROR(WaitOrAbort(
-        comm_->Broadcast(p.data_ptr(), p.numel(), ElementTypeOf(p.scalar_type()), 0),
-        "initial broadcast of a frozen parameter", -1));
+    SHARDOPT_RETURN_IF_ERROR(
+        WaitOrAbort(comm_->Broadcast(p.data_ptr(), p.numel(), ElementTypeOf(p.scalar_type()), 0),
+                    "initial broadcast of a frozen parameter", -1));
   }
   return absl::OkStatus();
 }
@@ -492,11 +519,14 @@ absl::Status ShardedOptimizer::InstallHooks(
     const std::vector<std::pair<std::string, torch::Tensor>>& named_parameters) {
   const int nb = static_cast<int>(layout_.buckets().size());
   ready_.assign(params_.size(), false);
+  has_grad_.assign(params_.size(), 0);
+  active_.assign(params_.size(), 1);
   bucket_ready_count_.assign(nb, 0);
   bucket_size_.assign(nb, 0);
   launch_order_.resize(nb);
   for (int b = 0; b < nb; ++b) launch_order_[b] = b;
-  for (int b = 0; b < nb; ++b) bucket_size_[b] = static_cast<int>(layout_.buckets()[b].params.size());
+  for (int b = 0; b < nb; ++b)
+    bucket_size_[b] = static_cast<int>(layout_.buckets()[b].params.size());
   rs_handles_.assign(nb, nullptr);
   ag_handles_.assign(nb, nullptr);
   {
@@ -505,7 +535,8 @@ absl::Status ShardedOptimizer::InstallHooks(
   }
   for (size_t i = 0; i < params_.size(); ++i) {
     if (layout_.placement(static_cast<int>(i)).bucket < 0) continue;
-    std::shared_ptr<torch::autograd::Node> acc = torch::autograd::impl::grad_accumulator(params_[i]);
+    std::shared_ptr<torch::autograd::Node> acc =
+        torch::autograd::impl::grad_accumulator(params_[i]);
     if (!acc) {
       return absl::InternalError(
           absl::StrCat("no gradient accumulator for parameter '", named_parameters[i].first, "'"));
@@ -587,6 +618,7 @@ void ShardedOptimizer::OnGradReady(int param) {
     if (grad.defined()) grad_views_[param].copy_(grad);
     grad = grad_views_[param];
   }
+  has_grad_[param] = 1;
   Trace(TraceEvent::kGradReady, b, param);
   ++grads_seen_;
   grad_version_ = grad_flat_._version();  // Step() checks nothing wrote to them since
@@ -721,7 +753,11 @@ absl::Status ShardedOptimizer::SetGroup(int g, const HyperParameters& hp) {
 
 double ShardedOptimizer::learning_rate() const { return owner_->learning_rate(); }
 
-void ShardedOptimizer::ZeroGrad() {
+void ShardedOptimizer::ZeroGrad(bool set_to_none) {
+  if (set_to_none) {
+    absl::MutexLock lock(&hook_state_->mu);
+    std::fill(has_grad_.begin(), has_grad_.end(), 0);
+  }
   if (options_.shard_gradients) {
     absl::MutexLock lock(&hook_state_->mu);
     // Reductions launched by a backward whose step never came end before
@@ -797,9 +833,39 @@ absl::Status ShardedOptimizer::BeginStep() {
     return absl::FailedPreconditionError(
         "Step() called without a backward pass since the last step (no gradient arrived)");
   }
+  MarkActiveLocked();
   const int nb = static_cast<int>(layout_.buckets().size());
   while (next_launch_ < nb) LaunchReduceScatterLocked(launch_order_[next_launch_++]);
   return TakeHookErrorLocked();  // a reduction failed while a launch waited for staging room
+}
+
+// torch.optim skips a parameter whose .grad is None: never reached by a
+// backward, or set to None (zero_grad(set_to_none=True), p.grad = None) and
+// not reached since. DistributedDataParallel leaves the gradient of a
+// parameter no rank used untouched, and gives one that some rank used the
+// average (the others contributing zeros). So a parameter is updated iff
+// some rank has a gradient for it: each rank marks its own here (before the
+// remaining reductions are launched, so that what it contributes for the
+// others is zeros), and the ranks take the maximum in the step's agreement
+// all-reduce (LaunchHyperAgreement).
+void ShardedOptimizer::MarkActiveLocked() {
+  const int n = static_cast<int>(params_.size());
+  local_active_.assign(n, 0.0f);
+  bool zeroed = false;
+  for (int p = 0; p < n; ++p) {
+    if (layout_.placement(p).bucket < 0) continue;  // frozen
+    bool has = has_grad_[p] != 0;
+    if (!options_.shard_gradients && has && !params_[p].grad().defined()) {
+      // p.grad = None and no backward reached it since: what the flat
+      // buffer holds is stale; contribute zeros, as DDP does for it.
+      at::NoGradGuard no_grad;
+      grad_views_[p].zero_();
+      zeroed = true;
+      has = false;
+    }
+    local_active_[p] = has ? 1.0f : 0.0f;
+  }
+  if (zeroed) grad_version_ = grad_flat_._version();
 }
 
 absl::Status ShardedOptimizer::TakeHookErrorLocked() {
@@ -834,6 +900,7 @@ absl::Status ShardedOptimizer::FinishReduce(int b, double* local_sq) {
   }
   torch::Tensor g = owner_->owned_grad(b);
   if (comm_scratch_.defined()) g.copy_(owner_->OwnedRange(comm_scratch_, b));
+  if (!all_active_) owner_->ZeroInactiveGradients(b, active_);
   if (device_.is_cpu()) {
     SHARDOPT_ASSIGN_OR_RETURN(const double sq, owner_->SquaredGradNorm(b));
     *local_sq += sq;
@@ -844,7 +911,8 @@ absl::Status ShardedOptimizer::FinishReduce(int b, double* local_sq) {
 // The fused update of bucket `b`'s owned slice, then its all-gather.
 absl::Status ShardedOptimizer::UpdateAndGather(int b, int64_t step, int64_t* update_ns) {
   const int64_t t0 = NowNs();
-  SHARDOPT_RETURN_IF_ERROR(owner_->Update(b, step));
+  (void)step;  // each parameter is at its own count (ShardOwner::param_step)
+  SHARDOPT_RETURN_IF_ERROR(owner_->Update(b, active_));
   *update_ns += NowNs() - t0;
   {
     absl::MutexLock lock(&hook_state_->mu);
@@ -914,8 +982,7 @@ absl::Status ShardedOptimizer::LaunchNormOnDevice(double local_sq) {
   return absl::OkStatus();
 }
 
-absl::Status ShardedOptimizer::GlobalNormOnDevice(double local_sq, bool clip,
-                                                  StepResult* result) {
+absl::Status ShardedOptimizer::GlobalNormOnDevice(double local_sq, bool clip, StepResult* result) {
   SHARDOPT_RETURN_IF_ERROR(LaunchNormOnDevice(local_sq));
   return FinishNormOnDevice(clip, result);
 }
@@ -930,7 +997,8 @@ absl::Status ShardedOptimizer::FinishNormOnDevice(bool clip, StepResult* result)
   torch::Tensor coef;
   if (clip) {
     // clip_grad_norm_'s float arithmetic on the float norm, as ClipGradients.
-    coef = (norm.to(torch::kFloat) + 1e-6).reciprocal_().mul_(options_.max_grad_norm).clamp_max_(1.0);
+    coef =
+        (norm.to(torch::kFloat) + 1e-6).reciprocal_().mul_(options_.max_grad_norm).clamp_max_(1.0);
     owner_->ScaleGradients(coef);
   }
   RecordNormReading(result->step, norm, coef, result);
@@ -967,10 +1035,12 @@ absl::StatusOr<GradNormReading> ShardedOptimizer::LastGradNorm() {
   }
   if (last_norm_.step == step_) return last_norm_;
   const int slot = static_cast<int>(step_ & 1);
-  if (norm_fence_[slot] == nullptr) return absl::InternalError("LastGradNorm: no fence for the norm");
+  if (norm_fence_[slot] == nullptr)
+    return absl::InternalError("LastGradNorm: no fence for the norm");
   SHARDOPT_RETURN_IF_ERROR(norm_fence_[slot]->Wait(options_.timeout));
   std::optional<GradNormReading> r = ReadyGradNorm();
-  if (!r.has_value() || r->step != step_) return absl::InternalError("LastGradNorm: norm not ready");
+  if (!r.has_value() || r->step != step_)
+    return absl::InternalError("LastGradNorm: norm not ready");
   return *r;
 }
 
@@ -984,7 +1054,8 @@ std::optional<GradNormReading> ShardedOptimizer::ReadyGradNorm() {
     if (s <= 0) break;
     if (last_norm_.step == s) return last_norm_;
     const int slot = static_cast<int>(s & 1);
-    if (norm_step_[slot] != s || norm_fence_[slot] == nullptr || !norm_fence_[slot]->Ready()) continue;
+    if (norm_step_[slot] != s || norm_fence_[slot] == nullptr || !norm_fence_[slot]->Ready())
+      continue;
     const float* v = norm_host_.select(0, slot).data_ptr<float>();
     last_norm_.step = s;
     last_norm_.grad_norm = v[0];
@@ -1116,8 +1187,7 @@ std::vector<int> ShardedOptimizer::BucketsOf(const std::vector<torch::Tensor>& p
   std::vector<int> out;
   for (const torch::Tensor& p : params) {
     auto it = bucket_of_.find(p.unsafeGetTensorImpl());
-    if (it != bucket_of_.end() &&
-        std::find(out.begin(), out.end(), it->second) == out.end()) {
+    if (it != bucket_of_.end() && std::find(out.begin(), out.end(), it->second) == out.end()) {
       out.push_back(it->second);
     }
   }
@@ -1147,6 +1217,9 @@ absl::StatusOr<StepResult> ShardedOptimizer::Step() {
     wait_ns_ += hook_wait_ns_;
     hook_wait_ns_ = 0;
   }
+  // The agreement (hyper-parameters, which parameters had a gradient) is
+  // needed before any update.
+  SHARDOPT_RETURN_IF_ERROR(FinishHyperAgreement(result.step));
   int64_t update_ns = 0;
   double local_sq = 0.0;
   if (options_.overlap_param_gather) {
@@ -1181,7 +1254,6 @@ absl::StatusOr<StepResult> ShardedOptimizer::Step() {
   result.comm_wait_seconds = wait_ns_ * 1e-9;
   result.update_seconds = update_ns * 1e-9;
   if (!result.grad_norm_pending) last_norm_ = {result.step, result.grad_norm, result.clipped};
-  SHARDOPT_RETURN_IF_ERROR(FinishHyperAgreement(result.step));
   if (!order_agreed_) SHARDOPT_RETURN_IF_ERROR(AgreeLaunchOrder());
   EndStep(result.step);
   if (in_agreed_order) {
@@ -1208,17 +1280,20 @@ absl::Status ShardedOptimizer::FinishRestore(int64_t step) {
   for (const Bucket& b : layout_.buckets()) {
     owner_->WriteModelCopy(b.index);
     CollectiveBucketScope tag(b.index);  // for the flight recorder
-    SHARDOPT_RETURN_IF_ERROR(WaitOrAbort(
-        comm_->AllGather(pbase + b.flat_offset * elem, b.capacity_per_rank, ptype),
-        "all-gather after restore", b.index));
+    SHARDOPT_RETURN_IF_ERROR(
+        WaitOrAbort(comm_->AllGather(pbase + b.flat_offset * elem, b.capacity_per_rank, ptype),
+                    "all-gather after restore", b.index));
   }
+  owner_->SetParamSteps(step);
   step_ = step;
   return absl::OkStatus();
 }
 
 MemoryReport ShardedOptimizer::memory() const {
   MemoryReport m = owner_->memory();
-  auto bytes = [](const torch::Tensor& t) { return t.defined() ? t.numel() * t.element_size() : 0; };
+  auto bytes = [](const torch::Tensor& t) {
+    return t.defined() ? t.numel() * t.element_size() : 0;
+  };
   m.grad_bytes = options_.shard_gradients ? sharded_grad_bytes_.load()
                                           : bytes(grad_flat_) + bytes(comm_scratch_);
   m.param_bytes = bytes(param_flat_);
@@ -1297,16 +1372,16 @@ void ShardedOptimizer::PrepareShardedGradients() {
   // largest buckets there are need), and at least for the largest bucket.
   std::sort(stages.rbegin(), stages.rend());
   const int staged_chunks = split_own_ ? world_ - 1 : world_;
-  const int64_t cap_stage = std::max((cap_bucket + world_ - 1) / world_ * staged_chunks,
-                                     (world_ - 1) * piece_elements_);
+  const int64_t cap_stage =
+      std::max((cap_bucket + world_ - 1) / world_ * staged_chunks, (world_ - 1) * piece_elements_);
   int64_t largest_k = 0;
   for (int i = 0; i < options_.grad_staging_buffers && i < static_cast<int>(stages.size()); ++i) {
     largest_k += stages[i];
   }
   staging_elements_ =
-      stages.empty() ? 0
-                     : std::max(stages[0], std::min(largest_k,
-                                                    options_.grad_staging_buffers * cap_stage));
+      stages.empty()
+          ? 0
+          : std::max(stages[0], std::min(largest_k, options_.grad_staging_buffers * cap_stage));
   UpdateGradBytesLocked();
 }
 
@@ -1322,7 +1397,9 @@ torch::Tensor ShardedOptimizer::AccumView(int param) {
 }
 
 void ShardedOptimizer::UpdateGradBytesLocked() {
-  auto bytes = [](const torch::Tensor& t) { return t.defined() ? t.numel() * t.element_size() : 0; };
+  auto bytes = [](const torch::Tensor& t) {
+    return t.defined() ? t.numel() * t.element_size() : 0;
+  };
   sharded_grad_bytes_ =
       bytes(owned_grad_flat_) + bytes(accum_flat_) + bytes(staging_) + overflow_peak_bytes_;
 }
@@ -1339,8 +1416,8 @@ void ShardedOptimizer::SizeStagingAfterSecondStepLocked() {
   // Called between steps: nothing is placed or in flight.
   if (overflow_shortfall_ == 0 || !placed_.empty() || overflow_bytes_ > 0) return;
   staging_elements_ += overflow_shortfall_;
-  staging_ = torch::empty({staging_elements_},
-                          param_flat_.options().dtype(ScalarTypeOf(comm_type_)));
+  staging_ =
+      torch::empty({staging_elements_}, param_flat_.options().dtype(ScalarTypeOf(comm_type_)));
   overflow_peak_bytes_ = 0;
   UpdateGradBytesLocked();
 }
@@ -1377,6 +1454,7 @@ void ShardedOptimizer::OnShardedGradReadyLocked(int param, torch::Tensor g) {
     return;
   }
   if (!g.defined()) return;
+  has_grad_[param] = 1;
   at::NoGradGuard no_grad;
   if (!sync_) {  // accumulate locally; reduced with the last micro-batch
     if (!accum_flat_.defined()) {
@@ -1469,7 +1547,8 @@ void ShardedOptimizer::AcquireStagingLocked(int b) {
   std::vector<torch::Tensor> chunks(world_);
   if (accum_flat_.defined() && comm_type_ == ElementTypeOf(dtype_)) {
     // Micro-batches were accumulated: reduce that buffer in place.
-    for (int r = 0; r < world_; ++r) chunks[r] = accum_flat_.narrow(0, bk.flat_offset + r * cap, cap);
+    for (int r = 0; r < world_; ++r)
+      chunks[r] = accum_flat_.narrow(0, bk.flat_offset + r * cap, cap);
     in_accum_[b] = true;
   } else {
     const int64_t length = StageLength(b);
@@ -1734,9 +1813,9 @@ absl::Status ShardedOptimizer::WaitPieceLocked(size_t index) {
   const int b = p.bucket;
   absl::Status s = p.handle->Wait(options_.timeout);
   if (!s.ok()) {
-    return FailStagingLocked(absl::Status(
-        s.code(), absl::StrCat("rank ", rank_, ": reduce-scatter of bucket ", b,
-                               " (a piece) failed: ", s.message())));
+    return FailStagingLocked(
+        absl::Status(s.code(), absl::StrCat("rank ", rank_, ": reduce-scatter of bucket ", b,
+                                            " (a piece) failed: ", s.message())));
   }
   ReleaseOwnBufferLocked(&p.own);
   pieces_.erase(pieces_.begin() + index);

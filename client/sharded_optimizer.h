@@ -130,8 +130,8 @@ struct ShardedOptimizerOptions {
 };
 
 struct StepResult {
-  int64_t step = 0;          // number of this step (1 for the first)
-  double grad_norm = 0.0;    // global L2 norm of the averaged gradient, before clipping
+  int64_t step = 0;        // number of this step (1 for the first)
+  double grad_norm = 0.0;  // global L2 norm of the averaged gradient, before clipping
   bool clipped = false;
   // device_async_step on a GPU: grad_norm (NaN) and clipped are not known
   // yet; ShardedOptimizer::LastGradNorm() / ReadyGradNorm() read them.
@@ -189,8 +189,11 @@ class ShardedOptimizer {
   absl::StatusOr<StepResult> Step();
   // Zeroes the flat gradient buffer (gradients stay views of it). With
   // shard_gradients: ends any reduction still in flight and drops what a
-  // backward accumulated since the last step.
-  void ZeroGrad();
+  // backward accumulated since the last step. set_to_none: also forgets
+  // which parameters had a gradient, as torch.optim's zero_grad(set_to_none=
+  // True) does: a parameter that no rank's backward reaches before the next
+  // Step() is then not updated (its state and step count stay).
+  void ZeroGrad(bool set_to_none = false);
   // false: backward only accumulates locally (gradient accumulation, like
   // DDP's no_sync()); true (default): buckets are reduced during backward.
   void SetGradientSync(bool enabled);
@@ -324,6 +327,11 @@ class ShardedOptimizer {
   absl::Status WaitOrAbort(const CommHandlePtr& handle, const char* what, int bucket);
   // Step()'s stages.
   absl::Status BeginStep();
+  // Marks the parameters this rank has a gradient for (torch.optim updates
+  // a parameter iff its .grad is not None); agreed in LaunchHyperAgreement.
+  void MarkActiveLocked();
+  // active_ from the agreement's result.
+  void ReadActive();
   absl::Status FinishReduce(int bucket, double* local_sq);
   absl::Status UpdateAndGather(int bucket, int64_t step, int64_t* update_ns);
   absl::StatusOr<double> GlobalNorm(double local_sq);
@@ -356,39 +364,42 @@ class ShardedOptimizer {
   torch::ScalarType dtype_;
   torch::Device device_ = torch::kCPU;
 
-  torch::Tensor param_flat_;  // model dtype, flat_size elements
-  torch::Tensor grad_flat_;   // model dtype
+  torch::Tensor param_flat_;    // model dtype, flat_size elements
+  torch::Tensor grad_flat_;     // model dtype
   torch::Tensor comm_scratch_;  // bf16 gradients for communication, if converting
   std::unique_ptr<ShardOwner> owner_;
 
-  std::vector<torch::Tensor> params_;  // the model's parameters (views)
+  std::vector<torch::Tensor> params_;      // the model's parameters (views)
   std::vector<torch::Tensor> grad_views_;  // their gradients: views of grad_flat_
   std::vector<std::shared_ptr<torch::autograd::Node>> grad_accumulators_;
   std::shared_ptr<HookState> hook_state_;
 
   // Guarded by hook_state_->mu (written by backward hooks).
   std::vector<bool> ready_;
+  // Per parameter: a gradient arrived since the last ZeroGrad(set_to_none).
+  std::vector<uint8_t> has_grad_;
   std::vector<int> bucket_ready_count_;
   std::vector<int> bucket_size_;
   std::vector<CommHandlePtr> rs_handles_;
-  std::vector<CommHandlePtr> ag_handles_;  // training thread only
+  std::vector<CommHandlePtr> ag_handles_;           // training thread only
   std::unordered_map<const void*, int> bucket_of_;  // parameter (TensorImpl) -> bucket
   CommHandlePtr norm_handle_;
   std::vector<double> norm_parts_;  // per rank: squared norm of its owned gradients
-  int64_t grad_version_ = -1;  // grad_flat_'s version after the last gradient arrived
-  float hyper_hash_[6] = {0, 0, 0, 0, 0, 0};  // hash of the groups, then its negation
-  std::string hyper_text_;                    // what was hashed
+  int64_t grad_version_ = -1;       // grad_flat_'s version after the last gradient arrived
+  // Hash of the groups, its negation, then local_active_ (max over ranks).
+  std::vector<float> hyper_buf_;
+  std::string hyper_text_;  // what was hashed
   CommHandlePtr hyper_handle_;
-  std::string detail_buf_;  // ShareDetail's all-gather (a member: it may outlive a timeout)
+  std::string detail_buf_;      // ShareDetail's all-gather (a member: it may outlive a timeout)
   int64_t gather_wait_ns_ = 0;  // gathers waited for outside Step()
-  int next_launch_ = 0;            // position in launch_order_
+  int next_launch_ = 0;         // position in launch_order_
   // The order buckets are reduced in, the same on every rank: bucket order in
   // the first step, then the order rank 0's first backward completed them
   // (AgreeLaunchOrder). ready_order_ records it until then.
   std::vector<int> launch_order_;
   std::vector<int> ready_order_;
-  bool order_agreed_ = false;      // written by the training thread with mu held
-  bool arena_sized_ = false;       // shard_gradients: staging grown after the second step
+  bool order_agreed_ = false;  // written by the training thread with mu held
+  bool arena_sized_ = false;   // shard_gradients: staging grown after the second step
   int64_t grads_seen_ = 0;
   bool sync_ = true;
   bool needs_zero_grad_ = false;
@@ -397,37 +408,37 @@ class ShardedOptimizer {
   std::vector<TraceEvent> trace_;
 
   // shard_gradients; guarded by hook_state_->mu.
-  torch::Tensor owned_grad_flat_;  // this rank's ranges, bucket after bucket
-  torch::Tensor accum_flat_;       // full size, only while accumulating (no_sync)
+  torch::Tensor owned_grad_flat_;                  // this rank's ranges, bucket after bucket
+  torch::Tensor accum_flat_;                       // full size, only while accumulating (no_sync)
   ElementType comm_type_ = ElementType::kFloat32;  // type gradients travel in
   std::vector<std::vector<std::pair<int64_t, int64_t>>> gaps_;  // per bucket: padding runs
   bool split_own_ = false;  // this rank's chunk reduced in place in owned_grad_flat_
   torch::Tensor staging_;   // the arena, in comm_type_ (allocated at first use)
   int64_t staging_elements_ = 0;
-  std::vector<Region> region_;                     // per bucket: its part of staging_
-  std::vector<int> placed_;                        // buckets holding a region
+  std::vector<Region> region_;  // per bucket: its part of staging_
+  std::vector<int> placed_;     // buckets holding a region
   // A bucket of one tensor whose reduce-scatter does not fit a staging piece
   // is reduced in pieces of piece_elements_ of every rank's chunk, staged in
   // the arena while backward waits (PiecewiseLocked); pieces_ are those
   // launched and not yet waited for, oldest first.
   struct StagedPiece {
     int bucket = -1;
-    Region region;        // in the arena, or
-    torch::Tensor own;    // a buffer of its own (counted)
+    Region region;      // in the arena, or
+    torch::Tensor own;  // a buffer of its own (counted)
     CommHandlePtr handle;
   };
   std::deque<StagedPiece> pieces_;
-  int64_t piece_elements_ = 0;  // per rank; 0: no bucket is reduced in pieces
-  std::vector<torch::Tensor> overflow_buf_;        // per bucket: a buffer of its own
-  int64_t overflow_bytes_ = 0;                     // held by overflow_buf_ now
-  int64_t overflow_peak_bytes_ = 0;                // the most ever held at once
-  int64_t overflow_shortfall_ = 0;  // elements the arena's end lacked for one
+  int64_t piece_elements_ = 0;                      // per rank; 0: no bucket is reduced in pieces
+  std::vector<torch::Tensor> overflow_buf_;         // per bucket: a buffer of its own
+  int64_t overflow_bytes_ = 0;                      // held by overflow_buf_ now
+  int64_t overflow_peak_bytes_ = 0;                 // the most ever held at once
+  int64_t overflow_shortfall_ = 0;                  // elements the arena's end lacked for one
   std::vector<std::vector<torch::Tensor>> chunks_;  // per bucket: its reduce-scatter's chunks
-  std::vector<bool> in_accum_;  // chunks_[b] are accum_flat_'s (else chunks_[b][rank_] is the
-                                // owned gradient when split_own_)
-  std::vector<bool> reclaimed_;             // reduced; owned range holds the result
-  std::vector<int> in_flight_;              // launched, not reclaimed, in launch order
-  std::vector<torch::Tensor> abandoned_;    // buffers of collectives that failed
+  std::vector<bool> in_accum_;   // chunks_[b] are accum_flat_'s (else chunks_[b][rank_] is the
+                                 // owned gradient when split_own_)
+  std::vector<bool> reclaimed_;  // reduced; owned range holds the result
+  std::vector<int> in_flight_;   // launched, not reclaimed, in launch order
+  std::vector<torch::Tensor> abandoned_;  // buffers of collectives that failed
   absl::Status hook_error_;
   int64_t hook_wait_ns_ = 0;  // backward blocked on a reduction (exposed)
   std::atomic<int64_t> sharded_grad_bytes_{0};
@@ -438,7 +449,7 @@ class ShardedOptimizer {
   torch::Tensor norm_host_;     // pinned float32 [2 slots][norm, coef] (GPU)
   std::unique_ptr<KernelBackend::Fence> norm_fence_[2];
   int64_t norm_step_[2] = {0, 0};
-  GradNormReading last_norm_;   // the newest reading on the host
+  GradNormReading last_norm_;  // the newest reading on the host
   struct Deferred {
     CommHandlePtr handle;
     const char* what;
@@ -446,6 +457,11 @@ class ShardedOptimizer {
     int64_t step;  // step_ when it was taken
   };
   std::vector<Deferred> deferred_;
+
+  // This step's agreement on which parameters are updated (training thread).
+  std::vector<float> local_active_;  // per parameter: 1 if this rank has a gradient
+  std::vector<uint8_t> active_;      // the agreed result (some rank has one)
+  bool all_active_ = true;
 
   int64_t step_ = 0;
   int64_t wait_ns_ = 0;  // training thread only: time blocked in this Step()

@@ -89,7 +89,7 @@ class PythonStore : public KeyValueStore {
 
 // A communicator and what it needs to live.
 struct PyCommunicator {
-  std::unique_ptr<InProcessWorld> world;  // world size 1 without a launcher
+  std::unique_ptr<InProcessWorld> world;      // world size 1 without a launcher
   std::unique_ptr<CoordinatorClient> client;  // under shardrun: the control plane
   std::string job_id;
   std::string transport = "none";  // the one in use: shm, gloo (or none: one rank, no launcher)
@@ -100,8 +100,8 @@ struct PyCommunicator {
 // takes it back); `transport` is auto, gloo or shm.
 std::unique_ptr<Communicator> ConnectHost(KeyValueStore* store, int rank, int world,
                                           const std::string& prefix, double timeout_s,
-                                          const std::string& hostname,
-                                          const std::string& transport, std::string* chosen) {
+                                          const std::string& hostname, const std::string& transport,
+                                          std::string* chosen) {
   if (world < 1 || rank < 0 || rank >= world) {
     throw py::value_error(absl::StrCat("rank ", rank, " is outside a world of ", world));
   }
@@ -156,8 +156,8 @@ std::shared_ptr<PyCommunicator> MakeCommunicator(int rank, int world, py::object
     return out;
   }
   PythonStore py_store(store);
-  out->comm = ConnectHost(&py_store, rank, world, prefix, timeout_s, hostname, transport,
-                          &out->transport);
+  out->comm =
+      ConnectHost(&py_store, rank, world, prefix, timeout_s, hostname, transport, &out->transport);
   return out;
 }
 
@@ -328,10 +328,10 @@ class PyOptimizer {
       if (!a.ok()) FailWith(absl::StrCat("step ", step, " failed: ", DiagnoseReleased(a.status())));
       agreed = *a;
       if (agreed->nonfinite_rank >= 0) {
-        FailWith(std::isfinite(l) ? absl::StrCat("rank ", agreed->nonfinite_rank,
-                                                 " had a non-finite loss at step ", step, "; stopping")
-                                  : absl::StrCat("non-finite loss (", l, ") at step ", step,
-                                                 "; stopping"));
+        FailWith(std::isfinite(l)
+                     ? absl::StrCat("rank ", agreed->nonfinite_rank,
+                                    " had a non-finite loss at step ", step, "; stopping")
+                     : absl::StrCat("non-finite loss (", l, ") at step ", step, "; stopping"));
       }
       if (agreed->new_lr) d["new_lr"] = *agreed->new_lr;
     }
@@ -400,9 +400,9 @@ class PyOptimizer {
     return opt_->BucketsOf(params);
   }
 
-  void ZeroGrad() {
+  void ZeroGrad(bool set_to_none) {
     py::gil_scoped_release release;
-    opt_->ZeroGrad();
+    opt_->ZeroGrad(set_to_none);
   }
   // Collective: rank `root`'s bytes of `t` (contiguous, on the CPU or the
   // optimizer's device) into `t` on every rank, over the optimizer's
@@ -415,8 +415,8 @@ class PyOptimizer {
     absl::Status s;
     {
       py::gil_scoped_release release;
-      CommHandlePtr h = comm->Broadcast(t.data_ptr(), static_cast<int64_t>(t.nbytes()),
-                                        ElementType::kByte, root);
+      CommHandlePtr h =
+          comm->Broadcast(t.data_ptr(), static_cast<int64_t>(t.nbytes()), ElementType::kByte, root);
       s = h->Wait(opt_->options().timeout);
       if (!s.ok()) comm->Abort(s);
     }
@@ -437,8 +437,8 @@ class PyOptimizer {
   }
   int64_t StepCount() const { return opt_->step_count(); }
 
-  std::string SaveCheckpoint(const std::string& root, const std::map<std::string, std::string>& meta,
-                             int keep) {
+  std::string SaveCheckpoint(const std::string& root,
+                             const std::map<std::string, std::string>& meta, int keep) {
     CheckpointOptions co;
     co.user_metadata = meta;
     absl::StatusOr<std::string> dir;
@@ -480,16 +480,19 @@ class PyOptimizer {
     for (auto& [name, arrays] : s->tensors) {
       py::dict per;
       for (auto& [k, t] : arrays) per[py::str(k)] = t;
+      auto count = s->param_steps.find(name);
+      per["step"] = count != s->param_steps.end() ? count->second : s->step;
       out[py::str(name)] = per;
     }
     return out;
   }
 
   void LoadState(const std::map<std::string, std::map<std::string, torch::Tensor>>& state,
-                 int64_t step) {
+                 int64_t step, const std::map<std::string, int64_t>& param_steps) {
     shardopt::FullState s;
     s.step = step;
     s.tensors = state;
+    s.param_steps = param_steps;
     py::gil_scoped_release release;
     Check(LoadFullState(*opt_, s));
   }
@@ -595,13 +598,11 @@ PYBIND11_MODULE(_C, m) {
   py::class_<PyOptimizer>(m, "Optimizer")
       .def(py::init<std::shared_ptr<PyCommunicator>, const std::vector<std::string>&,
                     const std::vector<torch::Tensor>&, const std::vector<int>&, const std::string&,
-                    const std::vector<py::dict>&, double, int64_t, bool, double, int, bool,
-                    bool>(),
+                    const std::vector<py::dict>&, double, int64_t, bool, double, int, bool, bool>(),
            py::arg("comm"), py::arg("names"), py::arg("tensors"), py::arg("param_group"),
            py::arg("kind"), py::arg("groups"), py::arg("max_grad_norm"),
            py::arg("bucket_cap_elements"), py::arg("grad_bf16"), py::arg("timeout_s"),
-           py::arg("kernel_threads"), py::arg("overlap_param_gather"),
-           py::arg("shard_gradients"))
+           py::arg("kernel_threads"), py::arg("overlap_param_gather"), py::arg("shard_gradients"))
       .def("wait_buckets", &PyOptimizer::WaitBuckets)
       .def("wait_all", &PyOptimizer::WaitAll)
       .def("buckets_of", &PyOptimizer::BucketsOf)
@@ -612,7 +613,7 @@ PYBIND11_MODULE(_C, m) {
       .def("finish", &PyOptimizer::Finish)
       .def("fail", &PyOptimizer::Fail)
       .def_property_readonly("abort_reason", &PyOptimizer::abort_reason)
-      .def("zero_grad", &PyOptimizer::ZeroGrad)
+      .def("zero_grad", &PyOptimizer::ZeroGrad, py::arg("set_to_none") = false)
       .def("broadcast", &PyOptimizer::Broadcast, py::arg("tensor"), py::arg("root") = 0)
       .def("set_grad_sync", &PyOptimizer::SetGradSync)
       .def("num_groups", &PyOptimizer::NumGroups)
@@ -624,7 +625,8 @@ PYBIND11_MODULE(_C, m) {
       .def("save_checkpoint", &PyOptimizer::SaveCheckpoint)
       .def("load_checkpoint", &PyOptimizer::LoadCheckpoint)
       .def("full_state", &PyOptimizer::GetFullState)
-      .def("load_state", &PyOptimizer::LoadState)
+      .def("load_state", &PyOptimizer::LoadState, py::arg("state"), py::arg("step"),
+           py::arg("param_steps") = std::map<std::string, int64_t>())
       .def("layout", &PyOptimizer::Layout)
       .def("memory", &PyOptimizer::Memory);
 }

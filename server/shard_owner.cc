@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -32,14 +33,13 @@ absl::StatusOr<std::unique_ptr<ShardOwner>> ShardOwner::Create(
   int64_t owned = 0;
   for (const Bucket& b : layout.buckets()) owned += b.capacity_per_rank;
   const int64_t grad_elements = options.owned_grads_only ? owned : layout.flat_size();
-  if (param_flat.dim() != 1 || param_flat.numel() != layout.flat_size() ||
-      grad_flat.dim() != 1 || grad_flat.numel() != grad_elements ||
-      grad_flat.scalar_type() != param_flat.scalar_type() ||
+  if (param_flat.dim() != 1 || param_flat.numel() != layout.flat_size() || grad_flat.dim() != 1 ||
+      grad_flat.numel() != grad_elements || grad_flat.scalar_type() != param_flat.scalar_type() ||
       (param_flat.scalar_type() != torch::kFloat && param_flat.scalar_type() != torch::kBFloat16) ||
       !param_flat.is_contiguous() || !grad_flat.is_contiguous()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "flat buffers must be contiguous float32 or bfloat16 vectors of ", layout.flat_size(),
-        " elements (the gradient buffer ", grad_elements, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("flat buffers must be contiguous float32 or bfloat16 vectors of ",
+                     layout.flat_size(), " elements (the gradient buffer ", grad_elements, ")"));
   }
   if (backend->on_device() == param_flat.device().is_cpu()) {
     return absl::InvalidArgumentError(absl::StrCat("the ", backend->name(),
@@ -98,7 +98,10 @@ absl::Status ShardOwner::Init(ShardOwnerOptions options, torch::Tensor param_fla
   // Segments: runs of consecutive pieces of one group; padding goes with the
   // run before it (the first run starts at 0), so segments tile the range.
   segments_.assign(nb, {});
+  pieces_.assign(nb, {});
+  param_steps_.assign(num_params, 0);
   for (const Piece& p : layout_.PiecesOfRank(rank_)) {
+    pieces_[p.bucket].push_back(p);
     std::vector<Segment>& segs = segments_[p.bucket];
     const int g = param_group_[p.param];
     if (segs.empty()) {
@@ -110,8 +113,7 @@ absl::Status ShardOwner::Init(ShardOwnerOptions options, torch::Tensor param_fla
   }
   for (int b = 0; b < nb; ++b) {
     if (segments_[b].empty()) segments_[b].push_back(Segment{0, 0, 0});
-    segments_[b].back().size =
-        layout_.buckets()[b].capacity_per_rank - segments_[b].back().begin;
+    segments_[b].back().size = layout_.buckets()[b].capacity_per_rank - segments_[b].back().begin;
   }
 
   at::NoGradGuard no_grad;
@@ -193,7 +195,66 @@ absl::Status ShardOwner::Update(int bucket, int64_t step) {
     }
     SHARDOPT_RETURN_IF_ERROR(backend_->Update(kind_, hp, step, by_group[g]));
   }
+  for (const Piece& p : pieces_[bucket]) param_steps_[p.param] = step;
   return absl::OkStatus();
+}
+
+void ShardOwner::SetParamSteps(int64_t step) {
+  std::fill(param_steps_.begin(), param_steps_.end(), step);
+}
+
+absl::Status ShardOwner::Update(int bucket, const std::vector<uint8_t>& active) {
+  if (bucket < 0 || bucket >= static_cast<int>(segments_.size())) {
+    return absl::OutOfRangeError(absl::StrCat("no bucket ", bucket));
+  }
+  if (staged_) return absl::FailedPreconditionError("cannot update while slices are staged");
+  const std::vector<Piece>& pieces = pieces_[bucket];
+  if (pieces.empty()) return absl::OkStatus();
+  bool uniform = true;
+  const int64_t count = param_steps_[pieces.front().param];
+  for (const Piece& p : pieces) {
+    uniform = uniform && active[p.param] != 0 && param_steps_[p.param] == count;
+  }
+  if (uniform) {  // the usual case: the slices built at construction
+    SHARDOPT_RETURN_IF_ERROR(Update(bucket, count + 1));
+    return absl::OkStatus();
+  }
+  // Some parameter got no gradient, or counts differ: piece by piece, one
+  // backend call per (group, step) run.
+  std::vector<std::pair<std::pair<int, int64_t>, UpdateSlice>> runs;
+  for (const Piece& p : pieces) {
+    if (active[p.param] == 0) continue;
+    runs.push_back({{param_group_[p.param], param_steps_[p.param] + 1},
+                    SliceOf(bucket, p.rank_offset, p.length)});
+  }
+  std::stable_sort(runs.begin(), runs.end(),
+                   [](const auto& a, const auto& b) { return a.first < b.first; });
+  for (size_t i = 0; i < runs.size();) {
+    size_t j = i;
+    std::vector<UpdateSlice> slices;
+    while (j < runs.size() && runs[j].first == runs[i].first) slices.push_back(runs[j++].second);
+    HyperParameters hp;
+    {
+      absl::MutexLock lock(&mu_);
+      hp = groups_[runs[i].first.first];
+    }
+    SHARDOPT_RETURN_IF_ERROR(backend_->Update(kind_, hp, runs[i].first.second, slices));
+    i = j;
+  }
+  for (const Piece& p : pieces) {
+    if (active[p.param] != 0) ++param_steps_[p.param];
+  }
+  return absl::OkStatus();
+}
+
+void ShardOwner::ZeroInactiveGradients(int bucket, const std::vector<uint8_t>& active) {
+  at::NoGradGuard no_grad;
+  torch::Tensor g;
+  for (const Piece& p : pieces_[bucket]) {
+    if (active[p.param] != 0) continue;
+    if (!g.defined()) g = owned_grad(bucket);
+    g.narrow(0, p.rank_offset, p.length).zero_();
+  }
 }
 
 absl::StatusOr<double> ShardOwner::SquaredGradNorm() {
@@ -244,8 +305,8 @@ HyperParameters ShardOwner::group(int g) const {
 absl::Status ShardOwner::SetGroup(int g, const HyperParameters& hp) {
   absl::MutexLock lock(&mu_);
   if (g < 0 || g >= static_cast<int>(groups_.size())) {
-    return absl::OutOfRangeError(absl::StrCat("no parameter group ", g, " (there are ",
-                                              groups_.size(), ")"));
+    return absl::OutOfRangeError(
+        absl::StrCat("no parameter group ", g, " (there are ", groups_.size(), ")"));
   }
   HyperParameters c = hp;
   c.adam.decoupled_weight_decay = kind_ == OptimizerKind::kAdamW;
@@ -253,9 +314,9 @@ absl::Status ShardOwner::SetGroup(int g, const HyperParameters& hp) {
   c.sgd.maximize = groups_[g].sgd.maximize;
   SHARDOPT_RETURN_IF_ERROR(ValidateGroup(kind_, c));
   if (kind_ == OptimizerKind::kSgd && (c.sgd.momentum != 0.0) != (groups_[g].sgd.momentum != 0.0)) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "SGD momentum ", c.sgd.momentum, " cannot replace ", groups_[g].sgd.momentum,
-        ": one keeps a momentum buffer and the other does not"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("SGD momentum ", c.sgd.momentum, " cannot replace ", groups_[g].sgd.momentum,
+                     ": one keeps a momentum buffer and the other does not"));
   }
   groups_[g] = c;
   return absl::OkStatus();
@@ -333,7 +394,9 @@ void ShardOwner::WriteModelCopy(int bucket) {
 }
 
 MemoryReport ShardOwner::memory() const {
-  auto bytes = [](const torch::Tensor& t) { return t.defined() ? t.numel() * t.element_size() : 0; };
+  auto bytes = [](const torch::Tensor& t) {
+    return t.defined() ? t.numel() * t.element_size() : 0;
+  };
   MemoryReport m;
   m.master_bytes = bytes(master_);
   m.state_bytes = bytes(state0_) + bytes(state1_);

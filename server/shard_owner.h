@@ -65,14 +65,34 @@ class ShardOwner {
   // must outlive the owner. Master copies are taken from `param_flat` now.
   // Errors: bad hyper-parameters or groups, buffers that do not match the
   // layout, a backend for another device.
-  static absl::StatusOr<std::unique_ptr<ShardOwner>> Create(
-      const Layout& layout, int rank, ShardOwnerOptions options, torch::Tensor param_flat,
-      torch::Tensor grad_flat, std::shared_ptr<KernelBackend> backend);
+  static absl::StatusOr<std::unique_ptr<ShardOwner>> Create(const Layout& layout, int rank,
+                                                            ShardOwnerOptions options,
+                                                            torch::Tensor param_flat,
+                                                            torch::Tensor grad_flat,
+                                                            std::shared_ptr<KernelBackend> backend);
 
   // The fused update of bucket `bucket`'s owned slice, step number `step`
   // (>= 1): reads the reduced gradient from the owned range of grad_flat,
   // writes parameters (the model copy too for bf16 models) and state.
+  // Every owned parameter takes its step (see param_step()); all of them
+  // must be at step - 1.
   absl::Status Update(int bucket, int64_t step);
+  // The same with torch.optim's rule for missing gradients: only parameters
+  // with active[param] != 0 (by layout index) are updated and their step
+  // counts advanced; each is updated at its own count + 1 (Adam's bias
+  // correction, SGD's first momentum step), as torch.optim keeps
+  // state['step'] per parameter. When every parameter is active and at the
+  // same count this is Update(bucket, count + 1).
+  absl::Status Update(int bucket, const std::vector<uint8_t>& active);
+  // Zeroes the owned gradients of the inactive parameters of bucket
+  // `bucket` (what no rank produced this step must not count in the norm).
+  void ZeroInactiveGradients(int bucket, const std::vector<uint8_t>& active);
+  // Updates the owned pieces of parameter `param` (layout index) received:
+  // torch.optim's per-parameter state['step'].
+  int64_t param_step(int param) const { return param_steps_[param]; }
+  // Sets every parameter's count (a restore), or one parameter's.
+  void SetParamSteps(int64_t step);
+  void SetParamStep(int param, int64_t step) { param_steps_[param] = step; }
   // Sum of squares of the owned gradients of every bucket (this rank's part
   // of the global gradient norm).
   absl::StatusOr<double> SquaredGradNorm();
@@ -152,13 +172,15 @@ class ShardOwner {
   bool bf16_ = false;
   bool owned_grads_only_ = false;
   torch::Tensor param_flat_, grad_flat_;
-  torch::Tensor master_;           // fp32 owned slices (bf16 models)
-  torch::Tensor state0_, state1_;  // fp32 owned slices
+  torch::Tensor master_;               // fp32 owned slices (bf16 models)
+  torch::Tensor state0_, state1_;      // fp32 owned slices
   std::vector<int64_t> owned_offset_;  // per bucket: offset of its slice in master_/state
   int64_t owned_elements_ = 0;
-  std::vector<std::vector<Segment>> segments_;  // per bucket
+  std::vector<std::vector<Segment>> segments_;                 // per bucket
   std::vector<std::vector<std::vector<UpdateSlice>>> slices_;  // [bucket][group]
   std::vector<int> param_group_;
+  std::vector<std::vector<Piece>> pieces_;  // per bucket: this rank's pieces
+  std::vector<int64_t> param_steps_;        // per parameter (layout index)
   mutable absl::Mutex mu_;
   std::vector<HyperParameters> groups_ ABSL_GUARDED_BY(mu_);
   bool staged_ = false;

@@ -215,8 +215,7 @@ TEST(GlooParityTest, MlpOverSeparateProcessesMatchesLibTorch) {
     for (int r = 0; r < n; ++r) {
       ASSERT_EQ(run.params[r], run.params[0]) << "rank " << r << " of " << n << " diverged";
     }
-    ExpectClose(run.params[0], *ref, absl::StrCat("mlp adam gloo n=", n),
-                1.0 * c.steps * c.lr);
+    ExpectClose(run.params[0], *ref, absl::StrCat("mlp adam gloo n=", n), 1.0 * c.steps * c.lr);
     // Bytes sent per rank per step: (N-1)/N x 2 x model bytes, within 2%.
     const double expected = (n - 1.0) / n * 2.0 * model_bytes;
     for (int r = 0; r < n; ++r) {
@@ -339,7 +338,8 @@ TEST(ApiTest, GradientAccumulationEqualsOneBigBatch) {
   std::vector<std::vector<float>> out(2);
   job.Run([&](int r) {
     auto model = *MakeModel("small", c.seed);
-    auto opt = ShardedOptimizer::Create(model->NamedParameters(), OptionsFor(c), job.comms[r].get());
+    auto opt =
+        ShardedOptimizer::Create(model->NamedParameters(), OptionsFor(c), job.comms[r].get());
     ASSERT_TRUE(opt.ok()) << opt.status();
     for (int step = 0; step < c.steps; ++step) {
       (*opt)->ZeroGrad();
@@ -360,7 +360,8 @@ TEST(ApiTest, MisuseIsReportedNotHung) {
   job.Run([&](int r) {
     auto model = *MakeModel("small", 1);
     TrainConfig c;
-    auto opt = ShardedOptimizer::Create(model->NamedParameters(), OptionsFor(c), job.comms[r].get());
+    auto opt =
+        ShardedOptimizer::Create(model->NamedParameters(), OptionsFor(c), job.comms[r].get());
     ASSERT_TRUE(opt.ok()) << opt.status();
     // Step without backward.
     auto s = (*opt)->Step();
@@ -397,7 +398,8 @@ TEST(ApiTest, Bf16ParametersWithFp32MasterTrack) {
   job.Run([&](int r) {
     auto model = *MakeModel("small", c.seed);
     model->module().to(torch::kBFloat16);
-    auto opt = ShardedOptimizer::Create(model->NamedParameters(), OptionsFor(c), job.comms[r].get());
+    auto opt =
+        ShardedOptimizer::Create(model->NamedParameters(), OptionsFor(c), job.comms[r].get());
     ASSERT_TRUE(opt.ok()) << opt.status();
     EXPECT_GT((*opt)->memory().master_bytes, 0);
     for (int step = 0; step < c.steps; ++step) {
@@ -460,7 +462,6 @@ TEST(BadInputTest, ModelsThatDifferAcrossRanksAreRefusedNamingTheParameter) {
 
 }  // namespace
 }  // namespace shardopt
-
 
 namespace shardopt {
 namespace {
@@ -690,6 +691,73 @@ TEST(ShardGradientsTest, LargeBucketsUnusedParametersAndAccumulation) {
             << ")\n";
 }
 
+// torch.optim's rule for missing gradients: a parameter whose gradient is
+// None at the step is not updated and its state (moments, step count) stays.
+// w2 is used on even steps only (gradients set to None before each step),
+// `unused` never: against LibTorch's AdamW on the whole batch, with and
+// without gradient sharding. Before, w2 moved on Adam's momentum in the odd
+// steps and `unused` decayed.
+std::vector<float> TrainBranchy(bool shard, bool reference) {
+  auto loss_of = [](HandModel& m, int step, int64_t begin, int64_t end) {
+    at::Generator gen = at::detail::createCPUGenerator(1000 + step);
+    torch::Tensor x = torch::randn({16, 128}, gen).narrow(0, begin, end - begin);
+    torch::Tensor h = torch::relu(torch::matmul(x, m.w1.t()) + m.b1);
+    return step % 2 == 0 ? torch::matmul(h, m.w2.t()).pow(2).mean() : h.pow(2).mean();
+  };
+  constexpr int kSteps = 7;
+  if (reference) {
+    HandModel m(7);
+    std::vector<torch::Tensor> ps = {m.w1, m.b1, m.w2, m.unused};
+    torch::optim::AdamW opt(ps, torch::optim::AdamWOptions(1e-2).weight_decay(0.01));
+    for (int step = 0; step < kSteps; ++step) {
+      for (auto& p : ps) p.mutable_grad() = torch::Tensor();  // set_to_none
+      // The two ranks' half-batch means, averaged (as the reduction does).
+      (loss_of(m, step, 0, 8) * 0.5 + loss_of(m, step, 8, 16) * 0.5).backward();
+      opt.step();
+    }
+    return m.Flat();
+  }
+  TwoRanks job;
+  std::vector<std::vector<float>> out(2);
+  job.Run([&](int r) {
+    HandModel m(7);
+    ShardedOptimizerOptions o = HandOptimizerOptions(shard);
+    o.adam.weight_decay = 0.01;  // as the reference's AdamW: `unused` would decay if stepped
+    auto opt = ShardedOptimizer::Create(m.named(), o, job.comms[r].get());
+    ASSERT_TRUE(opt.ok()) << opt.status();
+    for (int step = 0; step < kSteps; ++step) {
+      (*opt)->ZeroGrad(/*set_to_none=*/true);
+      loss_of(m, step, r * 8, r * 8 + 8).backward();
+      ASSERT_TRUE((*opt)->Step().ok());
+    }
+    // Per-parameter step counts, as torch.optim's state['step'] (layout
+    // index 2 is w2: used in steps 0, 2, 4, 6; 3 is `unused`).
+    const ShardOwner& owner = (*opt)->shard_owner();
+    for (const Piece& p : (*opt)->layout().PiecesOfRank(r)) {
+      const int64_t want = p.param == 2 ? 4 : p.param == 3 ? 0 : kSteps;
+      EXPECT_EQ(owner.param_step(p.param), want) << "parameter " << p.param;
+    }
+    out[r] = m.Flat();
+  });
+  EXPECT_EQ(out[0], out[1]);
+  return out[0];
+}
+
+TEST(MissingGradientsTest, ParametersWithoutAGradientAreNotUpdatedAsInTorchOptim) {
+  const std::vector<float> want = TrainBranchy(false, true);
+  HandModel initial(7);
+  const std::vector<float> before = initial.Flat();
+  for (bool shard : {false, true}) {
+    SCOPED_TRACE(shard ? "shard_gradients" : "full gradients");
+    const std::vector<float> got = TrainBranchy(shard, false);
+    // LibTorch's AdamW rounds differently from the kernels (~1e-5 here);
+    // a step w2 should have skipped would move it by ~lr = 1e-2.
+    ExpectClose(got, want, "branchy AdamW", /*abs_tol=*/1e-3);
+    // `unused` (the last 32 values) never moved.
+    EXPECT_TRUE(std::equal(got.end() - 32, got.end(), before.end() - 32));
+  }
+}
+
 // Parameters handed over out of backward's order (as weight-decay groups
 // do): bucket 0 holds w1, whose gradient backward produces last, bucket 1
 // w2 and b1. In the first step buckets are reduced in bucket order, so bucket
@@ -874,8 +942,8 @@ struct PieceModel {
     return loss;
   }
   std::vector<float> Flat() {
-    torch::Tensor f = torch::cat({w.detach().flatten(), b.detach().flatten(),
-                                  skip.detach().flatten()});
+    torch::Tensor f =
+        torch::cat({w.detach().flatten(), b.detach().flatten(), skip.detach().flatten()});
     return std::vector<float>(f.data_ptr<float>(), f.data_ptr<float>() + f.numel());
   }
 };
@@ -987,62 +1055,63 @@ TEST(ShardGradientsTest, PiecesAreTheSameOnEveryRankWhicheverWayTheGradientCame)
 // 256 x 256 weight (72% of the model) and 64 x 256 weight are reduced in
 // pieces; the small model is one bucket.
 TEST(ShardGradientsTest, GradientBytesFollowTheWorldSize) {
- for (const char* name : {"tiny", "small"}) {
-  for (int n : {2, 4}) {
-    InProcessWorld world(n, absl::Seconds(30));
-    std::vector<std::unique_ptr<Communicator>> comms;
-    for (int r = 0; r < n; ++r) comms.push_back(world.Connect(r));
-    std::vector<MemoryReport> mem(n);
-    std::vector<int64_t> caps;  // capacity_per_rank of every bucket
-    std::vector<bool> single;   // a bucket of one tensor
-    std::vector<std::thread> threads;
-    for (int r = 0; r < n; ++r) {
-      threads.emplace_back([&, r] {
-        auto model = *MakeModel(name, 1);
-        TrainConfig c;
-        c.bucket_cap = 4096;
-        c.shard_gradients = true;
-        auto opt = ShardedOptimizer::Create(model->NamedParameters(), OptionsFor(c),
-                                            comms[r].get());
-        ASSERT_TRUE(opt.ok()) << opt.status();
-        const int64_t per = model->batch_per_rank();
-        for (int step = 0; step < 2; ++step) {
-          (*opt)->ZeroGrad();
-          model->Loss(step, r * per, (r + 1) * per).backward();
-          ASSERT_TRUE((*opt)->Step().ok());
-        }
-        mem[r] = (*opt)->memory();
-        if (r == 0) {
-          for (const Bucket& b : (*opt)->layout().buckets()) {
-            caps.push_back(b.capacity_per_rank);
-            single.push_back(b.params.size() == 1);
+  for (const char* name : {"tiny", "small"}) {
+    for (int n : {2, 4}) {
+      InProcessWorld world(n, absl::Seconds(30));
+      std::vector<std::unique_ptr<Communicator>> comms;
+      for (int r = 0; r < n; ++r) comms.push_back(world.Connect(r));
+      std::vector<MemoryReport> mem(n);
+      std::vector<int64_t> caps;  // capacity_per_rank of every bucket
+      std::vector<bool> single;   // a bucket of one tensor
+      std::vector<std::thread> threads;
+      for (int r = 0; r < n; ++r) {
+        threads.emplace_back([&, r] {
+          auto model = *MakeModel(name, 1);
+          TrainConfig c;
+          c.bucket_cap = 4096;
+          c.shard_gradients = true;
+          auto opt =
+              ShardedOptimizer::Create(model->NamedParameters(), OptionsFor(c), comms[r].get());
+          ASSERT_TRUE(opt.ok()) << opt.status();
+          const int64_t per = model->batch_per_rank();
+          for (int step = 0; step < 2; ++step) {
+            (*opt)->ZeroGrad();
+            model->Loss(step, r * per, (r + 1) * per).backward();
+            ASSERT_TRUE((*opt)->Step().ok());
           }
-        }
-      });
+          mem[r] = (*opt)->memory();
+          if (r == 0) {
+            for (const Bucket& b : (*opt)->layout().buckets()) {
+              caps.push_back(b.capacity_per_rank);
+              single.push_back(b.params.size() == 1);
+            }
+          }
+        });
+      }
+      for (auto& t : threads) t.join();
+      const int64_t full = mem[0].param_bytes;  // the full gradient buffer's size
+      // A piece: a bucket of the cap's per-rank share (cap + N x 64 alignment),
+      // rounded up to the alignment.
+      const int64_t piece = ((4096 + n * 64 + n - 1) / n + 63) / 64 * 64;
+      std::vector<int64_t> stages;  // per bucket, per staged chunk
+      for (size_t b = 0; b < caps.size(); ++b) {
+        stages.push_back(single[b] && caps[b] > piece ? piece : caps[b]);
+      }
+      std::sort(stages.rbegin(), stages.rend());
+      const int64_t two_largest = (stages[0] + (stages.size() > 1 ? stages[1] : 0)) * (n - 1);
+      const int64_t staging =
+          std::max(stages[0] * (n - 1), std::min(two_largest, 2 * piece * (n - 1))) * 4;
+      if (std::string(name) == "tiny") {
+        EXPECT_LT(staging, full / 8) << "staging is bounded by pieces";
+      }
+      for (int r = 0; r < n; ++r) {
+        EXPECT_EQ(mem[r].grad_bytes, full / n + staging)
+            << name << ", " << n << " ranks, rank " << r;
+      }
+      std::cout << name << ", " << n << " ranks: gradient bytes " << mem[0].grad_bytes << " of "
+                << full << " (" << static_cast<double>(mem[0].grad_bytes) / full << "x)\n";
     }
-    for (auto& t : threads) t.join();
-    const int64_t full = mem[0].param_bytes;  // the full gradient buffer's size
-    // A piece: a bucket of the cap's per-rank share (cap + N x 64 alignment),
-    // rounded up to the alignment.
-    const int64_t piece = ((4096 + n * 64 + n - 1) / n + 63) / 64 * 64;
-    std::vector<int64_t> stages;  // per bucket, per staged chunk
-    for (size_t b = 0; b < caps.size(); ++b) {
-      stages.push_back(single[b] && caps[b] > piece ? piece : caps[b]);
-    }
-    std::sort(stages.rbegin(), stages.rend());
-    const int64_t two_largest = (stages[0] + (stages.size() > 1 ? stages[1] : 0)) * (n - 1);
-    const int64_t staging =
-        std::max(stages[0] * (n - 1), std::min(two_largest, 2 * piece * (n - 1))) * 4;
-    if (std::string(name) == "tiny") {
-      EXPECT_LT(staging, full / 8) << "staging is bounded by pieces";
-    }
-    for (int r = 0; r < n; ++r) {
-      EXPECT_EQ(mem[r].grad_bytes, full / n + staging) << name << ", " << n << " ranks, rank " << r;
-    }
-    std::cout << name << ", " << n << " ranks: gradient bytes " << mem[0].grad_bytes << " of "
-              << full << " (" << static_cast<double>(mem[0].grad_bytes) / full << "x)\n";
   }
- }
 }
 
 // device_async_step: on the CPU every collective is still waited for on the
@@ -1061,11 +1130,12 @@ TEST(DeviceAsyncStepTest, SameParametersNormsAndClippingAsTheDefaultStep) {
     bool overlap;
     bool shard;
   };
-  for (const Case& k : {Case{"adam", OptimizerKind::kAdam, 0.0, false, false, false},
-                        Case{"adamw_clip", OptimizerKind::kAdamW, 0.5, false, false, false},
-                        Case{"adamw_clip_overlap", OptimizerKind::kAdamW, 0.5, false, true, false},
-                        Case{"sgd_clip_bf16_grads", OptimizerKind::kSgd, 0.5, true, false, false},
-                        Case{"adamw_clip_zero2_overlap", OptimizerKind::kAdamW, 0.5, false, true, true}}) {
+  for (const Case& k :
+       {Case{"adam", OptimizerKind::kAdam, 0.0, false, false, false},
+        Case{"adamw_clip", OptimizerKind::kAdamW, 0.5, false, false, false},
+        Case{"adamw_clip_overlap", OptimizerKind::kAdamW, 0.5, false, true, false},
+        Case{"sgd_clip_bf16_grads", OptimizerKind::kSgd, 0.5, true, false, false},
+        Case{"adamw_clip_zero2_overlap", OptimizerKind::kAdamW, 0.5, false, true, true}}) {
     for (int n : {1, 2, 3}) {
       TrainConfig c = SmallCase(k.kind, k.clip, k.bf16, k.overlap);
       c.shard_gradients = k.shard;
@@ -1073,7 +1143,8 @@ TEST(DeviceAsyncStepTest, SameParametersNormsAndClippingAsTheDefaultStep) {
       std::vector<double> norms_sync, norms_async;
       std::vector<float> sync = TrainInProcess(c, n, nullptr, nullptr, &clipped_sync, &norms_sync);
       c.device_async_step = true;
-      std::vector<float> async = TrainInProcess(c, n, nullptr, nullptr, &clipped_async, &norms_async);
+      std::vector<float> async =
+          TrainInProcess(c, n, nullptr, nullptr, &clipped_async, &norms_async);
       ASSERT_FALSE(sync.empty()) << k.name;
       EXPECT_EQ(async, sync) << k.name << " at " << n << " ranks";
       EXPECT_EQ(norms_async, norms_sync) << k.name << " at " << n << " ranks";
@@ -1280,7 +1351,8 @@ TEST(DeviceAsyncStepTest, NormReadingsAfterRestoreAndNaN) {
     ASSERT_TRUE(read.ok()) << read.status();
     EXPECT_TRUE(read->clipped && std::isnan(read->grad_norm)) << async;
     ASSERT_TRUE((*opt)->FinishRestore(7).ok());
-    EXPECT_EQ((*opt)->LastGradNorm().status().code(), absl::StatusCode::kFailedPrecondition) << async;
+    EXPECT_EQ((*opt)->LastGradNorm().status().code(), absl::StatusCode::kFailedPrecondition)
+        << async;
     EXPECT_FALSE((*opt)->ReadyGradNorm().has_value()) << async;
   }
 }

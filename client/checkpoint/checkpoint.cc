@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
+#include <map>
 #include <memory>
 
 #include "absl/strings/ascii.h"
@@ -51,15 +52,17 @@ absl::StatusOr<std::vector<std::string>> GatherStrings(Communicator* comm, const
   const int n = comm->world_size(), r = comm->rank();
   auto lens = std::make_shared<std::vector<int64_t>>(n, 0);
   (*lens)[r] = static_cast<int64_t>(mine.size());
-  SHARDOPT_RETURN_IF_ERROR(
-      WaitSafely(comm, comm->AllGather(lens->data(), sizeof(int64_t), ElementType::kByte), timeout, lens));
+  SHARDOPT_RETURN_IF_ERROR(WaitSafely(
+      comm, comm->AllGather(lens->data(), sizeof(int64_t), ElementType::kByte), timeout, lens));
   int64_t mx = 0;
   for (int64_t l : *lens) mx = std::max(mx, std::max<int64_t>(l, 0));
   auto buf = std::make_shared<std::vector<char>>(static_cast<size_t>(mx * n + 1), 0);
   std::memcpy(buf->data() + r * mx, mine.data(), mine.size());
-  SHARDOPT_RETURN_IF_ERROR(WaitSafely(comm, comm->AllGather(buf->data(), mx, ElementType::kByte), timeout, buf));
+  SHARDOPT_RETURN_IF_ERROR(
+      WaitSafely(comm, comm->AllGather(buf->data(), mx, ElementType::kByte), timeout, buf));
   std::vector<std::string> out;
-  for (int q = 0; q < n; ++q) out.emplace_back(buf->data() + q * mx, std::max<int64_t>((*lens)[q], 0));
+  for (int q = 0; q < n; ++q)
+    out.emplace_back(buf->data() + q * mx, std::max<int64_t>((*lens)[q], 0));
   return out;
 }
 
@@ -68,7 +71,8 @@ absl::Status AgreeOnSuccess(Communicator* comm, const absl::Status& mine, const 
                             absl::Duration timeout, bool* agreed_failure = nullptr) {
   auto failed = std::make_shared<float>(mine.ok() ? 0.0f : 1.0f);
   absl::Status s =
-      WaitSafely(comm, comm->AllReduce(failed.get(), 1, ElementType::kFloat32, ReduceOp::kMax), timeout, failed);
+      WaitSafely(comm, comm->AllReduce(failed.get(), 1, ElementType::kFloat32, ReduceOp::kMax),
+                 timeout, failed);
   if (!s.ok()) return s;
   // The agreement itself worked: every rank knows the step failed.
   if (*failed > 0 && agreed_failure != nullptr) *agreed_failure = true;
@@ -96,6 +100,10 @@ std::string SafetensorsPrefix(const nlohmann::json& header) {
 struct ShardWritten {
   ManifestFile file;
   std::vector<ManifestPiece> pieces;
+  // Owned parameters whose update count (torch.optim's per-parameter
+  // state['step']) is not the checkpoint's step: they missed steps without a
+  // gradient. Layout index -> count.
+  std::map<int, int64_t> param_steps;
 };
 
 nlohmann::json ToJson(const ShardWritten& w) {
@@ -105,8 +113,16 @@ nlohmann::json ToJson(const ShardWritten& w) {
   j["crc32c"] = w.file.crc32c;
   j["pieces"] = nlohmann::json::array();
   for (const ManifestPiece& p : w.pieces) {
-    j["pieces"].push_back({{"param", p.param}, {"offset", p.offset}, {"length", p.length},
-                           {"begin", p.begin}, {"crc32c", p.crc32c}});
+    j["pieces"].push_back({{"param", p.param},
+                           {"offset", p.offset},
+                           {"length", p.length},
+                           {"begin", p.begin},
+                           {"crc32c", p.crc32c}});
+  }
+  if (!w.param_steps.empty()) {
+    j["param_steps"] = nlohmann::json::object();
+    for (const auto& [param, count] : w.param_steps)
+      j["param_steps"][std::to_string(param)] = count;
   }
   return j;
 }
@@ -118,7 +134,8 @@ absl::StatusOr<ShardWritten> FromJson(const std::string& text, int file) {
   if (!j.is_object()) return absl::InternalError("a rank sent a malformed checkpoint fragment");
   ShardWritten w;
   try {
-    w.file = {j.at("name").get<std::string>(), j.at("bytes").get<int64_t>(), j.at("crc32c").get<uint32_t>()};
+    w.file = {j.at("name").get<std::string>(), j.at("bytes").get<int64_t>(),
+              j.at("crc32c").get<uint32_t>()};
     for (const auto& pj : j.at("pieces")) {
       ManifestPiece p;
       p.param = pj.at("param").get<int>();
@@ -129,8 +146,14 @@ absl::StatusOr<ShardWritten> FromJson(const std::string& text, int file) {
       p.crc32c = pj.at("crc32c").get<std::vector<std::vector<uint32_t>>>();
       w.pieces.push_back(std::move(p));
     }
+    if (j.contains("param_steps")) {
+      for (const auto& [param, count] : j.at("param_steps").items()) {
+        w.param_steps[std::stoi(param)] = count.get<int64_t>();
+      }
+    }
   } catch (const std::exception& e) {
-    return absl::InternalError(absl::StrCat("a rank sent a malformed checkpoint fragment: ", e.what()));
+    return absl::InternalError(
+        absl::StrCat("a rank sent a malformed checkpoint fragment: ", e.what()));
   }
   return w;
 }
@@ -191,8 +214,8 @@ std::vector<std::string> StateNames(const ShardedOptimizer& opt) {
 
 // Writes this rank's shard: temporary name, fsync, rename, directory fsync.
 // The temporary file is removed on failure.
-absl::StatusOr<ShardWritten> WriteShard(ShardedOptimizer& opt, FileSystem* fs, const std::string& dir,
-                                        int64_t step) {
+absl::StatusOr<ShardWritten> WriteShard(ShardedOptimizer& opt, FileSystem* fs,
+                                        const std::string& dir, int64_t step) {
   const Layout& layout = opt.layout();
   const int rank = opt.communicator()->rank(), world = opt.communicator()->world_size();
   const std::vector<std::string> states = StateNames(opt);
@@ -202,16 +225,25 @@ absl::StatusOr<ShardWritten> WriteShard(ShardedOptimizer& opt, FileSystem* fs, c
   int64_t offset = 0;
   for (const Piece& p : pieces) {
     for (const std::string& s : states) {
-      const std::string name = absl::StrCat(layout.params()[p.param].name, "::", s, "::", p.param_offset);
-      header[name] = {{"dtype", "F32"}, {"shape", {p.length}}, {"data_offsets", {offset, offset + p.length * 4}}};
+      const std::string name =
+          absl::StrCat(layout.params()[p.param].name, "::", s, "::", p.param_offset);
+      header[name] = {{"dtype", "F32"},
+                      {"shape", {p.length}},
+                      {"data_offsets", {offset, offset + p.length * 4}}};
       offset += p.length * 4;
     }
   }
-  header["__metadata__"] = {{"format", "shardopt-shard-v1"}, {"rank", std::to_string(rank)},
-                            {"world_size", std::to_string(world)}, {"step", std::to_string(step)}};
+  header["__metadata__"] = {{"format", "shardopt-shard-v1"},
+                            {"rank", std::to_string(rank)},
+                            {"world_size", std::to_string(world)},
+                            {"step", std::to_string(step)}};
   const std::string prefix = SafetensorsPrefix(header);
   ShardWritten out;
   out.file.name = ShardName(rank, world);
+  for (const Piece& p : opt.layout().PiecesOfRank(rank)) {
+    const int64_t count = opt.shard_owner().param_step(p.param);
+    if (count != step) out.param_steps[p.param] = count;
+  }
   const std::string path = absl::StrCat(dir, "/", out.file.name);
   SHARDOPT_ASSIGN_OR_RETURN(auto file, fs->NewWritableFile(path + ".tmp"));
   uint32_t crc = 0;
@@ -270,12 +302,20 @@ absl::StatusOr<Manifest> BuildManifest(const ShardedOptimizer& opt, int64_t step
     for (int64_t d : p.shape) numel *= d;
     m.params.push_back({p.name, p.shape, p.dtype, p.trainable, numel});
   }
+  nlohmann::json param_steps = nlohmann::json::object();
   for (size_t q = 0; q < fragments.size(); ++q) {
     SHARDOPT_ASSIGN_OR_RETURN(ShardWritten w, FromJson(fragments[q], static_cast<int>(q)));
     m.files.push_back(w.file);
     for (auto& p : w.pieces) m.pieces.push_back(std::move(p));
+    for (const auto& [param, count] : w.param_steps) {
+      if (param < 0 || param >= static_cast<int>(m.params.size())) {
+        return absl::InternalError("a rank sent a malformed checkpoint fragment (param_steps)");
+      }
+      param_steps[m.params[param].name] = count;
+    }
   }
   m.user_metadata = options.user_metadata;
+  if (!param_steps.empty()) m.user_metadata[kMetaParamSteps] = param_steps.dump();
   return m;
 }
 
@@ -309,12 +349,14 @@ absl::StatusOr<std::string> SaveCheckpoint(ShardedOptimizer& opt, const std::str
   auto written = WriteShard(opt, fs, dir, step);
   absl::Status wrote = written.status();
   if (!wrote.ok()) {
-    wrote = absl::Status(wrote.code(), absl::StrCat("rank ", rank, ": writing its shard failed: ", wrote.message()));
+    wrote = absl::Status(
+        wrote.code(), absl::StrCat("rank ", rank, ": writing its shard failed: ", wrote.message()));
   }
   // Removed only when every rank learned of the failure: after a collective
   // that failed, rank 0 might still commit with this rank's shard.
   bool agreed_failure = false;
-  if (absl::Status s = AgreeOnSuccess(comm, wrote, "writing a shard", timeout, &agreed_failure); !s.ok()) {
+  if (absl::Status s = AgreeOnSuccess(comm, wrote, "writing a shard", timeout, &agreed_failure);
+      !s.ok()) {
     return agreed_failure ? discard(s) : s;
   }
 
@@ -326,10 +368,13 @@ absl::StatusOr<std::string> SaveCheckpoint(ShardedOptimizer& opt, const std::str
   if (rank == 0) {
     auto m = BuildManifest(opt, step, fragments, options);
     committed = m.status();
-    if (committed.ok()) committed = WriteFileAtomically(fs, dir + "/manifest.json", SerializeManifest(*m));
-    if (committed.ok()) committed = WriteFileAtomically(fs, root + "/LATEST", absl::StrCat("step-", step, "\n"));
+    if (committed.ok())
+      committed = WriteFileAtomically(fs, dir + "/manifest.json", SerializeManifest(*m));
+    if (committed.ok())
+      committed = WriteFileAtomically(fs, root + "/LATEST", absl::StrCat("step-", step, "\n"));
   }
-  absl::Status agreed = AgreeOnSuccess(comm, committed, "committing the checkpoint", timeout, &agreed_failure);
+  absl::Status agreed =
+      AgreeOnSuccess(comm, committed, "committing the checkpoint", timeout, &agreed_failure);
   // Rank 0 said it could not commit: nothing names this directory.
   if (agreed_failure) return discard(agreed);
   if (!agreed.ok() && committed.ok()) {
@@ -347,29 +392,35 @@ absl::StatusOr<std::string> SaveCheckpoint(ShardedOptimizer& opt, const std::str
 
 absl::StatusOr<std::string> ResolveCheckpoint(FileSystem* fs, const std::string& path) {
   const EntryKind kind = fs->Kind(path);
-  if (kind == EntryKind::kMissing) return absl::NotFoundError(absl::StrCat("'", path, "' does not exist"));
+  if (kind == EntryKind::kMissing)
+    return absl::NotFoundError(absl::StrCat("'", path, "' does not exist"));
   if (fs->Kind(path + "/manifest.json") == EntryKind::kFile) return path;
   if (fs->Kind(path + "/LATEST") != EntryKind::kMissing) {
     SHARDOPT_ASSIGN_OR_RETURN(std::string latest, ReadWholeFile(fs, path + "/LATEST", 4096));
     while (!latest.empty() && (latest.back() == '\n' || latest.back() == ' ')) latest.pop_back();
     int64_t step;
     if (!ParseStepName(latest, &step)) {
-      return absl::DataLossError(absl::StrCat("'", path, "/LATEST' is corrupt (it should name step-<N>)"));
+      return absl::DataLossError(
+          absl::StrCat("'", path, "/LATEST' is corrupt (it should name step-<N>)"));
     }
     const std::string dir = path + "/" + latest;
-    if (fs->Kind(dir) != EntryKind::kDirectory || fs->Kind(dir + "/manifest.json") != EntryKind::kFile) {
-      return absl::DataLossError(absl::StrCat("'", path, "/LATEST' names ", latest,
-                                              ", which is not a checkpoint directory with a manifest"));
+    if (fs->Kind(dir) != EntryKind::kDirectory ||
+        fs->Kind(dir + "/manifest.json") != EntryKind::kFile) {
+      return absl::DataLossError(
+          absl::StrCat("'", path, "/LATEST' names ", latest,
+                       ", which is not a checkpoint directory with a manifest"));
     }
     return dir;
   }
-  return absl::NotFoundError(absl::StrCat("'", path, "' is neither a checkpoint (no manifest.json) "
+  return absl::NotFoundError(absl::StrCat("'", path,
+                                          "' is neither a checkpoint (no manifest.json) "
                                           "nor a checkpoint root (no LATEST)"));
 }
 
 namespace {
 
-absl::Status VerifyFile(FileSystem* fs, const std::string& dir, const ManifestFile& f, std::vector<char>* buf) {
+absl::Status VerifyFile(FileSystem* fs, const std::string& dir, const ManifestFile& f,
+                        std::vector<char>* buf) {
   const std::string path = dir + "/" + f.name;
   uint32_t crc = 0;
   buf->resize(kBlockBytes);
@@ -390,14 +441,16 @@ namespace {
 
 // Reads state `si` of piece `p` block by block, checking each block's CRC,
 // and hands the blocks to `sink` in order.
-absl::Status StreamPiece(FileSystem* fs, const std::string& dir, const Manifest& m, const ManifestPiece& p, size_t si,
-                         std::vector<char>* buf, const std::function<absl::Status(const char*, size_t)>& sink) {
+absl::Status StreamPiece(FileSystem* fs, const std::string& dir, const Manifest& m,
+                         const ManifestPiece& p, size_t si, std::vector<char>* buf,
+                         const std::function<absl::Status(const char*, size_t)>& sink) {
   const std::string file = dir + "/" + m.files[p.file].name;
   const int64_t bytes = p.length * 4;
   buf->resize(static_cast<size_t>(m.block_bytes));
   for (int64_t b = 0; b * m.block_bytes < bytes; ++b) {
     const size_t n = static_cast<size_t>(std::min(m.block_bytes, bytes - b * m.block_bytes));
-    SHARDOPT_RETURN_IF_ERROR(fs->ReadAt(file, static_cast<uint64_t>(p.begin[si] + b * m.block_bytes), n, buf->data()));
+    SHARDOPT_RETURN_IF_ERROR(
+        fs->ReadAt(file, static_cast<uint64_t>(p.begin[si] + b * m.block_bytes), n, buf->data()));
     SHARDOPT_RETURN_IF_ERROR(CheckBlockCrc(m, p, si, b, buf->data(), n, file));
     if (sink) SHARDOPT_RETURN_IF_ERROR(sink(buf->data(), n));
   }
@@ -423,40 +476,43 @@ absl::Status VerifyCheckpoint(FileSystem* fs, const std::string& dir) {
 namespace {
 
 // The checkpoint holds this model and this optimizer's kind of state.
-absl::Status CheckCompatible(const ShardedOptimizer& opt, const Manifest& m, const std::string& where) {
+absl::Status CheckCompatible(const ShardedOptimizer& opt, const Manifest& m,
+                             const std::string& where) {
   const Layout& layout = opt.layout();
   if (m.params.size() != layout.params().size()) {
-    return absl::FailedPreconditionError(absl::StrCat("checkpoint '", where, "' is of another model: ",
-                                                      m.params.size(), " parameters, this model has ",
-                                                      layout.params().size()));
+    return absl::FailedPreconditionError(
+        absl::StrCat("checkpoint '", where, "' is of another model: ", m.params.size(),
+                     " parameters, this model has ", layout.params().size()));
   }
   for (size_t i = 0; i < m.params.size(); ++i) {
     const ParamSpec& p = layout.params()[i];
-    if (m.params[i].name != p.name || m.params[i].shape != p.shape || m.params[i].trainable != p.trainable) {
+    if (m.params[i].name != p.name || m.params[i].shape != p.shape ||
+        m.params[i].trainable != p.trainable) {
       return absl::FailedPreconditionError(
-          absl::StrCat("checkpoint '", where, "' is of another model: parameter #", i, " is '", m.params[i].name,
-                       "' ", nlohmann::json(m.params[i].shape).dump(), " there, '", p.name, "' ",
-                       nlohmann::json(p.shape).dump(), " here"));
+          absl::StrCat("checkpoint '", where, "' is of another model: parameter #", i, " is '",
+                       m.params[i].name, "' ", nlohmann::json(m.params[i].shape).dump(),
+                       " there, '", p.name, "' ", nlohmann::json(p.shape).dump(), " here"));
     }
   }
   if (m.optimizer.kind != OptimizerKindName(opt.options().kind)) {
-    return absl::FailedPreconditionError(absl::StrCat("checkpoint '", where, "' holds ", m.optimizer.kind,
-                                                      " state; this optimizer is ",
-                                                      OptimizerKindName(opt.options().kind)));
+    return absl::FailedPreconditionError(
+        absl::StrCat("checkpoint '", where, "' holds ", m.optimizer.kind,
+                     " state; this optimizer is ", OptimizerKindName(opt.options().kind)));
   }
   const std::vector<std::string> want = StateNames(opt);
   if (m.states != want) {
-    return absl::FailedPreconditionError(absl::StrCat("checkpoint '", where, "' holds states ",
-                                                      nlohmann::json(m.states).dump(), "; this optimizer needs ",
-                                                      nlohmann::json(want).dump()));
+    return absl::FailedPreconditionError(
+        absl::StrCat("checkpoint '", where, "' holds states ", nlohmann::json(m.states).dump(),
+                     "; this optimizer needs ", nlohmann::json(want).dump()));
   }
   return absl::OkStatus();
 }
 
 // Copies elements [lo, hi) of old piece `op` (state `si`) into `dst`,
 // reading whole CRC blocks and checking them.
-absl::Status ReadPieceRange(FileSystem* fs, const std::string& file, const Manifest& m, const ManifestPiece& op,
-                            size_t si, int64_t lo, int64_t hi, char* dst, std::vector<char>* buf) {
+absl::Status ReadPieceRange(FileSystem* fs, const std::string& file, const Manifest& m,
+                            const ManifestPiece& op, size_t si, int64_t lo, int64_t hi, char* dst,
+                            std::vector<char>* buf) {
   const int64_t block = m.block_bytes, ob = op.offset, bytes = op.length * 4;
   const int64_t first = (lo - ob) * 4 / block, last = ((hi - ob) * 4 - 1) / block;
   for (int64_t b = first; b <= last; ++b) {
@@ -473,13 +529,16 @@ absl::Status ReadPieceRange(FileSystem* fs, const std::string& file, const Manif
     SHARDOPT_RETURN_IF_ERROR(fs->ReadAt(file, static_cast<uint64_t>(op.begin[si] + bb),
                                         static_cast<size_t>(be - bb), into));
     SHARDOPT_RETURN_IF_ERROR(CheckBlockCrc(m, op, si, b, into, static_cast<size_t>(be - bb), file));
-    if (!whole) std::memcpy(dst + (cb - (lo - ob) * 4), buf->data() + (cb - bb), static_cast<size_t>(ce - cb));
+    if (!whole)
+      std::memcpy(dst + (cb - (lo - ob) * 4), buf->data() + (cb - bb),
+                  static_cast<size_t>(ce - cb));
   }
   return absl::OkStatus();
 }
 
 // Reads exactly the blocks that hold what this rank now owns.
-absl::Status ReadOwnedFromShards(ShardedOptimizer& opt, FileSystem* fs, const std::string& dir, const Manifest& m) {
+absl::Status ReadOwnedFromShards(ShardedOptimizer& opt, FileSystem* fs, const std::string& dir,
+                                 const Manifest& m) {
   const Layout& layout = opt.layout();
   std::vector<char> buf;
   for (const Piece& np : layout.PiecesOfRank(opt.communicator()->rank())) {
@@ -488,7 +547,8 @@ absl::Status ReadOwnedFromShards(ShardedOptimizer& opt, FileSystem* fs, const st
     const int64_t want_begin = np.param_offset, want_end = np.param_offset + np.length;
     for (int k : m.pieces_of_param[np.param]) {
       const ManifestPiece& op = m.pieces[k];
-      const int64_t lo = std::max(want_begin, op.offset), hi = std::min(want_end, op.offset + op.length);
+      const int64_t lo = std::max(want_begin, op.offset),
+                    hi = std::min(want_end, op.offset + op.length);
       if (lo >= hi) continue;
       const std::string file = dir + "/" + m.files[op.file].name;
       for (size_t si = 0; si < m.states.size(); ++si) {
@@ -500,7 +560,8 @@ absl::Status ReadOwnedFromShards(ShardedOptimizer& opt, FileSystem* fs, const st
   // Whole-file CRCs (they also cover the headers): file q is checked by rank
   // q mod N, so every file is read once more in all, in parallel.
   const int n = opt.communicator()->world_size();
-  for (size_t q = static_cast<size_t>(opt.communicator()->rank()); q < m.files.size(); q += static_cast<size_t>(n)) {
+  for (size_t q = static_cast<size_t>(opt.communicator()->rank()); q < m.files.size();
+       q += static_cast<size_t>(n)) {
     SHARDOPT_RETURN_IF_ERROR(VerifyFile(fs, dir, m.files[q], &buf));
   }
   return absl::OkStatus();
@@ -510,7 +571,7 @@ absl::Status ReadOwnedFromShards(ShardedOptimizer& opt, FileSystem* fs, const st
 // "<param>.<state>", with the step and the optimizer in the metadata.
 struct Consolidated {
   SafetensorsHeader header;
-  Manifest m;  // step, optimizer, states (params/pieces unused)
+  Manifest m;                            // step, optimizer, states (params/pieces unused)
   std::map<std::string, uint32_t> crcs;  // per tensor, if recorded
 };
 
@@ -524,25 +585,28 @@ absl::StatusOr<Consolidated> ReadConsolidated(FileSystem* fs, const std::string&
   auto meta = [&](const std::string& key) -> absl::StatusOr<std::string> {
     auto it = c.header.metadata.find(key);
     if (it == c.header.metadata.end()) {
-      return absl::InvalidArgumentError(absl::StrCat("'", path, "' is not a shardopt consolidated checkpoint (no ",
-                                                     key, " in its metadata)"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "'", path, "' is not a shardopt consolidated checkpoint (no ", key, " in its metadata)"));
     }
     return it->second;
   };
   SHARDOPT_ASSIGN_OR_RETURN(std::string format, meta("format"));
   if (format != kConsolidatedFormat) {
-    return absl::InvalidArgumentError(absl::StrCat("'", path, "' has format '", format, "', not ", kConsolidatedFormat));
+    return absl::InvalidArgumentError(
+        absl::StrCat("'", path, "' has format '", format, "', not ", kConsolidatedFormat));
   }
   SHARDOPT_ASSIGN_OR_RETURN(std::string step, meta("step"));
   if (!absl::SimpleAtoi(step, &c.m.step) || c.m.step < 0) {
-    return absl::DataLossError(absl::StrCat("'", path, "': metadata step '", step, "' is not a step"));
+    return absl::DataLossError(
+        absl::StrCat("'", path, "': metadata step '", step, "' is not a step"));
   }
   SHARDOPT_ASSIGN_OR_RETURN(std::string opt, meta("optimizer"));
   SHARDOPT_ASSIGN_OR_RETURN(c.m.optimizer, ParseSavedOptimizer(opt, path));
   auto crcs = c.header.metadata.find("tensor_crc32c");
   if (crcs != c.header.metadata.end()) {
     nlohmann::json j = nlohmann::json::parse(crcs->second, nullptr, false);
-    if (!j.is_object()) return absl::DataLossError(absl::StrCat("'", path, "': metadata tensor_crc32c is corrupt"));
+    if (!j.is_object())
+      return absl::DataLossError(absl::StrCat("'", path, "': metadata tensor_crc32c is corrupt"));
     for (auto it = j.begin(); it != j.end(); ++it) {
       if (!it.value().is_number_unsigned() || it.value().get<uint64_t>() > UINT32_MAX) {
         return absl::DataLossError(absl::StrCat("'", path, "': metadata tensor_crc32c is corrupt"));
@@ -555,7 +619,8 @@ absl::StatusOr<Consolidated> ReadConsolidated(FileSystem* fs, const std::string&
 
 // The consolidated file holds exactly this model's trainable tensors, for the
 // states this optimizer keeps.
-absl::Status CheckConsolidated(const ShardedOptimizer& opt, const Consolidated& c, const std::string& path) {
+absl::Status CheckConsolidated(const ShardedOptimizer& opt, const Consolidated& c,
+                               const std::string& path) {
   const Layout& layout = opt.layout();
   if (c.m.optimizer.kind != OptimizerKindName(opt.options().kind)) {
     return absl::FailedPreconditionError(absl::StrCat("'", path, "' holds ", c.m.optimizer.kind,
@@ -569,26 +634,28 @@ absl::Status CheckConsolidated(const ShardedOptimizer& opt, const Consolidated& 
       ++expected;
       const SafetensorsEntry* e = c.header.Find(TensorName(p.name, s));
       if (e == nullptr) {
-        return absl::FailedPreconditionError(absl::StrCat("'", path, "' has no tensor '", TensorName(p.name, s),
+        return absl::FailedPreconditionError(absl::StrCat("'", path, "' has no tensor '",
+                                                          TensorName(p.name, s),
                                                           "' (another model or optimizer?)"));
       }
       if (e->dtype != "F32" || e->shape != p.shape) {
-        return absl::FailedPreconditionError(absl::StrCat("'", path, "': tensor '", e->name, "' is ", e->dtype, " ",
-                                                          nlohmann::json(e->shape).dump(), ", this model needs F32 ",
-                                                          nlohmann::json(p.shape).dump()));
+        return absl::FailedPreconditionError(
+            absl::StrCat("'", path, "': tensor '", e->name, "' is ", e->dtype, " ",
+                         nlohmann::json(e->shape).dump(), ", this model needs F32 ",
+                         nlohmann::json(p.shape).dump()));
       }
     }
   }
   if (c.header.tensors.size() != expected) {
-    return absl::FailedPreconditionError(absl::StrCat("'", path, "' holds ", c.header.tensors.size(),
-                                                      " tensors, this model and optimizer ", expected,
-                                                      " (another model or optimizer?)"));
+    return absl::FailedPreconditionError(absl::StrCat(
+        "'", path, "' holds ", c.header.tensors.size(), " tensors, this model and optimizer ",
+        expected, " (another model or optimizer?)"));
   }
   return absl::OkStatus();
 }
 
-absl::Status VerifyTensorCrc(FileSystem* fs, const std::string& path, const SafetensorsEntry& e, uint32_t want,
-                             std::vector<char>* buf) {
+absl::Status VerifyTensorCrc(FileSystem* fs, const std::string& path, const SafetensorsEntry& e,
+                             uint32_t want, std::vector<char>* buf) {
   buf->resize(kBlockBytes);
   uint32_t crc = 0;
   for (int64_t off = e.begin; off < e.end; off += kBlockBytes) {
@@ -597,31 +664,36 @@ absl::Status VerifyTensorCrc(FileSystem* fs, const std::string& path, const Safe
     crc = Crc32cExtend(crc, buf->data(), n);
   }
   if (crc != want) {
-    return absl::DataLossError(absl::StrCat("'", path, "' is corrupt: CRC32C mismatch in tensor '", e.name, "'"));
+    return absl::DataLossError(
+        absl::StrCat("'", path, "' is corrupt: CRC32C mismatch in tensor '", e.name, "'"));
   }
   return absl::OkStatus();
 }
 
-absl::Status ReadOwnedFromConsolidated(ShardedOptimizer& opt, FileSystem* fs, const std::string& path,
-                                       const Consolidated& c) {
+absl::Status ReadOwnedFromConsolidated(ShardedOptimizer& opt, FileSystem* fs,
+                                       const std::string& path, const Consolidated& c) {
   const Layout& layout = opt.layout();
   const std::vector<std::string> states = StateNames(opt);
   for (const Piece& np : layout.PiecesOfRank(opt.communicator()->rank())) {
     ShardedOptimizer::OwnedSlice slice = opt.owned_slice(np.bucket);
     float* arrays[3] = {slice.master, slice.state0, slice.state1};
     for (size_t si = 0; si < states.size(); ++si) {
-      const SafetensorsEntry* e = c.header.Find(TensorName(layout.params()[np.param].name, states[si]));
-      SHARDOPT_RETURN_IF_ERROR(fs->ReadAt(path, static_cast<uint64_t>(e->begin + np.param_offset * 4),
-                                          static_cast<size_t>(np.length * 4), arrays[si] + np.rank_offset));
+      const SafetensorsEntry* e =
+          c.header.Find(TensorName(layout.params()[np.param].name, states[si]));
+      SHARDOPT_RETURN_IF_ERROR(
+          fs->ReadAt(path, static_cast<uint64_t>(e->begin + np.param_offset * 4),
+                     static_cast<size_t>(np.length * 4), arrays[si] + np.rank_offset));
     }
   }
   // Tensor CRCs: tensor k is checked by rank k mod N.
   std::vector<char> buf;
   const size_t n = static_cast<size_t>(opt.communicator()->world_size());
-  for (size_t k = static_cast<size_t>(opt.communicator()->rank()); k < c.header.tensors.size(); k += n) {
+  for (size_t k = static_cast<size_t>(opt.communicator()->rank()); k < c.header.tensors.size();
+       k += n) {
     const SafetensorsEntry& e = c.header.tensors[k];
     auto it = c.crcs.find(e.name);
-    if (it != c.crcs.end()) SHARDOPT_RETURN_IF_ERROR(VerifyTensorCrc(fs, path, e, it->second, &buf));
+    if (it != c.crcs.end())
+      SHARDOPT_RETURN_IF_ERROR(VerifyTensorCrc(fs, path, e, it->second, &buf));
   }
   return absl::OkStatus();
 }
@@ -661,13 +733,43 @@ absl::Status RestoreOwnedSlices(ShardedOptimizer& opt, const std::function<absl:
   Staging staging(opt);
   SHARDOPT_RETURN_IF_ERROR(staging.Begin());
   const absl::Status mine = fill();
-  SHARDOPT_RETURN_IF_ERROR(AgreeOnSuccess(opt.communicator(), mine, "loading the checkpoint", opt.options().timeout));
+  SHARDOPT_RETURN_IF_ERROR(
+      AgreeOnSuccess(opt.communicator(), mine, "loading the checkpoint", opt.options().timeout));
   SHARDOPT_RETURN_IF_ERROR(staging.CopyBack());
   SHARDOPT_RETURN_IF_ERROR(ApplyHyperParameters(opt, info));
-  return opt.FinishRestore(info.step);
+  SHARDOPT_RETURN_IF_ERROR(opt.FinishRestore(info.step));
+  return ApplyParamSteps(opt, info.user_metadata, info.path);
 }
 
-absl::StatusOr<RestoredCheckpoint> LoadCheckpoint(ShardedOptimizer& opt, const std::string& path, FileSystem* fs) {
+absl::Status ApplyParamSteps(ShardedOptimizer& opt,
+                             const std::map<std::string, std::string>& user_metadata,
+                             const std::string& where) {
+  auto it = user_metadata.find(kMetaParamSteps);
+  if (it == user_metadata.end()) return absl::OkStatus();
+  nlohmann::json j = nlohmann::json::parse(it->second, nullptr, false);
+  auto corrupt = [&](const std::string& why) {
+    return absl::DataLossError(
+        absl::StrCat("'", where, "': user metadata '", kMetaParamSteps, "' ", why));
+  };
+  if (!j.is_object()) return corrupt("is not a JSON object");
+  std::map<std::string, int> index;
+  const auto& params = opt.layout().params();
+  for (size_t p = 0; p < params.size(); ++p) index[params[p].name] = static_cast<int>(p);
+  for (const auto& [name, count] : j.items()) {
+    auto p = index.find(name);
+    if (p == index.end())
+      return corrupt(absl::StrCat("names parameter '", name, "' not in the model"));
+    if (!count.is_number_integer() || count.get<int64_t>() < 0 ||
+        count.get<int64_t>() > opt.step_count()) {
+      return corrupt(absl::StrCat("has a bad count for '", name, "'"));
+    }
+    opt.shard_owner().SetParamStep(p->second, count.get<int64_t>());
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<RestoredCheckpoint> LoadCheckpoint(ShardedOptimizer& opt, const std::string& path,
+                                                  FileSystem* fs) {
   RestoredCheckpoint info;
   auto fill = [&]() -> absl::Status {
     if (fs->Kind(path) == EntryKind::kFile) {
@@ -696,11 +798,13 @@ bool IsOurCheckpointDir(FileSystem* fs, const std::string& dir, std::vector<std:
   if (!entries.ok()) return false;
   for (const std::string& f : *entries) {
     std::string base = f;
-    if (base.size() > 4 && base.compare(base.size() - 4, 4, ".tmp") == 0) base.resize(base.size() - 4);
+    if (base.size() > 4 && base.compare(base.size() - 4, 4, ".tmp") == 0)
+      base.resize(base.size() - 4);
     int r = -1, w = -1;
-    const bool shard = std::sscanf(base.c_str(), "shard-%d-of-%d", &r, &w) == 2 && r >= 0 && w > 0 &&
-                       base == ShardName(r, w);
-    if ((base != "manifest.json" && !shard) || fs->Kind(dir + "/" + f) != EntryKind::kFile) return false;
+    const bool shard = std::sscanf(base.c_str(), "shard-%d-of-%d", &r, &w) == 2 && r >= 0 &&
+                       w > 0 && base == ShardName(r, w);
+    if ((base != "manifest.json" && !shard) || fs->Kind(dir + "/" + f) != EntryKind::kFile)
+      return false;
   }
   *files = *entries;
   return true;
@@ -708,7 +812,8 @@ bool IsOurCheckpointDir(FileSystem* fs, const std::string& dir, std::vector<std:
 
 }  // namespace
 
-absl::Status PruneCheckpoints(FileSystem* fs, const std::string& root, int keep, std::vector<std::string>* skipped) {
+absl::Status PruneCheckpoints(FileSystem* fs, const std::string& root, int keep,
+                              std::vector<std::string>* skipped) {
   if (keep < 1) return absl::InvalidArgumentError("keep at least one checkpoint");
   SHARDOPT_ASSIGN_OR_RETURN(std::string latest_dir, ResolveCheckpoint(fs, root));
   SHARDOPT_ASSIGN_OR_RETURN(std::vector<std::string> entries, fs->ListDir(root));
@@ -764,8 +869,10 @@ ConsolidatedPlan PlanConsolidated(const Manifest& m) {
     for (size_t i = 0; i < m.params.size(); ++i) {
       if (!m.params[i].trainable) continue;
       const std::string name = TensorName(m.params[i].name, m.states[si]);
-      plan.header[name] = {{"dtype", "F32"}, {"shape", m.params[i].shape},
-                           {"data_offsets", {plan.total_bytes, plan.total_bytes + m.params[i].numel * 4}}};
+      plan.header[name] = {
+          {"dtype", "F32"},
+          {"shape", m.params[i].shape},
+          {"data_offsets", {plan.total_bytes, plan.total_bytes + m.params[i].numel * 4}}};
       plan.total_bytes += m.params[i].numel * 4;
       plan.order.push_back({i, si});
       plan.names.push_back(name);
@@ -785,9 +892,11 @@ absl::Status Consolidate(FileSystem* fs, const std::string& dir, const std::stri
   // compute them (the data is read twice; it was verified above anyway).
   nlohmann::json crcs = nlohmann::json::object();
   std::vector<char> buf;
-  auto stream = [&](size_t k, const std::function<absl::Status(const char*, size_t)>& sink) -> absl::Status {
+  auto stream = [&](size_t k,
+                    const std::function<absl::Status(const char*, size_t)>& sink) -> absl::Status {
     const auto [i, si] = plan.order[k];
-    for (int pk : m.pieces_of_param[i]) SHARDOPT_RETURN_IF_ERROR(StreamPiece(fs, dir, m, m.pieces[pk], si, &buf, sink));
+    for (int pk : m.pieces_of_param[i])
+      SHARDOPT_RETURN_IF_ERROR(StreamPiece(fs, dir, m, m.pieces[pk], si, &buf, sink));
     return absl::OkStatus();
   };
   for (size_t k = 0; k < plan.order.size(); ++k) {

@@ -44,7 +44,7 @@ struct RestoredCheckpoint {
   std::string path;    // the checkpoint directory or file actually read
   std::string format;  // "sharded", "safetensors" (consolidated) or "torch"
   int64_t step = 0;
-  int world_size = 0;  // ranks that saved it (0: not known, a consolidated file)
+  int world_size = 0;        // ranks that saved it (0: not known, a consolidated file)
   SavedOptimizer optimizer;  // the hyper-parameters now in force
   // Per parameter group, when the checkpoint has them (a torch.save file with
   // several param_groups): group g gets groups[g]; else every group `optimizer`.
@@ -62,7 +62,8 @@ struct RestoredCheckpoint {
 // corrupt, edited or truncated files, missing shards, another model, another
 // optimizer kind. On error the optimizer is unchanged on GPU and may hold
 // partly loaded values on CPU: do not train on after a failed load.
-absl::StatusOr<RestoredCheckpoint> LoadCheckpoint(ShardedOptimizer& optimizer, const std::string& path,
+absl::StatusOr<RestoredCheckpoint> LoadCheckpoint(ShardedOptimizer& optimizer,
+                                                  const std::string& path,
                                                   FileSystem* fs = PosixFileSystem());
 
 // The common end of every load (sharded, consolidated, torch files): runs
@@ -70,8 +71,19 @@ absl::StatusOr<RestoredCheckpoint> LoadCheckpoint(ShardedOptimizer& optimizer, c
 // host for GPU state) and sets `info`; agrees with every rank that all
 // succeeded; then restores info.optimizer's hyper-parameters and info.step.
 // Collective.
-absl::Status RestoreOwnedSlices(ShardedOptimizer& optimizer, const std::function<absl::Status()>& fill,
+absl::Status RestoreOwnedSlices(ShardedOptimizer& optimizer,
+                                const std::function<absl::Status()>& fill,
                                 const RestoredCheckpoint& info);
+
+// User metadata of a checkpoint: {parameter name: update count} of the
+// parameters whose count (torch.optim's per-parameter state['step']) is not
+// the checkpoint's step, because some steps had no gradient for them.
+inline constexpr char kMetaParamSteps[] = "shardopt.param_steps";
+// Sets those counts after a restore (RestoreOwnedSlices does). Errors: the
+// entry is corrupt or names a parameter the model lacks.
+absl::Status ApplyParamSteps(ShardedOptimizer& optimizer,
+                             const std::map<std::string, std::string>& user_metadata,
+                             const std::string& where);
 
 // Resolves a root (via LATEST) or checkpoint directory to a checkpoint directory.
 absl::StatusOr<std::string> ResolveCheckpoint(FileSystem* fs, const std::string& path);

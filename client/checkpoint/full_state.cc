@@ -2,10 +2,12 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "nlohmann/json.hpp"
 #include "absl/strings/str_join.h"
 #include "client/checkpoint/checkpoint.h"
 #include "common/status_macros.h"
@@ -25,7 +27,6 @@ float* ArrayOf(const ShardedOptimizer::OwnedSlice& s, size_t k) {
   return k == 0 ? s.master : k == 1 ? s.state0 : s.state1;
 }
 
-
 }  // namespace
 
 absl::StatusOr<FullState> GatherFullState(ShardedOptimizer& opt) {
@@ -42,16 +43,16 @@ absl::StatusOr<FullState> GatherFullState(ShardedOptimizer& opt) {
   for (const Bucket& b : layout.buckets()) {
     ShardedOptimizer::OwnedSlice own = opt.owned_slice(b.index);
     for (size_t k = 0; k < names.size() && status.ok(); ++k) {
-      auto buf = std::make_shared<std::vector<float>>(
-          static_cast<size_t>(b.capacity_per_rank) * world);
+      auto buf =
+          std::make_shared<std::vector<float>>(static_cast<size_t>(b.capacity_per_rank) * world);
       std::memcpy(buf->data() + rank * b.capacity_per_rank, ArrayOf(own, k),
                   b.capacity_per_rank * sizeof(float));
       CollectiveBucketScope tag(b.index);
       // On a timeout WaitSafely keeps `buf` alive: a late peer may still write it.
-      status = WaitSafely(opt.communicator(),
-                          opt.communicator()->AllGather(buf->data(), b.capacity_per_rank,
-                                                        ElementType::kFloat32),
-                          opt.options().timeout, buf);
+      status = WaitSafely(
+          opt.communicator(),
+          opt.communicator()->AllGather(buf->data(), b.capacity_per_rank, ElementType::kFloat32),
+          opt.options().timeout, buf);
       if (!status.ok()) {
         if (status.code() != absl::StatusCode::kDeadlineExceeded) opt.communicator()->Abort(status);
         break;
@@ -69,6 +70,22 @@ absl::StatusOr<FullState> GatherFullState(ShardedOptimizer& opt) {
   }
   if (staged) (void)opt.EndStaging(/*copy_back=*/false);
   SHARDOPT_RETURN_IF_ERROR(status);
+  // Each parameter's count from a rank that owns a piece of it (the owners
+  // of a cut parameter agree): every rank's counts, -1 where it owns none.
+  const int n = static_cast<int>(layout.params().size());
+  auto counts = std::make_shared<std::vector<int64_t>>(static_cast<size_t>(n) * world, -1);
+  for (const Piece& p : layout.PiecesOfRank(rank)) {
+    (*counts)[static_cast<size_t>(rank) * n + p.param] = opt.shard_owner().param_step(p.param);
+  }
+  SHARDOPT_RETURN_IF_ERROR(WaitSafely(
+      opt.communicator(), opt.communicator()->AllGather(counts->data(), n * 8, ElementType::kByte),
+      opt.options().timeout, counts));
+  for (int p = 0; p < n; ++p) {
+    int64_t count = -1;
+    for (int r = 0; r < world; ++r)
+      count = std::max(count, (*counts)[static_cast<size_t>(r) * n + p]);
+    if (count >= 0 && count != out.step) out.param_steps[layout.params()[p].name] = count;
+  }
   return out;
 }
 
@@ -81,6 +98,11 @@ absl::Status LoadFullState(ShardedOptimizer& opt, const FullState& state) {
   RestoredCheckpoint info;
   info.step = state.step;
   info.format = "state_dict";
+  if (!state.param_steps.empty()) {
+    nlohmann::json steps = nlohmann::json::object();
+    for (const auto& [name, count] : state.param_steps) steps[name] = count;
+    info.user_metadata[kMetaParamSteps] = steps.dump();
+  }
   auto fill = [&]() -> absl::Status {
     if (state.step < 0) return absl::InvalidArgumentError("step must be >= 0");
     for (const Piece& p : layout.PiecesOfRank(rank)) {
@@ -96,7 +118,8 @@ absl::Status LoadFullState(ShardedOptimizer& opt, const FullState& state) {
         if (t == it->second.end()) {
           return absl::InvalidArgumentError(absl::StrCat(
               "parameter '", spec.name, "' has no '", names[k], "' in the state (it has: ",
-              absl::StrJoin(it->second, ", ", [](std::string* o, const auto& kv) { o->append(kv.first); }),
+              absl::StrJoin(it->second, ", ",
+                            [](std::string* o, const auto& kv) { o->append(kv.first); }),
               ")"));
         }
         if (!t->second.defined() || t->second.sizes().vec() != spec.shape) {

@@ -19,6 +19,9 @@ struct FullState {
   // Trainable parameter name -> {"param": fp32 values (the master copy for
   // bf16 models), "exp_avg": ..., ...}, each shaped like the parameter.
   std::map<std::string, std::map<std::string, torch::Tensor>> tensors;
+  // Parameters whose update count (torch.optim's state['step']) is not
+  // `step`: they missed steps without a gradient (0: never updated).
+  std::map<std::string, int64_t> param_steps;
 };
 
 // Collective: all-gathers every owned slice.

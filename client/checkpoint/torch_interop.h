@@ -38,10 +38,13 @@ inline constexpr char kMetaParamGroupOf[] = "shardopt.param_group_of";
 
 // An optimizer's state as a torch.save file holds it, by parameter name.
 struct TorchCheckpoint {
-  std::vector<std::string> names;  // the optimizer's parameters, in its index order
+  std::vector<std::string> names;            // the optimizer's parameters, in its index order
   std::map<std::string, at::Tensor> params;  // name -> fp32 values (contiguous)
   std::map<std::string, std::map<std::string, at::Tensor>> state;  // name -> {"exp_avg": ...}
   int64_t step = 0;
+  // The names whose state['step'] is not `step` (parameters that missed
+  // steps without a gradient; 0: no state at all), as kMetaParamSteps holds.
+  std::map<std::string, int64_t> param_steps;
   SavedOptimizer optimizer;  // param_groups[0]'s
   // Every param group's hyper-parameters, and the group of each name in
   // `names` (torch numbers the parameters group after group).
@@ -60,9 +63,9 @@ struct TorchCheckpoint {
 // from the file ("param_names") or from the model state_dict's parameters in
 // order (its buffers - running_mean, running_var, num_batches_tracked and
 // non-float tensors - skipped). Errors are one line naming the file.
-absl::StatusOr<TorchCheckpoint> ReadTorchCheckpoint(const std::string& optimizer_file,
-                                                    const std::string& params_file, OptimizerKind kind,
-                                                    const std::vector<std::string>* expected_names = nullptr);
+absl::StatusOr<TorchCheckpoint> ReadTorchCheckpoint(
+    const std::string& optimizer_file, const std::string& params_file, OptimizerKind kind,
+    const std::vector<std::string>* expected_names = nullptr);
 
 // Writes a one-rank shardopt checkpoint under `out_root` from a torch.save
 // file (see ReadTorchCheckpoint); any world size can resume from it.
@@ -73,7 +76,8 @@ absl::Status ImportTorch(const std::string& optimizer_file, const std::string& p
 // directory or root, a consolidated .safetensors file, or a torch.save file
 // (shardctl consolidate --format=torch, or PyTorch's own; parameters must be
 // in it). Every format restores the step and the hyper-parameters.
-absl::StatusOr<RestoredCheckpoint> LoadAnyCheckpoint(ShardedOptimizer& optimizer, const std::string& path,
+absl::StatusOr<RestoredCheckpoint> LoadAnyCheckpoint(ShardedOptimizer& optimizer,
+                                                     const std::string& path,
                                                      FileSystem* fs = PosixFileSystem());
 
 }  // namespace shardopt

@@ -605,7 +605,7 @@ class ShardedOptimizer(Optimizer):
 
         def zero_grad(set_to_none: bool = False):
             original(set_to_none)
-            core.zero_grad()
+            core.zero_grad(set_to_none)
             core.before_step()
         zero_grad.__doc__ = original.__doc__
         module.zero_grad = zero_grad
@@ -717,10 +717,14 @@ class ShardedOptimizer(Optimizer):
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         """Zeroes the gradients. They stay views of the flat gradient buffer
-        (set_to_none is accepted and ignored: None gradients would detach
-        them). With shard_gradients, drops what backward accumulated since
-        the last step (parameters have no .grad then)."""
-        self._core.zero_grad()
+        (so .grad is a zero tensor, not None, even with set_to_none=True).
+        set_to_none=True keeps torch.optim's rule for missing gradients: a
+        parameter that no rank's backward reaches before the next step() is
+        not updated, and its state (moments, momentum, step count) stays, as
+        torch.optim skips a parameter whose .grad is None. With
+        shard_gradients, drops what backward accumulated since the last step
+        (parameters have no .grad then)."""
+        self._core.zero_grad(set_to_none)
         self._core.before_step()  # the step's clock starts (heartbeats, slow-rank detection)
 
     @contextlib.contextmanager
@@ -838,12 +842,14 @@ class ShardedOptimizer(Optimizer):
             ids = []
             for p in group["params"]:
                 name = self._names[index]
-                if step > 0 and name in full:
+                # torch.optim keeps no state for a parameter it never updated
+                # (no gradient yet), and a step count per parameter.
+                if name in full and full[name]["step"] > 0:
                     s = full[name]
                     if self._kind == "sgd":
                         state[index] = {"momentum_buffer": s.get("momentum_buffer")}
                     else:
-                        state[index] = {"step": torch.tensor(float(step)),
+                        state[index] = {"step": torch.tensor(float(s["step"])),
                                         "exp_avg": s["exp_avg"], "exp_avg_sq": s["exp_avg_sq"]}
                 ids.append(index)
                 index += 1
@@ -869,6 +875,7 @@ class ShardedOptimizer(Optimizer):
         saved = state_dict.get("state", {})
         wanted = ["momentum_buffer"] if self._kind == "sgd" else ["exp_avg", "exp_avg_sq"]
         full: Dict[str, Dict[str, torch.Tensor]] = {}
+        counts: Dict[str, int] = {}  # per-parameter state['step'] (0: no state)
         step = 0
         index = 0
         for theirs, ours in zip(groups, self.param_groups):
@@ -883,12 +890,15 @@ class ShardedOptimizer(Optimizer):
                     t = s.get(k)
                     entry[k] = t if t is not None else torch.zeros(p.shape, dtype=torch.float32)
                 full[name] = entry
+                counts[name] = 0
                 if "step" in s:
                     st = s["step"]
-                    step = max(step, int(st.item() if isinstance(st, torch.Tensor) else st))
+                    counts[name] = int(st.item() if isinstance(st, torch.Tensor) else st)
+                    step = max(step, counts[name])
         if self._kind == "sgd" and saved:
             step = max(step, self._core.step_count, 1)
-        self._core.load_state(full, step)
+            counts = {}  # torch's SGD keeps no count
+        self._core.load_state(full, step, {n: c for n, c in counts.items() if c != step})
         for g, (theirs, ours) in enumerate(zip(groups, self.param_groups)):
             for k in _hyper_keys(self._kind):
                 if k in theirs:

@@ -51,8 +51,39 @@ class BnNet(nn.Module):
         return self.head(x.mean(dim=(2, 3)))
 
 
+class Branchy(nn.Module):
+    """A branch that only some steps (or ranks) use, and a layer no forward
+    uses: torch.optim skips a parameter whose .grad is None."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(32, 64)
+        self.a = nn.Linear(64, 64)
+        self.b = nn.Linear(64, 64)
+        self.unused = nn.Linear(64, 64)
+        self.head = nn.Linear(64, 10)
+
+    def forward(self, x, use_b=True):
+        h = torch.tanh(self.a(torch.tanh(self.fc1(x))))
+        if use_b:
+            h = h + torch.tanh(self.b(h))
+        return self.head(h)
+
+
+# Styles on Branchy: (whether step `step` on rank `rank` uses branch b,
+# zeroing with set_to_none, shard_gradients).
+BRANCHY = {
+    "unused_param": (lambda rank, step: True, False, False),
+    "branch_set_to_none": (lambda rank, step: step % 2 == 0, True, False),
+    "branch_zero2": (lambda rank, step: step % 2 == 0, True, True),
+    "branch_rank0": (lambda rank, step: rank == 0 and step % 3 == 0, True, False),
+}
+
+
 def make_model(style):
     torch.manual_seed(1234)
+    if style in BRANCHY:
+        return Branchy()
     return BnNet() if style == "batchnorm" else Mlp()
 
 
@@ -96,6 +127,12 @@ def build(style, model, sharded):
             return shardopt.ShardedOptimizer(model.parameters(), optimizer_class=torch.optim.Adam,
                                              lr=2e-3, module=model), None
         return torch.optim.Adam(model.parameters(), lr=2e-3), None
+    if style in BRANCHY:
+        if sharded:
+            return shardopt.ShardedOptimizer(model.named_parameters(), "adamw", lr=2e-3,
+                                             module=model,
+                                             shard_gradients=BRANCHY[style][2]), None
+        return torch.optim.AdamW(model.parameters(), lr=2e-3), None
     if sharded:
         return shardopt.ShardedOptimizer(model.named_parameters(), "adamw", lr=2e-3,
                                          module=model), None
@@ -105,10 +142,17 @@ def build(style, model, sharded):
 def train(style, sharded, rank):
     model = make_model(style)
     opt, sched = build(style, model, sharded)
-    net = model if sharded else DDP(model)
+    net = model if sharded else DDP(model, find_unused_parameters=style in BRANCHY)
     losses = []
     for step in range(STEPS):
-        if style in ("accum_no_sync",):
+        if style in BRANCHY:
+            uses_b, set_to_none, _ = BRANCHY[style]
+            x, y = batch(style, rank, step)
+            opt.zero_grad(set_to_none=set_to_none)
+            loss = F.cross_entropy(net(x, uses_b(rank, step)), y)
+            loss.backward()
+            opt.step()
+        elif style in ("accum_no_sync",):
             # Two micro-batches; the first only accumulates locally.
             ctx = opt.no_sync() if sharded else net.no_sync()
             with ctx:
