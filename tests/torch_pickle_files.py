@@ -136,6 +136,8 @@ def main():
     save(out, "set", {"s": {1, 2}})
     save(out, "date", {"d": datetime.date(2020, 1, 2)})
     save(out, "legacy", {"w": torch.ones(2)}, _use_new_zipfile_serialization=False)
+    # A stride-0 view: a 4-byte storage that reads as 20000 x 20000 (1.6 GB).
+    save(out, "expand_huge", torch.zeros(1).expand(20000, 20000))
     small = torch.nn.Linear(2, 2)
     save_checked(out, "small", small.state_dict())
     # Re-zipped copies of small.pt: a version LibTorch 1.13 does not read,

@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <cerrno>
 #include <cmath>
 #include <cstring>
@@ -29,14 +30,15 @@
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
               "torch.save writes little-endian storages, which this reader uses as they are");
 
-#define TP_RETURN_IF_ERROR(expr)          \
-  do {                                    \
-    ::absl::Status tp_status_ = (expr);   \
+#define TP_RETURN_IF_ERROR(expr)             \
+  do {                                       \
+    ::absl::Status tp_status_ = (expr);      \
     if (!tp_status_.ok()) return tp_status_; \
   } while (0)
 #define TP_CONCAT_INNER_(a, b) a##b
 #define TP_CONCAT_(a, b) TP_CONCAT_INNER_(a, b)
-#define TP_ASSIGN_OR_RETURN(lhs, expr) TP_ASSIGN_OR_RETURN_IMPL_(TP_CONCAT_(tp_statusor_, __LINE__), lhs, expr)
+#define TP_ASSIGN_OR_RETURN(lhs, expr) \
+  TP_ASSIGN_OR_RETURN_IMPL_(TP_CONCAT_(tp_statusor_, __LINE__), lhs, expr)
 #define TP_ASSIGN_OR_RETURN_IMPL_(tmp, lhs, expr) \
   auto tmp = (expr);                              \
   if (!tmp.ok()) return tmp.status();             \
@@ -99,57 +101,41 @@ bool PyValue::IsNumber() const {
   switch (kind) {
     case Kind::kBool:
     case Kind::kInt:
-    case Kind::kFloat:
-      return true;
-    case Kind::kTensor:
-      return tensor.defined() && tensor.numel() == 1 && !tensor.is_complex();
-    default:
-      return false;
+    case Kind::kFloat: return true;
+    case Kind::kTensor: return tensor.defined() && tensor.numel() == 1 && !tensor.is_complex();
+    default: return false;
   }
 }
 
 double PyValue::AsDouble() const {
   switch (kind) {
-    case Kind::kBool:
-      return b ? 1.0 : 0.0;
-    case Kind::kInt:
-      return static_cast<double>(i);
-    case Kind::kFloat:
-      return f;
+    case Kind::kBool: return b ? 1.0 : 0.0;
+    case Kind::kInt: return static_cast<double>(i);
+    case Kind::kFloat: return f;
     case Kind::kTensor:
       if (IsNumber()) return tensor.item<double>();
       break;
-    default:
-      break;
+    default: break;
   }
   return std::numeric_limits<double>::quiet_NaN();
 }
 
 std::string PyValue::Describe() const {
   switch (kind) {
-    case Kind::kNone:
-      return "None";
-    case Kind::kBool:
-      return "bool";
-    case Kind::kInt:
-      return "int";
-    case Kind::kFloat:
-      return "float";
-    case Kind::kString:
-      return "str";
-    case Kind::kBytes:
-      return "bytes";
-    case Kind::kList:
-      return "list";
-    case Kind::kTuple:
-      return "tuple";
-    case Kind::kDict:
-      return "dict";
-    case Kind::kObject:
-      return absl::StrCat("object of ", s, " (not read)");
+    case Kind::kNone: return "None";
+    case Kind::kBool: return "bool";
+    case Kind::kInt: return "int";
+    case Kind::kFloat: return "float";
+    case Kind::kString: return "str";
+    case Kind::kBytes: return "bytes";
+    case Kind::kList: return "list";
+    case Kind::kTuple: return "tuple";
+    case Kind::kDict: return "dict";
+    case Kind::kObject: return absl::StrCat("object of ", s, " (not read)");
     case Kind::kTensor:
       if (!tensor.defined()) return "tensor (undefined)";
-      return absl::StrCat("tensor ", DtypeName(tensor.scalar_type()), " [", absl::StrJoin(tensor.sizes(), ", "), "]");
+      return absl::StrCat("tensor ", DtypeName(tensor.scalar_type()), " [",
+                          absl::StrJoin(tensor.sizes(), ", "), "]");
   }
   return "?";
 }
@@ -218,7 +204,8 @@ bool ValidUtf8(absl::string_view s) {
       if ((d & 0xC0) != 0x80) return false;
       cp = (cp << 6) | (d & 0x3F);
     }
-    if ((len == 2 && cp < 0x80) || (len == 3 && cp < 0x800) || (len == 4 && (cp < 0x10000 || cp > 0x10FFFF))) {
+    if ((len == 2 && cp < 0x80) || (len == 3 && cp < 0x800) ||
+        (len == 4 && (cp < 0x10000 || cp > 0x10FFFF))) {
       return false;  // overlong or out of range
     }
     i += len;
@@ -340,18 +327,60 @@ enum class Fn {
 
 struct Callable {
   Fn fn;
-  std::string name;  // module.name, for messages
+  std::string name;                                    // module.name, for messages
   c10::ScalarType dtype = c10::ScalarType::Undefined;  // kStorageType
 };
 
 constexpr size_t kMaxGlobalName = 256;
 constexpr size_t kMaxDims = 64;
 
+// What the memory budget charges (upper estimates, charged before allocating;
+// measured with LibTorch 1.13: a value 144 bytes, a tensor ~530, a memo entry
+// ~62): a value (make_shared's control block and malloc's rounding included),
+// an entry of a hash map or set, a tensor's TensorImpl and StorageImpl, a
+// string's heap buffer (none up to 15 characters).
+constexpr uint64_t kValueBytes = sizeof(PyValue) + 48;
+constexpr uint64_t kNodeBytes = 64;
+constexpr uint64_t kTensorBytes = 768;
+uint64_t StringBytes(uint64_t n) { return n < 16 ? 0 : n + 33; }
+
+uint64_t NonNegative(int64_t v) { return v < 0 ? 0 : static_cast<uint64_t>(v); }
+uint64_t SaturatingMul(uint64_t a, uint64_t b) {
+  uint64_t r;
+  return __builtin_mul_overflow(a, b, &r) ? std::numeric_limits<uint64_t>::max() : r;
+}
+uint64_t SaturatingAdd(uint64_t a, uint64_t b) {
+  uint64_t r;
+  return __builtin_add_overflow(a, b, &r) ? std::numeric_limits<uint64_t>::max() : r;
+}
+
+bool IsContainer(Kind kind) {
+  return kind == Kind::kList || kind == Kind::kTuple || kind == Kind::kDict;
+}
+
+struct PairHash {
+  size_t operator()(const std::pair<const PyValue*, uint64_t>& p) const {
+    const uint64_t h = reinterpret_cast<uintptr_t>(p.first) * 0x9E3779B97F4A7C15ull;
+    return static_cast<size_t>(h ^ (p.second + 0x632BE59BD9B4E019ull + (h << 6) + (h >> 2)));
+  }
+};
+
 class Unpickler {
  public:
+  // file_bytes: the size of the file the pickle came from (the memory budget's
+  // basis); 0 when unknown (ParsePickle): the pickle's and storages' bytes.
   Unpickler(absl::string_view data, const StorageLoader& loader, const std::string& name,
-            const TorchReadLimits& limits)
-      : data_(data), loader_(loader), name_(name), limits_(limits) {}
+            const TorchReadLimits& limits, uint64_t file_bytes)
+      : data_(data),
+        loader_(loader),
+        name_(name),
+        limits_(limits),
+        basis_grows_(file_bytes == 0),
+        basis_(file_bytes == 0 ? data.size() : file_bytes) {
+    max_items_ = std::min(NonNegative(limits_.max_items),
+                          SaturatingMul(NonNegative(limits_.items_per_pickle_byte), data_.size()));
+    SetBudget();
+  }
   ~Unpickler() { Dismantle(); }
 
   absl::StatusOr<PyValuePtr> Run() {
@@ -381,7 +410,9 @@ class Unpickler {
     }
     return absl::Status(code, absl::StrCat(name_, ": data.pkl ", where, ": ", what));
   }
-  absl::Status Corrupt(absl::string_view what) const { return Error(absl::StatusCode::kDataLoss, what); }
+  absl::Status Corrupt(absl::string_view what) const {
+    return Error(absl::StatusCode::kDataLoss, what);
+  }
   absl::Status Unsupported(absl::string_view what) const {
     return Error(absl::StatusCode::kInvalidArgument, what);
   }
@@ -415,47 +446,133 @@ class Unpickler {
 
   // ---- values
 
+  // ---- limits: items, and the memory budget
+
+  // Items: values pushed, memo entries stored, container insertions.
   absl::Status Count(uint64_t n) {
     items_ += n;
-    if (items_ > static_cast<uint64_t>(std::max<int64_t>(limits_.max_items, 0))) {
-      return Unsupported(absl::StrCat("more than max_items (", limits_.max_items, ") values"));
+    if (items_ > max_items_) {
+      return Error(
+          absl::StatusCode::kResourceExhausted,
+          absl::StrCat("more than ", max_items_,
+                       " items (values pushed, memo entries, container insertions; "
+                       "TorchReadLimits: max_items ",
+                       limits_.max_items, ", items_per_pickle_byte ", limits_.items_per_pickle_byte,
+                       " x ", data_.size(), " bytes of data.pkl)"));
     }
     return absl::OkStatus();
   }
 
+  void SetBudget() {
+    budget_ =
+        std::min(NonNegative(limits_.max_memory_bytes),
+                 SaturatingAdd(SaturatingMul(NonNegative(limits_.memory_per_file_byte), basis_),
+                               NonNegative(limits_.base_memory_bytes)));
+  }
+
+  // Charges `bytes` about to be allocated (`what`: for the message).
+  absl::Status Charge(uint64_t bytes, absl::string_view what = "the values read") {
+    if (bytes > budget_ - std::min(used_, budget_)) {
+      return Error(absl::StatusCode::kResourceExhausted,
+                   absl::StrCat(what, " would take more than the memory budget of ", budget_,
+                                " bytes (TorchReadLimits: memory_per_file_byte ",
+                                limits_.memory_per_file_byte, " x ", basis_,
+                                " bytes of file + base_memory_bytes ", limits_.base_memory_bytes,
+                                ", at most max_memory_bytes ", limits_.max_memory_bytes, ")"));
+    }
+    used_ += bytes;
+    return absl::OkStatus();
+  }
+  void Refund(uint64_t bytes) { used_ -= std::min(used_, bytes); }
+
+  // Makes room for `extra` more elements in `v`, growing it geometrically
+  // (as push_back would) after charging the new capacity.
+  template <typename T>
+  absl::Status Reserve(std::vector<T>& v, size_t extra) {
+    const size_t need = v.size() + extra;
+    if (need <= v.capacity()) return absl::OkStatus();
+    const size_t capacity = std::max(need, 2 * v.capacity());
+    TP_RETURN_IF_ERROR(Charge((capacity - v.capacity()) * sizeof(T)));
+    v.reserve(capacity);
+    return absl::OkStatus();
+  }
+
+  // ---- values
+
+  // A new value, charged: a container also for its arena slot and for what
+  // Finish keeps per container (its height, its place on the walk).
   absl::StatusOr<PyValuePtr> New(Kind kind) {
-    TP_RETURN_IF_ERROR(Count(1));
+    const bool container = IsContainer(kind);
+    TP_RETURN_IF_ERROR(Charge(kValueBytes + (container ? 2 * kNodeBytes : 0)));
+    if (container) TP_RETURN_IF_ERROR(Reserve(arena_, 1));
     auto v = std::make_shared<PyValue>();
     v->kind = kind;
-    arena_.push_back(v);
+    if (container) arena_.push_back(v);
     return v;
   }
 
-  absl::Status PushNew(Kind kind) {
-    TP_ASSIGN_OR_RETURN(PyValuePtr v, New(kind));
+  // The one value of an immutable constant (None, True, False, a small int,
+  // the empty tuple), made the first time.
+  absl::StatusOr<PyValuePtr> Shared(PyValuePtr* slot, Kind kind) {
+    if (*slot == nullptr) {
+      TP_ASSIGN_OR_RETURN(*slot, New(kind));
+    }
+    return *slot;
+  }
+
+  absl::Status Push(PyValuePtr v) {
+    TP_RETURN_IF_ERROR(Count(1));
+    TP_RETURN_IF_ERROR(Reserve(stack_, 1));
     stack_.push_back(std::move(v));
     return absl::OkStatus();
   }
 
+  absl::Status PushNone() {
+    TP_ASSIGN_OR_RETURN(PyValuePtr v, Shared(&none_, Kind::kNone));
+    return Push(std::move(v));
+  }
+
+  absl::Status PushBool(bool b) {
+    TP_ASSIGN_OR_RETURN(PyValuePtr v, Shared(&bools_[b ? 1 : 0], Kind::kBool));
+    v->b = b;
+    return Push(std::move(v));
+  }
+
+  absl::Status PushEmptyTuple() {
+    TP_ASSIGN_OR_RETURN(PyValuePtr v, Shared(&empty_tuple_, Kind::kTuple));
+    return Push(std::move(v));
+  }
+
   absl::Status PushInt(int64_t i) {
-    TP_ASSIGN_OR_RETURN(PyValuePtr v, New(Kind::kInt));
+    PyValuePtr v;
+    if (i >= 0 && i < static_cast<int64_t>(small_ints_.size())) {
+      TP_ASSIGN_OR_RETURN(v, Shared(&small_ints_[i], Kind::kInt));
+    } else {
+      TP_ASSIGN_OR_RETURN(v, New(Kind::kInt));
+    }
     v->i = i;
-    stack_.push_back(std::move(v));
-    return absl::OkStatus();
+    return Push(std::move(v));
+  }
+
+  absl::StatusOr<PyValuePtr> NewString(Kind kind, absl::string_view s) {
+    TP_ASSIGN_OR_RETURN(PyValuePtr v, New(kind));
+    TP_RETURN_IF_ERROR(Charge(StringBytes(s.size())));
+    v->s.assign(s.data(), s.size());
+    return v;
   }
 
   absl::Status PushString(Kind kind, absl::string_view s) {
     if (kind == Kind::kString && !ValidUtf8(s)) return Corrupt("string is not valid UTF-8");
-    TP_ASSIGN_OR_RETURN(PyValuePtr v, New(kind));
-    v->s.assign(s.data(), s.size());
-    stack_.push_back(std::move(v));
-    return absl::OkStatus();
+    TP_ASSIGN_OR_RETURN(PyValuePtr v, NewString(kind, s));
+    return Push(std::move(v));
   }
 
   std::string DescribeNode(const PyValue* v) const {
-    if (auto it = callables_.find(v); it != callables_.end()) return absl::StrCat("global ", it->second.name);
+    if (auto it = callables_.find(v); it != callables_.end())
+      return absl::StrCat("global ", it->second.name);
     if (storage_nodes_.count(v)) {
-      return absl::StrCat("storage ", DtypeName(v->tensor.scalar_type()), " of ", v->tensor.numel());
+      return absl::StrCat("storage ", DtypeName(v->tensor.scalar_type()), " of ",
+                          v->tensor.numel());
     }
     return v->Describe();
   }
@@ -476,14 +593,20 @@ class Unpickler {
     return stack_.back().get();
   }
 
+  // The values above the last MARK, in a new vector (charged; Refund it
+  // when it is dropped rather than kept in a container).
   absl::StatusOr<std::vector<PyValuePtr>> PopMark() {
     if (marks_.empty()) return Corrupt("no MARK on the stack");
     const size_t base = marks_.back();
+    TP_RETURN_IF_ERROR(Charge((stack_.size() - base) * sizeof(PyValuePtr)));
     marks_.pop_back();
     std::vector<PyValuePtr> items(std::make_move_iterator(stack_.begin() + base),
                                   std::make_move_iterator(stack_.end()));
     stack_.resize(base);
     return items;
+  }
+  static uint64_t Bytes(const std::vector<PyValuePtr>& items) {
+    return items.capacity() * sizeof(PyValuePtr);
   }
 
   // ---- containers
@@ -493,21 +616,16 @@ class Unpickler {
   // a long key reused through the memo costs its length only once.
   absl::StatusOr<uint64_t> KeyId(const PyValue* k) {
     if (auto it = key_ids_.find(k); it != key_ids_.end()) return it->second;
+    TP_RETURN_IF_ERROR(Charge(3 * kNodeBytes + StringBytes(k->s.size() + 24)));
     std::string canon;
     if (callables_.count(k) || k->kind == Kind::kTuple || k->kind == Kind::kTensor ||
         k->kind == Kind::kObject) {
       canon = absl::StrCat("p", reinterpret_cast<uintptr_t>(k));  // by identity
     } else {
       switch (k->kind) {
-        case Kind::kNone:
-          canon = "N";
-          break;
-        case Kind::kBool:
-          canon = k->b ? "n1" : "n0";
-          break;
-        case Kind::kInt:
-          canon = absl::StrCat("n", k->i);
-          break;
+        case Kind::kNone: canon = "N"; break;
+        case Kind::kBool: canon = k->b ? "n1" : "n0"; break;
+        case Kind::kInt: canon = absl::StrCat("n", k->i); break;
         case Kind::kFloat:
           if (std::isfinite(k->f) && std::trunc(k->f) == k->f && std::fabs(k->f) < 9.2e18) {
             canon = absl::StrCat("n", static_cast<int64_t>(k->f));
@@ -517,14 +635,9 @@ class Unpickler {
             canon = absl::StrCat("f", bits);
           }
           break;
-        case Kind::kString:
-          canon = absl::StrCat("s", k->s);
-          break;
-        case Kind::kBytes:
-          canon = absl::StrCat("b", k->s);
-          break;
-        default:
-          return Unsupported(absl::StrCat("unhashable ", DescribeNode(k), " as a dict key"));
+        case Kind::kString: canon = absl::StrCat("s", k->s); break;
+        case Kind::kBytes: canon = absl::StrCat("b", k->s); break;
+        default: return Unsupported(absl::StrCat("unhashable ", DescribeNode(k), " as a dict key"));
       }
     }
     const uint64_t id = key_intern_.emplace(std::move(canon), key_intern_.size()).first->second;
@@ -534,13 +647,14 @@ class Unpickler {
 
   absl::Status SetItem(PyValue* dict, PyValuePtr key, PyValuePtr value) {
     TP_ASSIGN_OR_RETURN(const uint64_t id, KeyId(key.get()));
-    auto& index = dict_index_[dict];
-    const auto [it, inserted] = index.emplace(id, dict->entries.size());
-    if (!inserted) {
+    if (auto it = dict_index_.find({dict, id}); it != dict_index_.end()) {
       dict->entries[it->second].second = std::move(value);
       return absl::OkStatus();
     }
     TP_RETURN_IF_ERROR(Count(1));
+    TP_RETURN_IF_ERROR(Charge(kNodeBytes));
+    TP_RETURN_IF_ERROR(Reserve(dict->entries, 1));
+    dict_index_.emplace(std::make_pair(dict, id), dict->entries.size());
     dict->entries.emplace_back(std::move(key), std::move(value));
     return absl::OkStatus();
   }
@@ -605,10 +719,10 @@ class Unpickler {
       case 0x87:  // TUPLE3
       case 'd':   // DICT
         return NewContainerOp();
-      case 'a':   // APPEND
-      case 'e':   // APPENDS
-      case 's':   // SETITEM
-      case 'u':   // SETITEMS
+      case 'a':  // APPEND
+      case 'e':  // APPENDS
+      case 's':  // SETITEM
+      case 'u':  // SETITEMS
         return FillContainerOp();
       case 'c':   // GLOBAL
       case 0x93:  // STACK_GLOBAL
@@ -619,10 +733,8 @@ class Unpickler {
         return ObjectOp();
       case 0x8f:
       case 0x90:
-      case 0x91:
-        return Unsupported("sets are not supported");
-      default:
-        return UnhandledOp();
+      case 0x91: return Unsupported("sets are not supported");
+      default: return UnhandledOp();
     }
   }
 
@@ -648,8 +760,10 @@ class Unpickler {
       }
       case '(':
         if (static_cast<int64_t>(marks_.size()) >= limits_.max_depth) {
-          return Unsupported(absl::StrCat("more than max_depth (", limits_.max_depth, ") nested MARKs"));
+          return Unsupported(
+              absl::StrCat("more than max_depth (", limits_.max_depth, ") nested MARKs"));
         }
+        TP_RETURN_IF_ERROR(Reserve(marks_, 1));
         marks_.push_back(stack_.size());
         return absl::OkStatus();
       case '0':  // POP
@@ -657,14 +771,13 @@ class Unpickler {
           stack_.pop_back();
           return absl::OkStatus();
         }
-        return PopMark().status();
+        return DropMark();
       case '1':  // POP_MARK
-        return PopMark().status();
+        return DropMark();
       case '2': {  // DUP
         TP_ASSIGN_OR_RETURN(PyValue * top, Top());
         (void)top;
-        stack_.push_back(stack_.back());
-        return absl::OkStatus();
+        return Push(stack_.back());
       }
       case 'q': {  // BINPUT
         TP_ASSIGN_OR_RETURN(const uint64_t k, TakeLE(1));
@@ -684,23 +797,17 @@ class Unpickler {
         TP_ASSIGN_OR_RETURN(const uint64_t k, TakeLE(4));
         return MemoGet(k);
       }
-      default:
-        return UnhandledOp();
+      default: return UnhandledOp();
     }
   }
 
   // None, booleans, integers and floats.
   absl::Status ScalarOp() {
     switch (op_) {
-      case 'N':
-        return PushNew(Kind::kNone);
+      case 'N': return PushNone();
       case 0x88:
-      case 0x89: {  // NEWTRUE, NEWFALSE
-        TP_ASSIGN_OR_RETURN(PyValuePtr v, New(Kind::kBool));
-        v->b = op_ == 0x88;
-        stack_.push_back(std::move(v));
-        return absl::OkStatus();
-      }
+      case 0x89:  // NEWTRUE, NEWFALSE
+        return PushBool(op_ == 0x88);
       case 'J': {  // BININT
         TP_ASSIGN_OR_RETURN(const uint64_t v, TakeLE(4));
         return PushInt(static_cast<int32_t>(static_cast<uint32_t>(v)));
@@ -725,15 +832,11 @@ class Unpickler {
       case 'I':
       case 'L': {  // INT, LONG (text)
         TP_ASSIGN_OR_RETURN(absl::string_view text, TakeLine(64));
-        if (op_ == 'I' && (text == "00" || text == "01")) {
-          TP_ASSIGN_OR_RETURN(PyValuePtr v, New(Kind::kBool));
-          v->b = text == "01";
-          stack_.push_back(std::move(v));
-          return absl::OkStatus();
-        }
+        if (op_ == 'I' && (text == "00" || text == "01")) return PushBool(text == "01");
         if (op_ == 'L' && !text.empty() && text.back() == 'L') text.remove_suffix(1);
         int64_t i;
-        if (!absl::SimpleAtoi(text, &i)) return Corrupt(absl::StrCat("bad or too large integer ", Quote(text)));
+        if (!absl::SimpleAtoi(text, &i))
+          return Corrupt(absl::StrCat("bad or too large integer ", Quote(text)));
         return PushInt(i);
       }
       case 'G': {  // BINFLOAT: big-endian
@@ -742,11 +845,9 @@ class Unpickler {
         for (int k = 0; k < 8; ++k) bits = (bits << 8) | static_cast<uint8_t>(b[k]);
         TP_ASSIGN_OR_RETURN(PyValuePtr v, New(Kind::kFloat));
         std::memcpy(&v->f, &bits, 8);
-        stack_.push_back(std::move(v));
-        return absl::OkStatus();
+        return Push(std::move(v));
       }
-      default:
-        return UnhandledOp();
+      default: return UnhandledOp();
     }
   }
 
@@ -774,28 +875,30 @@ class Unpickler {
       case 0x8e:  // BINBYTES8
       case 0x96:  // BYTEARRAY8
         return PushSized(8, Kind::kBytes);
-      default:
-        return UnhandledOp();
+      default: return UnhandledOp();
     }
   }
 
   // New lists, tuples and dicts.
   absl::Status NewContainerOp() {
     switch (op_) {
-      case ']':
-        return PushNew(Kind::kList);
-      case '}':
-        return PushNew(Kind::kDict);
-      case ')':
-        return PushNew(Kind::kTuple);
+      case ']': {
+        TP_ASSIGN_OR_RETURN(PyValuePtr v, New(Kind::kList));
+        return Push(std::move(v));
+      }
+      case '}': {
+        TP_ASSIGN_OR_RETURN(PyValuePtr v, New(Kind::kDict));
+        return Push(std::move(v));
+      }
+      case ')': return PushEmptyTuple();
       case 'l':
       case 't': {  // LIST, TUPLE
         TP_ASSIGN_OR_RETURN(std::vector<PyValuePtr> items, PopMark());
         TP_RETURN_IF_ERROR(Count(items.size()));
+        if (op_ == 't' && items.empty()) return PushEmptyTuple();
         TP_ASSIGN_OR_RETURN(PyValuePtr v, New(op_ == 'l' ? Kind::kList : Kind::kTuple));
-        v->items = std::move(items);
-        stack_.push_back(std::move(v));
-        return absl::OkStatus();
+        v->items = std::move(items);  // its charge moves with it
+        return Push(std::move(v));
       }
       case 0x85:
       case 0x86:
@@ -804,10 +907,11 @@ class Unpickler {
         if (stack_.size() < FrameBase() + n) return Corrupt("stack underflow");
         TP_RETURN_IF_ERROR(Count(n));
         TP_ASSIGN_OR_RETURN(PyValuePtr v, New(Kind::kTuple));
-        v->items.assign(std::make_move_iterator(stack_.end() - n), std::make_move_iterator(stack_.end()));
+        TP_RETURN_IF_ERROR(Charge(n * sizeof(PyValuePtr)));
+        v->items.assign(std::make_move_iterator(stack_.end() - n),
+                        std::make_move_iterator(stack_.end()));
         stack_.resize(stack_.size() - n);
-        stack_.push_back(std::move(v));
-        return absl::OkStatus();
+        return Push(std::move(v));
       }
       case 'd': {  // DICT
         TP_ASSIGN_OR_RETURN(std::vector<PyValuePtr> items, PopMark());
@@ -816,11 +920,10 @@ class Unpickler {
         for (size_t k = 0; k < items.size(); k += 2) {
           TP_RETURN_IF_ERROR(SetItem(v.get(), std::move(items[k]), std::move(items[k + 1])));
         }
-        stack_.push_back(std::move(v));
-        return absl::OkStatus();
+        Refund(Bytes(items));
+        return Push(std::move(v));
       }
-      default:
-        return UnhandledOp();
+      default: return UnhandledOp();
     }
   }
 
@@ -831,15 +934,21 @@ class Unpickler {
         TP_ASSIGN_OR_RETURN(PyValuePtr item, Pop());
         TP_ASSIGN_OR_RETURN(PyValue * list, TopOfKind(Kind::kList, "APPEND"));
         TP_RETURN_IF_ERROR(Count(1));
-        if (list != nullptr) list->items.push_back(std::move(item));
+        if (list == nullptr) return absl::OkStatus();
+        TP_RETURN_IF_ERROR(Reserve(list->items, 1));
+        list->items.push_back(std::move(item));
         return absl::OkStatus();
       }
       case 'e': {  // APPENDS
         TP_ASSIGN_OR_RETURN(std::vector<PyValuePtr> items, PopMark());
         TP_ASSIGN_OR_RETURN(PyValue * list, TopOfKind(Kind::kList, "APPENDS"));
         TP_RETURN_IF_ERROR(Count(items.size()));
-        if (list != nullptr) list->items.insert(list->items.end(), std::make_move_iterator(items.begin()),
-                           std::make_move_iterator(items.end()));
+        if (list != nullptr) {
+          TP_RETURN_IF_ERROR(Reserve(list->items, items.size()));
+          list->items.insert(list->items.end(), std::make_move_iterator(items.begin()),
+                             std::make_move_iterator(items.end()));
+        }
+        Refund(Bytes(items));
         return absl::OkStatus();
       }
       case 's': {  // SETITEM
@@ -853,14 +962,17 @@ class Unpickler {
         TP_ASSIGN_OR_RETURN(std::vector<PyValuePtr> items, PopMark());
         if (items.size() % 2) return Corrupt("SETITEMS with an odd number of items");
         TP_ASSIGN_OR_RETURN(PyValue * dict, TopOfKind(Kind::kDict, "SETITEMS"));
-        if (dict == nullptr) return Count(items.size() / 2);
-        for (size_t k = 0; k < items.size(); k += 2) {
-          TP_RETURN_IF_ERROR(SetItem(dict, std::move(items[k]), std::move(items[k + 1])));
+        if (dict == nullptr) {
+          TP_RETURN_IF_ERROR(Count(items.size() / 2));
+        } else {
+          for (size_t k = 0; k < items.size(); k += 2) {
+            TP_RETURN_IF_ERROR(SetItem(dict, std::move(items[k]), std::move(items[k + 1])));
+          }
         }
+        Refund(Bytes(items));
         return absl::OkStatus();
       }
-      default:
-        return UnhandledOp();
+      default: return UnhandledOp();
     }
   }
 
@@ -892,18 +1004,18 @@ class Unpickler {
         }
         auto it = callables_.find(fn.get());
         if (it == callables_.end()) {
-          return Unsupported(absl::StrCat("call of a ", DescribeNode(fn.get()), ", not of a whitelisted global"));
+          return Unsupported(
+              absl::StrCat("call of a ", DescribeNode(fn.get()), ", not of a whitelisted global"));
         }
         if (args->kind != Kind::kTuple) {
-          return Corrupt(absl::StrCat("the arguments of ", it->second.name, " are a ", DescribeNode(args.get()),
-                                      ", not a tuple"));
+          return Corrupt(absl::StrCat("the arguments of ", it->second.name, " are a ",
+                                      DescribeNode(args.get()), ", not a tuple"));
         }
         if (op_ == 0x81 && it->second.fn != Fn::kOrderedDict) {
           return Unsupported(absl::StrCat("NEWOBJ of ", it->second.name));
         }
         TP_ASSIGN_OR_RETURN(PyValuePtr result, Call(it->second, args->items));
-        stack_.push_back(std::move(result));
-        return absl::OkStatus();
+        return Push(std::move(result));
       }
       case 'b': {  // BUILD: obj.__setstate__(state)
         TP_ASSIGN_OR_RETURN(PyValuePtr state, Pop());
@@ -918,11 +1030,9 @@ class Unpickler {
       case 'Q': {  // BINPERSID
         TP_ASSIGN_OR_RETURN(PyValuePtr pid, Pop());
         TP_ASSIGN_OR_RETURN(PyValuePtr storage, LoadStorage(*pid));
-        stack_.push_back(std::move(storage));
-        return absl::OkStatus();
+        return Push(std::move(storage));
       }
-      default:
-        return UnhandledOp();
+      default: return UnhandledOp();
     }
   }
 
@@ -945,22 +1055,34 @@ class Unpickler {
     }
     uint64_t v = LoadLE(b.data(), static_cast<int>(low));
     if (low < 8 && negative) v |= ~uint64_t{0} << (8 * low);
-    if (n > 8 && (static_cast<int64_t>(v) < 0) != negative) return Unsupported("integer does not fit in 64 bits");
+    if (n > 8 && (static_cast<int64_t>(v) < 0) != negative)
+      return Unsupported("integer does not fit in 64 bits");
     return PushInt(static_cast<int64_t>(v));
+  }
+
+  absl::Status DropMark() {
+    TP_ASSIGN_OR_RETURN(std::vector<PyValuePtr> items, PopMark());
+    Refund(Bytes(items));
+    return absl::OkStatus();
   }
 
   absl::Status Memoize(uint64_t key) {
     TP_ASSIGN_OR_RETURN(PyValue * top, Top());
     (void)top;
-    memo_[key] = stack_.back();
+    TP_RETURN_IF_ERROR(Count(1));
+    if (auto it = memo_.find(key); it != memo_.end()) {
+      it->second = stack_.back();
+      return absl::OkStatus();
+    }
+    TP_RETURN_IF_ERROR(Charge(kNodeBytes));
+    memo_.emplace(key, stack_.back());
     return absl::OkStatus();
   }
 
   absl::Status MemoGet(uint64_t key) {
     auto it = memo_.find(key);
     if (it == memo_.end()) return Corrupt(absl::StrCat("memo entry ", key, " was never stored"));
-    stack_.push_back(it->second);
-    return absl::OkStatus();
+    return Push(it->second);
   }
 
   // ---- globals
@@ -970,14 +1092,23 @@ class Unpickler {
   // is imported or executed (it never imports code), and what it was given
   // is dropped.
   absl::Status PushObject(const std::string& name) {
-    TP_ASSIGN_OR_RETURN(PyValuePtr v, New(Kind::kObject));
-    v->s = name;
-    stack_.push_back(std::move(v));
-    return absl::OkStatus();
+    TP_ASSIGN_OR_RETURN(PyValuePtr v, NewString(Kind::kObject, name));
+    return Push(std::move(v));
   }
 
+  // One value per global name, as Python's classes and functions are one
+  // object each.
   absl::Status PushGlobal(absl::string_view module, absl::string_view name) {
     const std::string full = absl::StrCat(module, ".", name);
+    if (auto it = globals_.find(full); it != globals_.end()) return Push(it->second);
+    TP_ASSIGN_OR_RETURN(PyValuePtr v, NewGlobal(module, name, full));
+    TP_RETURN_IF_ERROR(Charge(2 * kNodeBytes + 2 * StringBytes(full.size())));
+    globals_.emplace(full, v);
+    return Push(std::move(v));
+  }
+
+  absl::StatusOr<PyValuePtr> NewGlobal(absl::string_view module, absl::string_view name,
+                                       const std::string& full) {
     Callable c;
     c.name = full;
     if (module == "collections" && name == "OrderedDict") {
@@ -1004,7 +1135,8 @@ class Unpickler {
       c.fn = Fn::kCodecsEncode;
     } else if ((module == "builtins" || module == "__builtin__") && name == "bytes") {
       c.fn = Fn::kBytes;
-    } else if ((module == "builtins" || module == "__builtin__") && (name == "set" || name == "frozenset")) {
+    } else if ((module == "builtins" || module == "__builtin__") &&
+               (name == "set" || name == "frozenset")) {
       return Unsupported(absl::StrCat("global ", Quote(full), ": sets are not supported"));
     } else {
       bool found = false;
@@ -1017,16 +1149,15 @@ class Unpickler {
             break;
           }
           if (name == d.name) {  // a torch.dtype: reads as the string "torch.float32"
-            return PushString(Kind::kString, full);
+            return NewString(Kind::kString, full);
           }
         }
       }
-      if (!found) return PushObject(full);
+      if (!found) return NewString(Kind::kObject, full);
     }
     TP_ASSIGN_OR_RETURN(PyValuePtr v, New(Kind::kNone));
     callables_.emplace(v.get(), std::move(c));
-    stack_.push_back(std::move(v));
-    return absl::OkStatus();
+    return v;
   }
 
   bool IsPlain(const PyValuePtr& v, Kind kind) const {
@@ -1043,11 +1174,11 @@ class Unpickler {
       case Fn::kOrderedDict: {
         if (!args.empty()) return bad_args("expected no arguments");
         TP_ASSIGN_OR_RETURN(PyValuePtr d, New(Kind::kDict));
+        TP_RETURN_IF_ERROR(Charge(kNodeBytes));
         ordered_dicts_.insert(d.get());
         return d;
       }
-      case Fn::kRebuildTensorV2:
-        return RebuildTensor(c, args);
+      case Fn::kRebuildTensorV2: return RebuildTensor(c, args);
       case Fn::kRebuildParameter:
       case Fn::kRebuildParameterWithState: {
         const size_t want = c.fn == Fn::kRebuildParameter ? 3 : 4;
@@ -1056,19 +1187,21 @@ class Unpickler {
         if (!IsPlain(args[1], Kind::kBool)) return bad_args("requires_grad is not a bool");
         return args[0];  // requires_grad, hooks and state are dropped
       }
-      case Fn::kStorageType:
-        return bad_args("a storage class is only used in persistent ids");
+      case Fn::kStorageType: return bad_args("a storage class is only used in persistent ids");
       case Fn::kRestoreTypeTag:
-        if (args.size() != 2 || !IsPlain(args[1], Kind::kString)) return bad_args("expected (value, type string)");
+        if (args.size() != 2 || !IsPlain(args[1], Kind::kString))
+          return bad_args("expected (value, type string)");
         return args[0];
       case Fn::kBuildIntList:
       case Fn::kBuildDoubleList:
       case Fn::kBuildBoolList:
       case Fn::kBuildTensorList:
-        if (args.size() != 1 || !IsPlain(args[0], Kind::kList)) return bad_args("expected one list");
+        if (args.size() != 1 || !IsPlain(args[0], Kind::kList))
+          return bad_args("expected one list");
         return args[0];
       case Fn::kDevice: {
-        if (args.empty() || args.size() > 2 || !IsPlain(args[0], Kind::kString) || args[0]->s.size() > 32) {
+        if (args.empty() || args.size() > 2 || !IsPlain(args[0], Kind::kString) ||
+            args[0]->s.size() > 32) {
           return bad_args("expected (type[, index])");
         }
         std::string device = args[0]->s;
@@ -1079,12 +1212,11 @@ class Unpickler {
             return bad_args("the index is not an int");
           }
         }
-        TP_ASSIGN_OR_RETURN(PyValuePtr v, New(Kind::kString));
-        v->s = std::move(device);
-        return v;
+        return NewString(Kind::kString, device);
       }
       case Fn::kCodecsEncode: {  // protocol 2's bytes: _codecs.encode(str, 'latin1')
-        if (args.size() != 2 || !IsPlain(args[0], Kind::kString) || !IsPlain(args[1], Kind::kString) ||
+        if (args.size() != 2 || !IsPlain(args[0], Kind::kString) ||
+            !IsPlain(args[1], Kind::kString) ||
             (args[1]->s != "latin1" && args[1]->s != "latin-1")) {
           return bad_args("expected (str, 'latin1')");
         }
@@ -1093,8 +1225,8 @@ class Unpickler {
         if (auto it = encoded_.find(args[0].get()); it != encoded_.end()) return it->second;
         std::string bytes;
         if (!EncodeLatin1(args[0]->s, &bytes)) return bad_args("the string is not latin-1");
-        TP_ASSIGN_OR_RETURN(PyValuePtr v, New(Kind::kBytes));
-        v->s = std::move(bytes);
+        TP_ASSIGN_OR_RETURN(PyValuePtr v, NewString(Kind::kBytes, bytes));
+        TP_RETURN_IF_ERROR(Charge(kNodeBytes));
         encoded_.emplace(args[0].get(), v);
         return v;
       }
@@ -1107,7 +1239,8 @@ class Unpickler {
 
   absl::StatusOr<std::vector<int64_t>> IntTuple(const PyValuePtr& v, absl::string_view what) {
     if (!IsPlain(v, Kind::kTuple) && !IsPlain(v, Kind::kList)) {
-      return Unsupported(absl::StrCat("_rebuild_tensor_v2: ", what, " is a ", DescribeNode(v.get())));
+      return Unsupported(
+          absl::StrCat("_rebuild_tensor_v2: ", what, " is a ", DescribeNode(v.get())));
     }
     if (v->items.size() > kMaxDims) {
       return Unsupported(absl::StrCat("_rebuild_tensor_v2: ", v->items.size(), " dimensions"));
@@ -1115,7 +1248,8 @@ class Unpickler {
     std::vector<int64_t> out;
     for (const auto& item : v->items) {
       if (!IsPlain(item, Kind::kInt) || item->i < 0) {
-        return Unsupported(absl::StrCat("_rebuild_tensor_v2: ", what, " holds a ", DescribeNode(item.get()),
+        return Unsupported(absl::StrCat("_rebuild_tensor_v2: ", what, " holds a ",
+                                        DescribeNode(item.get()),
                                         item->kind == Kind::kInt ? " < 0" : ""));
       }
       out.push_back(item->i);
@@ -1133,43 +1267,50 @@ class Unpickler {
       return Unsupported(absl::StrCat(c.name, ": the storage is a ", DescribeNode(args[0].get())));
     }
     if (!IsPlain(args[1], Kind::kInt) || args[1]->i < 0) {
-      return Unsupported(absl::StrCat(c.name, ": the storage offset is a ", DescribeNode(args[1].get())));
+      return Unsupported(
+          absl::StrCat(c.name, ": the storage offset is a ", DescribeNode(args[1].get())));
     }
     TP_ASSIGN_OR_RETURN(const std::vector<int64_t> sizes, IntTuple(args[2], "the size"));
     TP_ASSIGN_OR_RETURN(const std::vector<int64_t> strides, IntTuple(args[3], "the stride"));
     if (sizes.size() != strides.size()) {
-      return Unsupported(absl::StrCat(c.name, ": ", sizes.size(), " sizes but ", strides.size(), " strides"));
+      return Unsupported(
+          absl::StrCat(c.name, ": ", sizes.size(), " sizes but ", strides.size(), " strides"));
     }
     if (!IsPlain(args[4], Kind::kBool)) {
-      return Unsupported(absl::StrCat(c.name, ": requires_grad is a ", DescribeNode(args[4].get())));
+      return Unsupported(
+          absl::StrCat(c.name, ": requires_grad is a ", DescribeNode(args[4].get())));
     }
     if (!IsPlain(args[5], Kind::kDict) && !IsPlain(args[5], Kind::kNone)) {
-      return Unsupported(absl::StrCat(c.name, ": backward_hooks is a ", DescribeNode(args[5].get())));
+      return Unsupported(
+          absl::StrCat(c.name, ": backward_hooks is a ", DescribeNode(args[5].get())));
     }
     const at::Tensor& base = args[0]->tensor;
     const int64_t storage_numel = base.numel();
     const int64_t offset = args[1]->i;
     int64_t numel = 1;
     for (int64_t s : sizes) {
-      if (__builtin_mul_overflow(numel, s, &numel)) return Unsupported(absl::StrCat(c.name, ": size overflows"));
+      if (__builtin_mul_overflow(numel, s, &numel))
+        return Unsupported(absl::StrCat(c.name, ": size overflows"));
     }
     const std::string shape = absl::StrCat("size [", absl::StrJoin(sizes, ", "), "] stride [",
                                            absl::StrJoin(strides, ", "), "] offset ", offset);
     if (numel == 0) {
       if (offset > storage_numel) {
-        return Corrupt(absl::StrCat(c.name, ": ", shape, " is outside a storage of ", storage_numel));
+        return Corrupt(
+            absl::StrCat(c.name, ": ", shape, " is outside a storage of ", storage_numel));
       }
     } else {
       int64_t last = offset;
       for (size_t d = 0; d < sizes.size(); ++d) {
         int64_t span;
-        if (__builtin_mul_overflow(sizes[d] - 1, strides[d], &span) || __builtin_add_overflow(last, span, &last)) {
+        if (__builtin_mul_overflow(sizes[d] - 1, strides[d], &span) ||
+            __builtin_add_overflow(last, span, &last)) {
           return Unsupported(absl::StrCat(c.name, ": ", shape, " overflows"));
         }
       }
       if (last >= storage_numel) {
-        return Corrupt(absl::StrCat(c.name, ": ", shape, " reaches element ", last, " of a storage of ",
-                                    storage_numel));
+        return Corrupt(absl::StrCat(c.name, ": ", shape, " reaches element ", last,
+                                    " of a storage of ", storage_numel));
       }
     }
     bool contiguous = true;  // as torch defines it: strides of size-1 dims don't matter
@@ -1183,25 +1324,34 @@ class Unpickler {
     }
     TP_ASSIGN_OR_RETURN(PyValuePtr v, New(Kind::kTensor));
     if (offset == 0 && numel == storage_numel && (contiguous || numel == 0)) {
+      TP_RETURN_IF_ERROR(Charge(kTensorBytes));
       v->tensor = base.view(sizes);  // the whole storage: shared, like torch.load's
-    } else {
-      int64_t bytes;
-      if (__builtin_mul_overflow(numel, static_cast<int64_t>(base.element_size()), &bytes) ||
-          __builtin_add_overflow(tensor_bytes_, bytes, &tensor_bytes_) ||
-          tensor_bytes_ > limits_.max_tensor_bytes) {
-        return Unsupported(absl::StrCat("tensor views add up to more than max_tensor_bytes (",
-                                        limits_.max_tensor_bytes, ")"));
-      }
-      v->tensor = base.as_strided(sizes, strides, base.storage_offset() + offset)
-                      .clone(at::MemoryFormat::Contiguous);
+      return v;
     }
+    // Part of a storage, or strided, or expanded (larger than the storage):
+    // copied out, charged before it is allocated.
+    int64_t bytes;
+    if (__builtin_mul_overflow(numel, static_cast<int64_t>(base.element_size()), &bytes) ||
+        __builtin_add_overflow(tensor_bytes_, bytes, &tensor_bytes_) ||
+        tensor_bytes_ > limits_.max_tensor_bytes) {
+      return Error(absl::StatusCode::kResourceExhausted,
+                   absl::StrCat("tensor views add up to more than max_tensor_bytes (",
+                                limits_.max_tensor_bytes, ")"));
+    }
+    TP_RETURN_IF_ERROR(
+        Charge(kTensorBytes + static_cast<uint64_t>(bytes),
+               absl::StrCat("a copy of the view ", shape, " of a storage of ", storage_numel, " ",
+                            DtypeName(base.scalar_type()), " (", bytes, " bytes)")));
+    v->tensor = base.as_strided(sizes, strides, base.storage_offset() + offset)
+                    .clone(at::MemoryFormat::Contiguous);
     return v;
   }
 
   // Persistent id ('storage', storage_type, key, location, numel).
   absl::StatusOr<PyValuePtr> LoadStorage(const PyValue& pid) {
     const auto& t = pid.items;
-    if (pid.kind != Kind::kTuple || t.size() != 5 || !IsPlain(t[0], Kind::kString) || t[0]->s != "storage") {
+    if (pid.kind != Kind::kTuple || t.size() != 5 || !IsPlain(t[0], Kind::kString) ||
+        t[0]->s != "storage") {
       return Unsupported(absl::StrCat("persistent id is a ", DescribeNode(&pid),
                                       ", not ('storage', type, key, location, numel)"));
     }
@@ -1210,10 +1360,12 @@ class Unpickler {
       return Unsupported(absl::StrCat("storage type is a ", DescribeNode(t[1].get())));
     }
     if (!IsPlain(t[2], Kind::kString) || t[2]->s.empty() || t[2]->s.size() > 64 ||
-        !std::all_of(t[2]->s.begin(), t[2]->s.end(),
-                     [](char ch) { return absl::ascii_isalnum(ch) || ch == '_' || ch == '.' || ch == '-'; })) {
-      return Unsupported(absl::StrCat("bad storage key ", IsPlain(t[2], Kind::kString) ? Quote(t[2]->s)
-                                                                                       : DescribeNode(t[2].get())));
+        !std::all_of(t[2]->s.begin(), t[2]->s.end(), [](char ch) {
+          return absl::ascii_isalnum(ch) || ch == '_' || ch == '.' || ch == '-';
+        })) {
+      return Unsupported(absl::StrCat("bad storage key ", IsPlain(t[2], Kind::kString)
+                                                              ? Quote(t[2]->s)
+                                                              : DescribeNode(t[2].get())));
     }
     if (!IsPlain(t[3], Kind::kString)) return Unsupported("storage location is not a string");
     if (!IsPlain(t[4], Kind::kInt) || t[4]->i < 0) {
@@ -1225,22 +1377,30 @@ class Unpickler {
     if (auto it = storages_by_key_.find(key); it != storages_by_key_.end()) {
       const at::Tensor& have = it->second->tensor;
       if (have.scalar_type() != dtype || have.numel() != numel) {
-        return Corrupt(absl::StrCat("storage ", Quote(key), " is referenced as ", DtypeName(dtype), " x ", numel,
-                                    " and as ", DtypeName(have.scalar_type()), " x ", have.numel()));
+        return Corrupt(absl::StrCat("storage ", Quote(key), " is referenced as ", DtypeName(dtype),
+                                    " x ", numel, " and as ", DtypeName(have.scalar_type()), " x ",
+                                    have.numel()));
       }
       return it->second;
     }
     // Location ("cpu", "cuda:0", ...) is ignored: everything loads on the CPU.
+    // The storage's bytes are the file's (the loader checks its record's size
+    // before reading it); what is charged is the tensor and the indexes.
+    TP_RETURN_IF_ERROR(Charge(kTensorBytes + 3 * kNodeBytes + StringBytes(key.size())));
     absl::StatusOr<at::Tensor> loaded = loader_(key, dtype, numel);
     if (!loaded.ok()) return Error(loaded.status().code(), loaded.status().message());
     const at::Tensor& s = *loaded;
-    if (!s.defined() || s.scalar_type() != dtype || s.dim() != 1 || s.numel() != numel || !s.is_contiguous() ||
-        !s.device().is_cpu()) {
+    if (!s.defined() || s.scalar_type() != dtype || s.dim() != 1 || s.numel() != numel ||
+        !s.is_contiguous() || !s.device().is_cpu()) {
       PyValue got;
       got.kind = Kind::kTensor;
       got.tensor = s;
-      return Corrupt(absl::StrCat("storage ", Quote(key), " loaded as a ", got.Describe(), ", not as ",
-                                  DtypeName(dtype), " x ", numel));
+      return Corrupt(absl::StrCat("storage ", Quote(key), " loaded as a ", got.Describe(),
+                                  ", not as ", DtypeName(dtype), " x ", numel));
+    }
+    if (basis_grows_) {
+      basis_ = SaturatingAdd(basis_, s.nbytes());
+      SetBudget();
     }
     TP_ASSIGN_OR_RETURN(PyValuePtr v, New(Kind::kTensor));
     v->tensor = s;
@@ -1260,9 +1420,11 @@ class Unpickler {
       return Corrupt(absl::StrCat("STOP leaves ", stack_.size(), " values and ", marks_.size(),
                                   " MARKs on the stack"));
     }
-    if (pos_ != data_.size()) return Corrupt(absl::StrCat(data_.size() - pos_, " bytes follow STOP"));
+    if (pos_ != data_.size())
+      return Corrupt(absl::StrCat(data_.size() - pos_, " bytes follow STOP"));
     const int64_t max_depth = std::max<int64_t>(limits_.max_depth, 1);
-    // height_: finished nodes -> height (leaf 0); on_path_: nodes being visited.
+    // height_: finished containers -> height (a leaf's is 0); on_path:
+    // containers being visited. (Both charged when the containers were made.)
     struct Frame {
       const PyValue* node;
       size_t next;
@@ -1272,11 +1434,13 @@ class Unpickler {
     std::vector<Frame> path;
     auto enter = [&](const PyValue* v) -> absl::Status {
       if (auto it = callables_.find(v); it != callables_.end()) {
-        return Unsupported(absl::StrCat("the data holds the global ", it->second.name, " itself, not a call of it"));
+        return Unsupported(absl::StrCat("the data holds the global ", it->second.name,
+                                        " itself, not a call of it"));
       }
       if (static_cast<int64_t>(path.size()) + 1 > max_depth) {
         return Unsupported(absl::StrCat("nested deeper than max_depth (", limits_.max_depth, ")"));
       }
+      if (!IsContainer(v->kind)) return absl::OkStatus();  // a leaf: nothing to walk or keep
       on_path.insert(v);
       path.push_back({v, 0, 0});
       return absl::OkStatus();
@@ -1296,13 +1460,15 @@ class Unpickler {
         ++f.next;
         if (auto it = height_.find(child); it != height_.end()) {
           if (static_cast<int64_t>(path.size()) + 1 + it->second > max_depth) {
-            return Unsupported(absl::StrCat("nested deeper than max_depth (", limits_.max_depth, ")"));
+            return Unsupported(
+                absl::StrCat("nested deeper than max_depth (", limits_.max_depth, ")"));
           }
           f.height = std::max(f.height, it->second + 1);
           continue;
         }
         if (on_path.count(child)) return Unsupported("the data contains a reference cycle");
         TP_RETURN_IF_ERROR(enter(child));
+        if (!IsContainer(child->kind)) f.height = std::max<int64_t>(f.height, 1);
         continue;
       }
       const int64_t h = f.height;
@@ -1339,14 +1505,26 @@ class Unpickler {
   size_t pos_ = 0;
   size_t op_pos_ = 0;
   int op_ = -1;
+  uint64_t max_items_ = 0;
   uint64_t items_ = 0;
+  const bool basis_grows_;  // ParsePickle: the storages loaded add to the basis
+  uint64_t basis_;          // the file's bytes, which the memory budget is a multiple of
+  uint64_t budget_ = 0;
+  uint64_t used_ = 0;  // of budget_
   int64_t tensor_bytes_ = 0;
   bool succeeded_ = false;
 
-  std::vector<PyValuePtr> arena_;  // every value created
+  // The shared constants.
+  PyValuePtr none_;
+  PyValuePtr bools_[2];
+  PyValuePtr empty_tuple_;
+  std::array<PyValuePtr, 256> small_ints_;
+
+  std::vector<PyValuePtr> arena_;  // every container created (leaves hold no values)
   std::vector<PyValuePtr> stack_;
   std::vector<size_t> marks_;
   std::unordered_map<uint64_t, PyValuePtr> memo_;
+  std::unordered_map<std::string, PyValuePtr> globals_;  // by module.name
   std::unordered_map<const PyValue*, Callable> callables_;
   std::unordered_set<const PyValue*> storage_nodes_;
   std::unordered_map<std::string, PyValuePtr> storages_by_key_;
@@ -1354,7 +1532,8 @@ class Unpickler {
   std::unordered_map<const PyValue*, PyValuePtr> encoded_;
   std::unordered_map<const PyValue*, uint64_t> key_ids_;
   std::unordered_map<std::string, uint64_t> key_intern_;
-  std::unordered_map<const PyValue*, std::unordered_map<uint64_t, size_t>> dict_index_;
+  // (dict, key id) -> index in the dict's entries.
+  std::unordered_map<std::pair<const PyValue*, uint64_t>, size_t, PairHash> dict_index_;
   std::unordered_map<const PyValue*, int64_t> height_;
 };
 
@@ -1543,14 +1722,9 @@ absl::StatusOr<ZipRecord> ReadZipEntry(absl::string_view cd, size_t* p, uint64_t
 // miniz has opened the archive: present, and a format this LibTorch reads.
 absl::Status CheckZipVersion(const BoundedReadAdapter& in, const std::string& name,
                              const std::vector<ZipRecord>& records,
-                             const std::unordered_map<std::string, size_t>& by_name) {
+                             const std::unordered_map<std::string, size_t>& by_name,
+                             const std::string& prefix) {
   const uint64_t size = in.size();
-  const size_t slash = records[0].name.find('/');
-  if (slash == std::string::npos) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        name, ": a zip archive whose records are not in a folder, not a torch.save file"));
-  }
-  const std::string prefix = absl::AsciiStrToLower(records[0].name.substr(0, slash + 1));
   auto version = by_name.find(prefix + ".data/version");
   if (version == by_name.end()) version = by_name.find(prefix + "version");
   if (version == by_name.end()) return ZipCorrupt(name, "the zip archive has no version record");
@@ -1586,11 +1760,20 @@ absl::Status CheckZipVersion(const BoundedReadAdapter& in, const std::string& na
   return absl::OkStatus();
 }
 
+// The records of a checked archive: what PyTorchStreamReader calls "name" is
+// prefix + name, looked up regardless of case.
+struct ZipIndex {
+  std::string prefix;                               // lowercased, with its '/'
+  std::unordered_map<std::string, uint64_t> sizes;  // lowercased name -> bytes
+};
+
 // Checks the zip's central directory before miniz acts on it: every record
 // stored (torch.save never compresses) and inside the file, names unique.
 // miniz allocates a record's declared size before reading it; this keeps
-// that within the file.
-absl::Status CheckZipDirectory(const BoundedReadAdapter& in, const std::string& name) {
+// that within the file, and *index lets a caller check a record's size
+// before it is read.
+absl::Status CheckZipDirectory(const BoundedReadAdapter& in, const std::string& name,
+                               ZipIndex* index) {
   TP_ASSIGN_OR_RETURN(const ZipDirectory dir, FindZipDirectory(in, name));
   std::string cd(dir.size, '\0');
   if (in.read(dir.offset, cd.data(), dir.size) != dir.size) {
@@ -1610,45 +1793,72 @@ absl::Status CheckZipDirectory(const BoundedReadAdapter& in, const std::string& 
   // archive, checked here first: when the constructor throws there, it leaks
   // miniz's state.
   if (records.empty()) return ZipCorrupt(name, "the zip archive holds no records");
-  return CheckZipVersion(in, name, records, by_name);
+  const size_t slash = records[0].name.find('/');
+  if (slash == std::string::npos) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        name, ": a zip archive whose records are not in a folder, not a torch.save file"));
+  }
+  index->prefix = absl::AsciiStrToLower(records[0].name.substr(0, slash + 1));
+  for (const auto& [lower, k] : by_name) index->sizes.emplace(lower, records[k].size);
+  return CheckZipVersion(in, name, records, by_name, index->prefix);
 }
 
-absl::StatusOr<PyValuePtr> ReadArchive(const std::shared_ptr<BoundedReadAdapter>& in, const std::string& name,
-                                       const TorchReadLimits& limits) {
+absl::StatusOr<PyValuePtr> ParsePickleOf(absl::string_view pickle,
+                                         const StorageLoader& load_storage,
+                                         const std::string& name_for_errors,
+                                         const TorchReadLimits& limits, uint64_t file_bytes) {
+  try {
+    Unpickler unpickler(pickle, load_storage, name_for_errors, limits, file_bytes);
+    return unpickler.Run();
+  } catch (const std::bad_alloc&) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat(name_for_errors, ": out of memory reading data.pkl"));
+  } catch (const std::exception& e) {
+    return absl::DataLossError(absl::StrCat(name_for_errors, ": data.pkl: ", ExceptionText(e)));
+  }
+}
+
+absl::StatusOr<PyValuePtr> ReadArchive(const std::shared_ptr<BoundedReadAdapter>& in,
+                                       const std::string& name, const TorchReadLimits& limits) {
   const uint64_t size = in->size();
   if (size > static_cast<uint64_t>(std::max<int64_t>(limits.max_file_bytes, 0))) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(name, ": ", size, " bytes, more than max_file_bytes (", limits.max_file_bytes, ")"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        name, ": ", size, " bytes, more than max_file_bytes (", limits.max_file_bytes, ")"));
   }
-  if (size == 0) return absl::InvalidArgumentError(absl::StrCat(name, ": empty file, not a torch.save file"));
+  if (size == 0)
+    return absl::InvalidArgumentError(absl::StrCat(name, ": empty file, not a torch.save file"));
   char head[14];
   in->read(0, head, sizeof(head));
   // The legacy format starts with the pickled magic number 0x1950a86a20f9469cfc6c.
   static constexpr char kLegacy[14] = {'\x80', '\x02', '\x8a', '\x0a', '\x6c', '\xfc', '\x9c',
                                        '\x46', '\xf9', '\x20', '\x6a', '\xa8', '\x50', '\x19'};
   if (size >= sizeof(head) && std::memcmp(head, kLegacy, sizeof(head)) == 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(name, ": a torch.save file in the legacy format (written with "
-                           "_use_new_zipfile_serialization=False); re-save it with a current torch.save"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        name,
+        ": a torch.save file in the legacy format (written with "
+        "_use_new_zipfile_serialization=False); re-save it with a current torch.save"));
   }
   if (size < 4 || std::memcmp(head, "PK\x03\x04", 4) != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(name, ": not a torch.save file (not a zip archive; starts with ",
-                                                   Quote(absl::string_view(head, std::min<uint64_t>(size, 8))),
-                                                   ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, ": not a torch.save file (not a zip archive; starts with ",
+                     Quote(absl::string_view(head, std::min<uint64_t>(size, 8))), ")"));
   }
-  TP_RETURN_IF_ERROR(CheckZipDirectory(*in, name));
+  ZipIndex index;
+  TP_RETURN_IF_ERROR(CheckZipDirectory(*in, name, &index));
   try {
-    caffe2::serialize::PyTorchStreamReader reader(std::static_pointer_cast<caffe2::serialize::ReadAdapterInterface>(in));
+    caffe2::serialize::PyTorchStreamReader reader(
+        std::static_pointer_cast<caffe2::serialize::ReadAdapterInterface>(in));
     if (reader.hasRecord("byteorder")) {
       auto [ptr, len] = reader.getRecord("byteorder");
       const std::string order(static_cast<const char*>(ptr.get()), len);
       if (order != "little") {
-        return absl::InvalidArgumentError(
-            absl::StrCat(name, ": storages are stored ", Quote(order), "-endian; only little-endian is supported"));
+        return absl::InvalidArgumentError(absl::StrCat(name, ": storages are stored ", Quote(order),
+                                                       "-endian; only little-endian is supported"));
       }
     }
     if (!reader.hasRecord("data.pkl")) {
-      return absl::InvalidArgumentError(absl::StrCat(name, ": a zip archive without data.pkl, not a torch.save file"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, ": a zip archive without data.pkl, not a torch.save file"));
     }
     auto [pkl_ptr, pkl_len] = reader.getRecord("data.pkl");
     uint64_t loaded = pkl_len;  // bytes taken out of the archive so far
@@ -1656,53 +1866,64 @@ absl::StatusOr<PyValuePtr> ReadArchive(const std::shared_ptr<BoundedReadAdapter>
                                int64_t numel) -> absl::StatusOr<at::Tensor> {
       const std::string record = "data/" + key;
       try {
-        if (!reader.hasRecord(record)) return absl::DataLossError(absl::StrCat("no record ", record));
+        // The record's size, from the checked zip directory, before anything
+        // is allocated: a storage costs what the file holds, no more.
+        const auto entry = index.sizes.find(index.prefix + absl::AsciiStrToLower(record));
+        if (entry == index.sizes.end() || !reader.hasRecord(record)) {
+          return absl::DataLossError(absl::StrCat("no record ", record));
+        }
         const uint64_t element = c10::elementSize(dtype);
-        if (static_cast<uint64_t>(numel) > (size - loaded) / element) {
-          return absl::DataLossError(absl::StrCat("storage ", record, " of ", numel, " ", DtypeName(dtype),
+        const uint64_t have = entry->second;
+        if (have % element != 0 || have / element != static_cast<uint64_t>(numel)) {
+          return absl::DataLossError(absl::StrCat("record ", record, " holds ", have,
+                                                  " bytes, not ", numel, " ", DtypeName(dtype)));
+        }
+        const uint64_t bytes = have;
+        if (bytes > size - loaded) {
+          return absl::DataLossError(absl::StrCat("storage ", record, " of ", numel, " ",
+                                                  DtypeName(dtype),
                                                   " does not fit in what is left of the file"));
         }
-        const uint64_t bytes = static_cast<uint64_t>(numel) * element;
         auto [ptr, len] = reader.getRecord(record);
         if (len != bytes) {
-          return absl::DataLossError(absl::StrCat("record ", record, " holds ", len, " bytes, not ", numel, " ",
-                                                  DtypeName(dtype), " (", bytes, " bytes)"));
+          return absl::DataLossError(absl::StrCat("record ", record, " holds ", len, " bytes, not ",
+                                                  numel, " ", DtypeName(dtype), " (", bytes,
+                                                  " bytes)"));
         }
         loaded += bytes;
         if (dtype == c10::ScalarType::Bool) {  // any byte but 0/1 is undefined behaviour for a bool
           auto* b = static_cast<uint8_t*>(ptr.get());
           for (uint64_t k = 0; k < bytes; ++k) b[k] = b[k] != 0;
         }
-        c10::Storage storage(c10::Storage::use_byte_size_t(), bytes, std::move(ptr), nullptr, false);
+        c10::Storage storage(c10::Storage::use_byte_size_t(), bytes, std::move(ptr), nullptr,
+                             false);
         return at::empty({0}, at::TensorOptions().dtype(dtype)).set_(storage, 0, {numel}, {1});
       } catch (const std::exception& e) {
         return absl::DataLossError(absl::StrCat("reading ", record, ": ", ExceptionText(e)));
       }
     };
-    return ParsePickle(absl::string_view(static_cast<const char*>(pkl_ptr.get()), pkl_len), loader, name, limits);
+    return ParsePickleOf(absl::string_view(static_cast<const char*>(pkl_ptr.get()), pkl_len),
+                         loader, name, limits, size);
   } catch (const std::exception& e) {
-    return absl::DataLossError(absl::StrCat(name, ": not a readable torch.save archive: ", ExceptionText(e)));
+    return absl::DataLossError(
+        absl::StrCat(name, ": not a readable torch.save archive: ", ExceptionText(e)));
   }
 }
 
 }  // namespace
 
 absl::StatusOr<PyValuePtr> ParsePickle(absl::string_view pickle, const StorageLoader& load_storage,
-                                       const std::string& name_for_errors, const TorchReadLimits& limits) {
-  try {
-    Unpickler unpickler(pickle, load_storage, name_for_errors, limits);
-    return unpickler.Run();
-  } catch (const std::bad_alloc&) {
-    return absl::InvalidArgumentError(absl::StrCat(name_for_errors, ": out of memory reading data.pkl"));
-  } catch (const std::exception& e) {
-    return absl::DataLossError(absl::StrCat(name_for_errors, ": data.pkl: ", ExceptionText(e)));
-  }
+                                       const std::string& name_for_errors,
+                                       const TorchReadLimits& limits) {
+  return ParsePickleOf(pickle, load_storage, name_for_errors, limits, 0);
 }
 
-absl::StatusOr<PyValuePtr> ReadTorchBytes(const std::string& bytes, const std::string& name_for_errors,
+absl::StatusOr<PyValuePtr> ReadTorchBytes(const std::string& bytes,
+                                          const std::string& name_for_errors,
                                           const TorchReadLimits& limits) {
   try {
-    return ReadArchive(std::make_shared<BoundedReadAdapter>(bytes.data(), bytes.size()), name_for_errors, limits);
+    return ReadArchive(std::make_shared<BoundedReadAdapter>(bytes.data(), bytes.size()),
+                       name_for_errors, limits);
   } catch (const std::exception& e) {
     return absl::DataLossError(absl::StrCat(name_for_errors, ": ", ExceptionText(e)));
   }
@@ -1722,7 +1943,8 @@ absl::StatusOr<PyValuePtr> ReadTorchFile(const std::string& path, const TorchRea
     return absl::InvalidArgumentError(absl::StrCat(path, ": not a regular file"));
   }
   try {
-    return ReadArchive(std::make_shared<BoundedReadAdapter>(fd, static_cast<uint64_t>(st.st_size)), path, limits);
+    return ReadArchive(std::make_shared<BoundedReadAdapter>(fd, static_cast<uint64_t>(st.st_size)),
+                       path, limits);
   } catch (const std::exception& e) {
     return absl::DataLossError(absl::StrCat(path, ": ", ExceptionText(e)));
   }
