@@ -152,6 +152,9 @@ void RankAgent::Stop() {
 }
 
 int RankAgent::Finish() {
+  // The last step this rank took, so that a rank still waiting in a
+  // collective is told where this one left (FinishedRanks).
+  (void)client_->Heartbeat(MakeHeartbeat());
   (void)client_->Finish(options_.rank);
   Stop();
   return 0;
@@ -426,11 +429,14 @@ absl::Status RankAgent::AgreeOnLearningRate(int64_t step, int64_t version, const
 // UNAVAILABLE "... failed after 0.2s, before its timeout"), which names no
 // rank; the control plane names it, so its diagnosis wins.
 std::string RankAgent::Diagnose(const absl::Status& status, absl::Time since) {
+  // A peer that left its training loop (called Finish) while this rank
+  // still waits in a collective: no verdict is coming, say so at once.
+  if (auto finished = FinishedRanks(status)) return *finished;
   std::string reason = WaitForAbort(options_.verdict_wait);
   if (!reason.empty()) return reason;
   if (auto silent = SilentRanks(status)) return *silent;
   if (status.code() == absl::StatusCode::kDeadlineExceeded) {
-    if (auto stalled = StalledRanks(status)) return *stalled;
+    if (auto stalled = StalledRanks(status, since)) return *stalled;
   }
   // Failing well before its timeout: a broken connection.
   const absl::Duration took = absl::Now() - since;
@@ -439,6 +445,21 @@ std::string RankAgent::Diagnose(const absl::Status& status, absl::Time since) {
                       absl::FormatDuration(absl::Trunc(took, absl::Milliseconds(1))),
                       ", before its ", absl::FormatDuration(options_.collective_timeout),
                       " timeout (a peer's connection broke) [", status.message(), "]");
+}
+
+std::optional<std::string> RankAgent::FinishedRanks(const absl::Status& status) {
+  auto job = client_->GetJob();
+  if (!job.ok() || !job->failure().empty()) return std::nullopt;
+  std::vector<std::string> left;
+  for (const auto& r : job->ranks()) {
+    if (r.rank() != options_.rank && r.finished()) {
+      left.push_back(absl::StrCat("rank ", r.rank(), " finished its loop at step ", r.step()));
+    }
+  }
+  if (left.empty()) return std::nullopt;
+  return absl::StrCat(absl::StrJoin(left, ", "), " while rank ", options_.rank, " waited for step ",
+                      step_now_.load() + 1, ": every rank must run the same number of steps [",
+                      status.message(), "]");
 }
 
 // The coordinator's failure verdict, or ranks that went silent: the
@@ -459,7 +480,10 @@ std::optional<std::string> RankAgent::SilentRanks(const absl::Status& status) {
             absl::StrFormat("%d (no heartbeat for %.1f s)", r.rank(), r.seconds_since_heartbeat()));
       }
     }
-    if (quiet.empty()) break;
+    if (quiet.empty()) {  // heartbeats came back (a loaded machine): nobody is lost
+      silent.clear();
+      break;
+    }
     silent = absl::StrJoin(quiet, ", ");
     if (absl::Now() >= deadline) break;
     // A verdict pushed meanwhile wins.
@@ -470,15 +494,22 @@ std::optional<std::string> RankAgent::SilentRanks(const absl::Status& status) {
 }
 
 // A timeout: the ranks behind this one in progress (alive, but stalled).
-std::optional<std::string> RankAgent::StalledRanks(const absl::Status& status) {
+// A rank whose last heartbeat is older than the failed phase (`since`)
+// reported its progress before this rank got there, so it may be waiting in
+// the same collective: it is named only when no rank with a newer report is
+// behind (on a loaded machine heartbeats arrive late).
+std::optional<std::string> RankAgent::StalledRanks(const absl::Status& status, absl::Time since) {
   auto job = client_->GetJob();
   if (!job.ok()) return std::nullopt;
-  std::vector<std::string> behind;
+  const double phase_seconds = absl::ToDoubleSeconds(absl::Now() - since);
+  std::vector<std::string> behind, behind_fresh;
   for (const auto& r : job->ranks()) {
     if (r.rank() != options_.rank && r.progress() < progress_.load()) {
       behind.push_back(absl::StrCat(r.rank(), " (at step ", r.step(), ")"));
+      if (r.seconds_since_heartbeat() < phase_seconds) behind_fresh.push_back(behind.back());
     }
   }
+  if (!behind_fresh.empty()) behind = std::move(behind_fresh);
   if (behind.empty()) return std::nullopt;
   return absl::StrCat("collective timed out at step ", step_now_.load() + 1,
                       "; stalled rank(s): ", absl::StrJoin(behind, ", "), " [", status.message(),

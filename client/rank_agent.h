@@ -269,8 +269,9 @@ class RankAgent {
   void RecordStep(const StepResult& result, double agree_seconds);
 
   // Diagnosis.
+  std::optional<std::string> FinishedRanks(const absl::Status& status);
   std::optional<std::string> SilentRanks(const absl::Status& status);
-  std::optional<std::string> StalledRanks(const absl::Status& status);
+  std::optional<std::string> StalledRanks(const absl::Status& status, absl::Time since);
 
   // Checkpoints and failure.
   void RecordCheckpoint(int64_t step, const std::string& dir, double seconds);

@@ -174,6 +174,11 @@ absl::Status ValidateOptions(ShardedOptimizerOptions& opt, size_t num_params) {
     return absl::InvalidArgumentError(
         absl::StrCat("grad_staging_buffers must be >= 1, got ", opt.grad_staging_buffers));
   }
+  if (opt.external_update && (opt.shard_gradients || opt.device_async_step)) {
+    return absl::InvalidArgumentError(
+        "an external update (an optimizer without fused kernels) needs the full gradients: not "
+        "with shard_gradients or device_async_step");
+  }
   if (opt.kernel_threads < 0) return absl::InvalidArgumentError("kernel_threads must be >= 0");
   if (opt.timeout <= absl::ZeroDuration()) return absl::InvalidArgumentError("timeout must be > 0");
   if (opt.grad_comm_type == ElementType::kByte) {
@@ -218,6 +223,12 @@ absl::StatusOr<std::unique_ptr<ShardedOptimizer>> ShardedOptimizer::Create(
       return absl::InvalidArgumentError(absl::StrCat(
           "parameter '", name, "' is on ", t.device().str(), ", the first on ",
           named_parameters.front().second.device().str(), ": all parameters must share a device"));
+    }
+    if (opt.external_update && t.scalar_type() != torch::kFloat) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("parameter '", name,
+                       "' is not float32: an optimizer without fused kernels updates the "
+                       "parameters themselves (no float32 master copy)"));
     }
     if (t.scalar_type() != torch::kFloat && t.scalar_type() != torch::kBFloat16) {
       return absl::InvalidArgumentError(absl::StrCat("parameter '", name, "' has dtype ",
@@ -912,7 +923,7 @@ absl::Status ShardedOptimizer::FinishReduce(int b, double* local_sq) {
 absl::Status ShardedOptimizer::UpdateAndGather(int b, int64_t step, int64_t* update_ns) {
   const int64_t t0 = NowNs();
   (void)step;  // each parameter is at its own count (ShardOwner::param_step)
-  SHARDOPT_RETURN_IF_ERROR(owner_->Update(b, active_));
+  if (!options_.external_update) SHARDOPT_RETURN_IF_ERROR(owner_->Update(b, active_));
   *update_ns += NowNs() - t0;
   {
     absl::MutexLock lock(&hook_state_->mu);
@@ -1128,6 +1139,7 @@ absl::Status ShardedOptimizer::StepOverlapped(StepResult* result, int64_t* updat
       result->clipped = ClipGradients(result->grad_norm);
     }
   }
+  SHARDOPT_RETURN_IF_ERROR(RunExternalUpdate(update_ns));
   for (int b = nb - 1; b >= 0; --b) {
     SHARDOPT_RETURN_IF_ERROR(UpdateAndGather(b, result->step, update_ns));
   }
@@ -1139,6 +1151,14 @@ absl::Status ShardedOptimizer::StepOverlapped(StepResult* result, int64_t* updat
     }
   }
   return absl::OkStatus();
+}
+
+absl::Status ShardedOptimizer::RunExternalUpdate(int64_t* update_ns) {
+  if (!options_.external_update) return absl::OkStatus();
+  const int64_t t0 = NowNs();
+  absl::Status s = options_.external_update(active_);
+  *update_ns += NowNs() - t0;
+  return s;
 }
 
 absl::Status ShardedOptimizer::WaitForBucket(int b) {
@@ -1224,15 +1244,18 @@ absl::StatusOr<StepResult> ShardedOptimizer::Step() {
   double local_sq = 0.0;
   if (options_.overlap_param_gather) {
     SHARDOPT_RETURN_IF_ERROR(StepOverlapped(&result, &update_ns));
-  } else if (options_.max_grad_norm > 0.0) {
-    // Clipping needs the global norm before any update.
+  } else if (options_.max_grad_norm > 0.0 || options_.external_update) {
+    // Clipping needs the global norm before any update (and an external
+    // update runs once, after every reduction).
+    const bool clip = options_.max_grad_norm > 0.0;
     for (int b = 0; b < nb; ++b) SHARDOPT_RETURN_IF_ERROR(FinishReduce(b, &local_sq));
     if (async_) {
-      SHARDOPT_RETURN_IF_ERROR(GlobalNormOnDevice(local_sq, /*clip=*/true, &result));
+      SHARDOPT_RETURN_IF_ERROR(GlobalNormOnDevice(local_sq, clip, &result));
     } else {
       SHARDOPT_ASSIGN_OR_RETURN(result.grad_norm, GlobalNorm(local_sq));
-      result.clipped = ClipGradients(result.grad_norm);
+      if (clip) result.clipped = ClipGradients(result.grad_norm);
     }
+    SHARDOPT_RETURN_IF_ERROR(RunExternalUpdate(&update_ns));
     for (int b = 0; b < nb; ++b) {
       SHARDOPT_RETURN_IF_ERROR(UpdateAndGather(b, result.step, &update_ns));
     }

@@ -127,6 +127,15 @@ struct ShardedOptimizerOptions {
   // stream (LibTorch's default; no CUDAStreamGuard around backward or Step()),
   // where the CUDA kernel backend and the device waits are enqueued.
   bool device_async_step = false;
+  // Set: the fused kernels do not run; after the reductions (and clipping)
+  // of a step this is called once, with the agreed mask of parameters that
+  // have a gradient (by layout index), to update this rank's owned
+  // parameters in place (the flat parameter buffer's owned ranges) from the
+  // reduced gradients (the flat gradient buffer's owned ranges), and the
+  // all-gathers follow. For optimizers without fused kernels (Python runs
+  // the torch.optim class's own step on the owned whole tensors: plan with
+  // allow_cut = false). Not with shard_gradients or bf16 parameters.
+  std::function<absl::Status(const std::vector<uint8_t>& active)> external_update;
 };
 
 struct StepResult {
@@ -354,6 +363,7 @@ class ShardedOptimizer {
   // The previous step's gathers before this step's updates write the buffer.
   absl::Status OrderPreviousGathers();
   absl::Status StepOverlapped(StepResult* result, int64_t* update_ns);
+  absl::Status RunExternalUpdate(int64_t* update_ns);
   void EndStep(int64_t step);
 
   ShardedOptimizerOptions options_;

@@ -214,7 +214,8 @@ class PyOptimizer {
               const std::vector<torch::Tensor>& tensors, const std::vector<int>& param_group,
               const std::string& kind, const std::vector<py::dict>& groups, double max_grad_norm,
               int64_t bucket_cap_elements, bool grad_bf16, double timeout_s, int kernel_threads,
-              bool overlap_param_gather, bool shard_gradients)
+              bool overlap_param_gather, bool shard_gradients, py::object external_update,
+              bool allow_cut)
       : comm_(std::move(comm)) {
     if (names.size() != tensors.size()) throw py::value_error("names and tensors differ in length");
     ShardedOptimizerOptions o;
@@ -235,6 +236,26 @@ class PyOptimizer {
     o.kernel_threads = kernel_threads;
     o.overlap_param_gather = overlap_param_gather;
     o.shard_gradients = shard_gradients;
+    o.plan.allow_cut = allow_cut;
+    if (!external_update.is_none()) {
+      // An optimizer without fused kernels: its torch.optim step runs on this
+      // rank's whole owned tensors, called back with the GIL (Step releases
+      // it). The callable is kept alive by external_ (declared before opt_,
+      // so it outlives the optimizer); the lambda holds no reference, so
+      // copies of the options may die without the GIL.
+      external_ = external_update;
+      PyObject* fn = external_.ptr();
+      o.external_update = [fn](const std::vector<uint8_t>& active) -> absl::Status {
+        py::gil_scoped_acquire gil;
+        try {
+          py::handle step_fn(fn);  // (a named handle: `py::handle(fn)(...)` declares a function)
+          step_fn(py::bytes(reinterpret_cast<const char*>(active.data()), active.size()));
+        } catch (py::error_already_set& e) {
+          return absl::InternalError(absl::StrCat("the optimizer's step raised ", e.what()));
+        }
+        return absl::OkStatus();
+      };
+    }
 #ifdef SHARDOPT_WITH_CUDA
     if (!tensors.empty() && tensors.front().is_cuda()) o.kernel_backend = MakeCudaKernelBackend();
 #endif
@@ -548,6 +569,7 @@ class PyOptimizer {
 
  private:
   std::shared_ptr<PyCommunicator> comm_;
+  py::object external_;  // ShardedOptimizerOptions::external_update's callable
   std::unique_ptr<ShardedOptimizer> opt_;
   double samples_per_rank_ = 0;
   std::optional<std::chrono::steady_clock::time_point> last_step_end_;
@@ -598,11 +620,13 @@ PYBIND11_MODULE(_C, m) {
   py::class_<PyOptimizer>(m, "Optimizer")
       .def(py::init<std::shared_ptr<PyCommunicator>, const std::vector<std::string>&,
                     const std::vector<torch::Tensor>&, const std::vector<int>&, const std::string&,
-                    const std::vector<py::dict>&, double, int64_t, bool, double, int, bool, bool>(),
+                    const std::vector<py::dict>&, double, int64_t, bool, double, int, bool, bool,
+                    py::object, bool>(),
            py::arg("comm"), py::arg("names"), py::arg("tensors"), py::arg("param_group"),
            py::arg("kind"), py::arg("groups"), py::arg("max_grad_norm"),
            py::arg("bucket_cap_elements"), py::arg("grad_bf16"), py::arg("timeout_s"),
-           py::arg("kernel_threads"), py::arg("overlap_param_gather"), py::arg("shard_gradients"))
+           py::arg("kernel_threads"), py::arg("overlap_param_gather"), py::arg("shard_gradients"),
+           py::arg("external_update") = py::none(), py::arg("allow_cut") = true)
       .def("wait_buckets", &PyOptimizer::WaitBuckets)
       .def("wait_all", &PyOptimizer::WaitAll)
       .def("buckets_of", &PyOptimizer::BucketsOf)

@@ -603,6 +603,7 @@ grpc::ServerUnaryReactor* CoordinatorService::GetJob(grpc::CallbackServerContext
     if (r.has_metrics) ToProto(r.metrics, rs->mutable_metrics());
     rs->set_slow(r.slow);
     rs->set_slow_reason(r.slow_reason);
+    rs->set_finished(r.finished);
   }
   return Done(ctx, grpc::Status::OK);
 }

@@ -49,11 +49,11 @@ struct Job {
     for (int r = 0; r < n; ++r) t.emplace_back(fn, r);
     for (auto& x : t) x.join();
   }
-  void Train(int from, int to) {
+  void Train(int from, int to, bool set_to_none = false) {
     Parallel([&](int r) {
       const int64_t per = 12 / n;
       for (int step = from; step < to; ++step) {
-        opts[r]->ZeroGrad();
+        opts[r]->ZeroGrad(set_to_none);
         models[r]->Loss(step, r * per, (r + 1) * per).backward();
         ASSERT_TRUE(opts[r]->Step().ok());
       }

@@ -2,7 +2,7 @@
 # Python jobs under shardrun: the script's own torch.distributed group works
 # beside shardopt (MASTER_PORT is its own); shardctl layout --json lists the
 # Python job's parameters; set-lr reaches param_groups; a rank killed with
-# SIGKILL makes the job fail naming it.
+# SIGKILL makes the job fail naming it; a rank that leaves its loop early is named as such.
 set -uo pipefail
 root=$PWD
 tmp=$(mktemp -d)
@@ -64,4 +64,17 @@ took=$(( $(date +%s) - start ))
 grep -Eq "rank 1" "$tmp/job.log" || fail "the failure does not name rank 1"
 (( took <= 60 )) || fail "the job took ${took}s to stop"
 echo "kill -9 of rank 1: job failed in ${took}s: $(grep -m1 -E 'shardrun: job failed|FAILED|rank 1' "$tmp/job.log")"
+# 3. Rank 0 leaves its loop early (a script bug): rank 1, waiting for the
+# next step, is told so at once, not that rank 0 sent no heartbeat.
+rm -f "$tmp/port"
+start=$(date +%s)
+timeout 120 tools/shardrun --nproc 2 -- /usr/bin/python3 tests/python/shardrun_job.py --steps=8 \
+  --rank0-steps=5 --step-sleep=0 >"$tmp/job.log" 2>&1
+rc=$?
+took=$(( $(date +%s) - start ))
+[[ $rc -ne 0 ]] || fail "shardrun exited 0 although rank 1 could not finish"
+grep -q "rank 0 finished its loop at step 5 while rank 1 waited for step 6" "$tmp/job.log" ||
+  fail "the failure does not say that rank 0 left its loop"
+(( took <= 30 )) || fail "the early exit took ${took}s to report"
+echo "rank 0 left early: reported in ${took}s: $(grep -m1 'shardrun: job failed' "$tmp/job.log")"
 echo "PASS"

@@ -13,6 +13,8 @@ import shardopt
 p = argparse.ArgumentParser()
 p.add_argument("--steps", type=int, default=400)
 p.add_argument("--step-sleep", type=float, default=0.05)
+p.add_argument("--rank0-steps", type=int, default=-1,
+               help="rank 0 leaves its loop after this many steps (a script bug)")
 a = p.parse_args()
 torch.set_num_threads(1)
 ctx = shardopt.init(timeout=30)
@@ -27,7 +29,8 @@ model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
 opt = shardopt.ShardedOptimizer(model.named_parameters(), optimizer="adam", lr=1e-3, timeout=30,
                                 batch_size=8)
 last_lr = opt.param_groups[0]["lr"]
-for step in range(a.steps):
+steps = a.rank0_steps if ctx.rank == 0 and a.rank0_steps >= 0 else a.steps
+for step in range(steps):
     opt.zero_grad()
     x = torch.randn(8, 16)
     loss = model(x).square().mean()

@@ -1,6 +1,8 @@
 """The same Python training loop with the optimizer swapped: PyTorch's DDP +
 torch.optim.Adam, DDP + ZeroRedundancyOptimizer(Adam), and shardopt (also with
-gradient sharding, shard_gradients=True: the row shardopt_zero2).
+gradient sharding, shard_gradients=True: the row shardopt_zero2; without
+DDP's buffer broadcast, broadcast_buffers=False: the row shardopt_nobuf, which
+prices shardopt's default of broadcasting module buffers before each forward).
 
     bazel build //python:shardopt
     PYTHONPATH=bazel-bin/python /usr/bin/python3 tools/bench/bench_python.py [--json out.json]
@@ -34,7 +36,7 @@ import sys
 import tempfile
 import time
 
-ROWS = ("ddp", "ddp_zero", "shardopt", "shardopt_zero2", "compute_only")
+ROWS = ("ddp", "ddp_zero", "shardopt", "shardopt_zero2", "compute_only", "shardopt_nobuf")
 DEFAULT_ROWS = ROWS[:4]  # compute_only (forward + backward alone: the ceiling) on request
 TUNABLES = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=1073741824:glibc.malloc.arena_max=1"
 
@@ -88,7 +90,8 @@ def worker(a):
         # module=: the all-gathers overlap the next forward (per-layer waits).
         opt = shardopt.ShardedOptimizer(model.named_parameters(), optimizer="adam", lr=1e-4,
                                         module=model,
-                                        shard_gradients=row == "shardopt_zero2")
+                                        shard_gradients=row == "shardopt_zero2",
+                                        broadcast_buffers=row != "shardopt_nobuf")
     else:
         net = torch.nn.parallel.DistributedDataParallel(model)
         if row == "ddp":

@@ -35,6 +35,17 @@ _KINDS = ("adam", "adamw", "sgd")
 _FLT_MAX = 3.4028234663852886e38
 
 
+_FUSED = {torch.optim.AdamW: "adamw", torch.optim.Adam: "adam", torch.optim.SGD: "sgd"}
+_UNSET = object()  # an argument the caller did not pass
+
+
+def _is_generic(optimizer) -> bool:
+    """A torch.optim.Optimizer class without fused kernels here (RMSprop,
+    Adagrad, ...): its own step runs on each rank's whole owned tensors."""
+    return (isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer)
+            and optimizer not in _FUSED)
+
+
 def _kind_of(optimizer) -> str:
     """'adam', 'adamw' or 'sgd' from a name or a torch.optim class."""
     if isinstance(optimizer, str):
@@ -47,10 +58,8 @@ def _kind_of(optimizer) -> str:
                           (torch.optim.SGD, "sgd")):
             if optimizer is cls:
                 return kind
-        raise NotImplementedError(
-            f"shardopt has fused updates for torch.optim.Adam, AdamW and SGD only; "
-            f"{optimizer.__module__}.{optimizer.__name__} is not supported yet (see "
-            "docs/migration.md, 'What is not supported'): use ZeroRedundancyOptimizer for it")
+        raise TypeError(f"{optimizer.__module__}.{optimizer.__name__} is not a "
+                        "torch.optim.Optimizer subclass")
     raise TypeError(f"optimizer must be a name ({', '.join(_KINDS)}) or a torch.optim class, "
                     f"not {type(optimizer).__name__}")
 
@@ -61,6 +70,12 @@ _TORCH_DEFAULTS = {"amsgrad": False, "maximize": False, "foreach": None, "captur
                    "differentiable": False, "fused": None, "process_group": None, "group": None,
                    "parameters_as_bucket_view": None, "overlap_with_ddp": False,
                    "broadcast_buffer_size": None, "broadcast_fp16": False, "force_broadcast_object": False}
+
+
+# Options of fairscale OSS / ZeroRedundancyOptimizer themselves (not of the
+# torch.optim class they wrap).
+_WRAPPER_KWARGS = ("process_group", "group", "parameters_as_bucket_view", "overlap_with_ddp",
+                   "broadcast_buffer_size", "broadcast_fp16", "force_broadcast_object")
 
 
 def _check_torch_kwargs(kwargs: Dict[str, Any], kind: str) -> None:
@@ -373,13 +388,17 @@ def _split_group(params, g: int, module_names=None) -> Tuple[List[str], List[tor
 
 
 def _hyper_keys(kind: str) -> Tuple[str, ...]:
+    if kind == "torch":  # the core knows the learning rate only (set-lr, agreement)
+        return ("lr",)
     if kind == "sgd":
         return ("lr", "momentum", "dampening", "weight_decay", "nesterov")
     return ("lr", "betas", "eps", "weight_decay")
 
 
 class ShardedOptimizer(Optimizer):
-    """torch.optim.Adam / AdamW / SGD with the state sharded over the ranks.
+    """torch.optim.Adam / AdamW / SGD (fused kernels), or any other
+    torch.optim class (its own step on each rank's whole owned tensors, as
+    ZeroRedundancyOptimizer runs it), with the state sharded over the ranks.
 
     `params`: model.named_parameters(), or parameter groups
     [{"params": [(name, p), ...], "weight_decay": 0.0, "lr": ...}, ...]
@@ -408,10 +427,10 @@ class ShardedOptimizer(Optimizer):
     in a full-size buffer that lives only until the next step.
     """
 
-    def __init__(self, params, optimizer="adamw", lr: float = 1e-3,
-                 betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: Optional[float] = None, momentum: float = 0.0,
-                 dampening: float = 0.0, nesterov: bool = False, max_grad_norm: float = 0.0,
+    def __init__(self, params, optimizer="adamw", lr: float = _UNSET,
+                 betas: Tuple[float, float] = _UNSET, eps: float = _UNSET,
+                 weight_decay: Optional[float] = _UNSET, momentum: float = _UNSET,
+                 dampening: float = _UNSET, nesterov: bool = _UNSET, max_grad_norm: float = 0.0,
                  bucket_cap_mb: Optional[float] = None, grad_dtype: Optional[torch.dtype] = None,
                  timeout: float = 300.0, kernel_threads: int = 1,
                  checkpoint_dir: Optional[str] = None, checkpoint_keep: int = 0,
@@ -427,8 +446,45 @@ class ShardedOptimizer(Optimizer):
         for given in (optim, optimizer_class):
             if given is not None:
                 optimizer = given
-        optimizer = _kind_of(optimizer)
-        _check_torch_kwargs(torch_kwargs, optimizer)
+        # Any other torch.optim class (RMSprop, Adagrad, ...): its own step on
+        # this rank's whole owned tensors, as ZeroRedundancyOptimizer runs it.
+        generic_class = optimizer if _is_generic(optimizer) else None
+        explicit = {k: v for k, v in (("lr", lr), ("betas", betas), ("eps", eps),
+                                      ("weight_decay", weight_decay), ("momentum", momentum),
+                                      ("dampening", dampening), ("nesterov", nesterov))
+                    if v is not _UNSET}
+        if generic_class is not None:
+            optimizer = "torch"
+            # OSS / ZeroRedundancyOptimizer's own options are the wrapper's;
+            # the rest are the class's.
+            wrapper = {k: v for k, v in torch_kwargs.items() if k in _WRAPPER_KWARGS}
+            _check_torch_kwargs(wrapper, generic_class.__name__)
+            probe_kwargs = dict({k: v for k, v in torch_kwargs.items()
+                                 if k not in _WRAPPER_KWARGS}, **explicit)
+            try:  # the class checks its own arguments, as it would for the script
+                probe = generic_class([torch.zeros(1, requires_grad=True)], **probe_kwargs)
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"{generic_class.__name__}: {e}") from None
+            class_defaults = dict(probe.defaults)
+            lr = class_defaults.get("lr", 1e-3)
+            if isinstance(lr, torch.Tensor):
+                lr = lr.item()
+            betas, eps, weight_decay, momentum, dampening, nesterov = (
+                (0.9, 0.999), 1e-8, 0.0, 0.0, 0.0, False)
+            if shard_gradients:
+                raise ValueError(f"shard_gradients=True needs an optimizer with fused kernels "
+                                 f"(Adam, AdamW, SGD); {generic_class.__name__} runs its own step "
+                                 "on whole owned tensors with the full gradients")
+        else:
+            optimizer = _kind_of(optimizer)
+            _check_torch_kwargs(torch_kwargs, optimizer)
+            lr = explicit.get("lr", 1e-3)
+            betas = explicit.get("betas", (0.9, 0.999))
+            eps = explicit.get("eps", 1e-8)
+            weight_decay = explicit.get("weight_decay", None)
+            momentum = explicit.get("momentum", 0.0)
+            dampening = explicit.get("dampening", 0.0)
+            nesterov = explicit.get("nesterov", False)
         if weight_decay is None:
             weight_decay = 1e-2 if optimizer == "adamw" else 0.0
         for name, v in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay),
@@ -463,7 +519,9 @@ class ShardedOptimizer(Optimizer):
                              f"not {grad_dtype}")
         if nesterov and (momentum <= 0 or dampening != 0):
             raise ValueError("Nesterov momentum requires a momentum and zero dampening")
-        if optimizer == "sgd":
+        if optimizer == "torch":
+            defaults = class_defaults
+        elif optimizer == "sgd":
             defaults = dict(lr=lr, momentum=momentum, dampening=dampening,
                             weight_decay=weight_decay, nesterov=nesterov, maximize=False,
                             foreach=None, differentiable=False)
@@ -540,11 +598,27 @@ class ShardedOptimizer(Optimizer):
                                  "are not): pass the module that uses the parameters")
         comm = self._context._new_communicator(timeout)
         self._transport = comm.transport
+        self._generic_class = generic_class
+        self._local = None  # generic: the torch.optim instance over this rank's owned tensors
+        if generic_class is not None:
+            if checkpoint_dir is not None:
+                raise ValueError(f"checkpoint_dir= (shardopt's sharded checkpoints) holds the state "
+                                 f"of the fused optimizers only; save {generic_class.__name__}'s "
+                                 "with torch.save(opt.state_dict()) (docs/migration.md)")
+            if any(t.dtype != torch.float32 for t in tensors if t.requires_grad):
+                raise ValueError(f"{generic_class.__name__} runs on the parameters themselves: "
+                                 "they must be float32 (no master copy)")
+        # The core's own update: SGD's lr-only kernel (never run) for a
+        # generic class, whose step the core calls back instead.
         self._core = _C.Optimizer(
-            comm, names, tensors, param_group, optimizer,
+            comm, names, tensors, param_group, "sgd" if generic_class else optimizer,
             [self._hyper(g) for g in self.param_groups], float(max_grad_norm),
             max(1, int(bucket_cap_mb * 1024 * 1024 / elem)), grad_dtype == torch.bfloat16,
-            float(timeout), int(kernel_threads), bool(overlap_param_gather), shard_gradients)
+            float(timeout), int(kernel_threads), bool(overlap_param_gather), shard_gradients,
+            external_update=self._external_step if generic_class else None,
+            allow_cut=generic_class is None)
+        if generic_class is not None:
+            self._build_local(probe_kwargs)
         self._pushed = [self._hyper(g) for g in self.param_groups]
         self._initialised = True
         self._hooks = []
@@ -572,6 +646,101 @@ class ShardedOptimizer(Optimizer):
         elif ctx.control_plane:
             print("shardopt: only the first ShardedOptimizer of a process joins the control "
                   "plane", file=sys.stderr)
+
+    # -- optimizers without fused kernels ------------------------------------
+    def _build_local(self, kwargs: Dict[str, Any]) -> None:
+        """The torch.optim instance over the whole tensors this rank owns
+        (the planner keeps every tensor whole for such a class), one group
+        per parameter group (empty where this rank owns none of it)."""
+        layout = self._core.layout()
+        rank = self.rank
+        owned = {i for i, p in enumerate(layout["params"])
+                 if p["trainable"] and any(o[0] == rank for o in p["owners"])}
+        self._owned = sorted(owned)
+        by_id = {id(t): i for i, t in enumerate(self._tensors)}
+        groups = []
+        for group in self.param_groups:
+            mine = [p for p in group["params"] if by_id[id(p)] in owned]
+            groups.append(dict({k: v for k, v in group.items() if k != "params"}, params=mine))
+        self._local = self._generic_class(groups, **kwargs)
+
+    def _external_step(self, mask: bytes) -> None:
+        """Called by the core's step with the GIL, after the reductions (and
+        clipping): the class's own step on the owned tensors, whose .grad is
+        the averaged gradient; a parameter no rank has a gradient for gets
+        .grad None for it, so the class skips it as torch.optim does."""
+        for group, local in zip(self.param_groups, self._local.param_groups):
+            for k, v in group.items():
+                if k != "params":
+                    local[k] = v
+        hidden = []
+        for i in self._owned:
+            if not mask[i]:
+                t = self._tensors[i]
+                hidden.append((t, t.grad))
+                t.grad = None
+        try:
+            self._local.step()
+        finally:
+            for t, g in hidden:
+                t.grad = g
+
+    def _global_index(self) -> Dict[int, int]:
+        """id(parameter) -> its index in torch.optim's numbering (group after group)."""
+        out, k = {}, 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                out[id(p)] = k
+                k += 1
+        return out
+
+    def _generic_state_dict(self) -> Dict[str, Any]:
+        """Every rank's owned state, exchanged (each rank's torch.save bytes
+        broadcast in turn), in the class's own state_dict format."""
+        import io
+        index = self._global_index()
+        local = self._local.state_dict()
+        order = [p for g in self._local.param_groups for p in g["params"]]
+        mine = {index[id(order[k])]: st for k, st in local["state"].items()}
+        buf = io.BytesIO()
+        torch.save(mine, buf)
+        data = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+        state: Dict[int, Any] = {}
+        for r in range(self.world_size):
+            n = torch.tensor([data.numel() if r == self.rank else 0], dtype=torch.int64)
+            self._core.broadcast(n, r)
+            payload = data if r == self.rank else torch.empty(int(n.item()), dtype=torch.uint8)
+            if payload.numel() > 0:
+                self._core.broadcast(payload, r)
+            state.update(torch.load(io.BytesIO(payload.numpy().tobytes())))
+        groups = []
+        for group in self.param_groups:
+            g = {k: v for k, v in group.items() if k != "params"}
+            g["params"] = [index[id(p)] for p in group["params"]]
+            groups.append(g)
+        return {"state": dict(sorted(state.items())), "param_groups": groups}
+
+    def _generic_load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        saved = state_dict.get("state", {})
+        theirs_of = {}
+        for theirs, ours in zip(state_dict["param_groups"], self.param_groups):
+            for k, v in theirs.items():
+                if k != "params":
+                    ours[k] = v
+            for pid, p in zip(theirs["params"], ours["params"]):
+                theirs_of[id(p)] = pid
+        local_state, local_groups, k = {}, [], 0
+        for theirs, local in zip(state_dict["param_groups"], self._local.param_groups):
+            ids = []
+            for p in local["params"]:
+                if theirs_of[id(p)] in saved:
+                    local_state[k] = saved[theirs_of[id(p)]]
+                ids.append(k)
+                k += 1
+            local_groups.append(dict({key: v for key, v in theirs.items() if key != "params"},
+                                     params=ids))
+        self._local.load_state_dict({"state": local_state, "param_groups": local_groups})
+        self._sync_groups()
 
     def _attach(self, module: torch.nn.Module) -> None:
         """Forward pre-hooks: each module waits for the buckets of its own
@@ -667,6 +836,8 @@ class ShardedOptimizer(Optimizer):
     def _pull_groups(self) -> None:
         for g, group in enumerate(self.param_groups):
             h = self._core.group(g)
+            if self._kind == "torch":
+                h = {"lr": h["lr"]}
             for k, v in h.items():
                 group[k] = tuple(v) if k == "betas" else v
             self._pushed[g] = self._hyper(group)
@@ -745,6 +916,7 @@ class ShardedOptimizer(Optimizer):
         """Collective. Writes ROOT/step-N (each rank its shard; crash-safe) in
         the same format as the C++ side; returns the directory. keep > 0
         prunes older checkpoints."""
+        self._refuse_generic_checkpoint("save_checkpoint")
         self._sync_groups()
         meta = {_META_GROUPS: json.dumps([self._hyper(g) for g in self.param_groups]),
                 _META_GROUP_OF: json.dumps(self._trainable_groups())}
@@ -758,6 +930,7 @@ class ShardedOptimizer(Optimizer):
         """Collective. Resumes from a checkpoint directory or root (any world
         size), a consolidated .safetensors file, or a torch.save file. Restores
         parameters, state, step and hyper-parameters (into param_groups)."""
+        self._refuse_generic_checkpoint("load_checkpoint")
         info = self._core.load_checkpoint(os.fspath(path))
         meta = info["metadata"]
         groups = _json_or_none(meta.get(_META_GROUPS))
@@ -778,6 +951,14 @@ class ShardedOptimizer(Optimizer):
                   file=sys.stderr)
         self._consolidated = None
         return info
+
+    def _refuse_generic_checkpoint(self, what: str) -> None:
+        if self._generic_class is not None:
+            raise NotImplementedError(
+                f"{what}: shardopt's sharded checkpoints hold the state of its fused optimizers "
+                f"(Adam, AdamW, SGD) only; for {self._generic_class.__name__} save "
+                "torch.save({'model': model.state_dict(), 'optimizer': opt.state_dict()}) and "
+                "resume with opt.load_state_dict(...) (docs/migration.md)")
 
     _JOIN_TIMEOUT = 30.0  # seconds every rank has to reach a collective state_dict call
 
@@ -832,6 +1013,8 @@ class ShardedOptimizer(Optimizer):
 
     def _full_state_dict(self) -> Dict[str, Any]:
         self._sync_groups()
+        if self._generic_class is not None:
+            return self._generic_state_dict()
         full = self._core.full_state()
         step = self._core.step_count
         state = {}
@@ -872,6 +1055,9 @@ class ShardedOptimizer(Optimizer):
             if len(theirs["params"]) != len(ours["params"]):
                 raise ValueError(f"parameter group {g} has {len(theirs['params'])} parameters in "
                                  f"the state_dict, {len(ours['params'])} here")
+        if self._generic_class is not None:
+            self._generic_load_state_dict(state_dict)
+            return
         saved = state_dict.get("state", {})
         wanted = ["momentum_buffer"] if self._kind == "sgd" else ["exp_avg", "exp_avg_sq"]
         full: Dict[str, Dict[str, torch.Tensor]] = {}
@@ -930,7 +1116,8 @@ class ShardedOptimizer(Optimizer):
         return self._transport
 
     def __repr__(self) -> str:
-        return (f"shardopt.ShardedOptimizer({self._kind}, {len(self._names)} parameters, "
+        kind = self._generic_class.__name__ if self._generic_class is not None else self._kind
+        return (f"shardopt.ShardedOptimizer({kind}, {len(self._names)} parameters, "
                 f"{len(self.param_groups)} groups, rank {self.rank} of {self.world_size})")
 
 

@@ -127,6 +127,18 @@ def build(style, model, sharded):
             return shardopt.ShardedOptimizer(model.parameters(), optimizer_class=torch.optim.Adam,
                                              lr=2e-3, module=model), None
         return torch.optim.Adam(model.parameters(), lr=2e-3), None
+    if style == "rmsprop":
+        kw = dict(lr=1e-3, momentum=0.9)
+        if sharded:
+            return shardopt.ShardedOptimizer(model.parameters(), optim=torch.optim.RMSprop,
+                                             module=model, **kw), None
+        return torch.optim.RMSprop(model.parameters(), **kw), None
+    if style == "adagrad_groups":
+        if sharded:
+            return shardopt.ShardedOptimizer(groups(model, True),
+                                             optimizer_class=torch.optim.Adagrad, lr=0.05,
+                                             module=model), None
+        return torch.optim.Adagrad(groups(model, False), lr=0.05), None
     if style in BRANCHY:
         if sharded:
             return shardopt.ShardedOptimizer(model.named_parameters(), "adamw", lr=2e-3,
@@ -181,7 +193,7 @@ def train(style, sharded, rank):
             elif style == "grad_none":
                 for p in model.parameters():
                     p.grad = None
-            elif style == "set_to_none":
+            elif style in ("set_to_none", "adagrad_groups"):
                 opt.zero_grad(set_to_none=True)
             else:
                 opt.zero_grad()
@@ -201,6 +213,8 @@ def train(style, sharded, rank):
         x, y = batch(style, rank, 999)
         eval_loss = float(F.cross_entropy(net(x), y))
     state = {n: t.detach().clone() for n, t in model.state_dict().items()}
+    if style in ("rmsprop", "adagrad_groups"):  # the optimizer's own state, torch's format
+        state["__optimizer__"] = opt.state_dict()
     return losses, eval_loss, state
 
 
@@ -215,6 +229,23 @@ def run(rank, world, styles, out):
     for style in styles:
         ref_losses, ref_eval, ref_state = train(style, False, rank)
         got_losses, got_eval, got_state = train(style, True, rank)
+        state_rel = None
+        if "__optimizer__" in ref_state:
+            a, b = got_state.pop("__optimizer__"), ref_state.pop("__optimizer__")
+            state_rel = 0.0 if a["state"].keys() == b["state"].keys() else 1.0
+            for k in b["state"]:
+                for key, t in b["state"][k].items():
+                    u = a["state"].get(k, {}).get(key)
+                    if u is None:
+                        state_rel = 1.0
+                    else:
+                        state_rel = max(state_rel, rel(torch.as_tensor(u), torch.as_tensor(t)))
+            groups_a = [{k: v for k, v in g.items() if k != "params"} for g in a["param_groups"]]
+            groups_b = [{k: v for k, v in g.items() if k != "params"} for g in b["param_groups"]]
+            if groups_a != groups_b or [g["params"] for g in a["param_groups"]] != \
+                    [g["params"] for g in b["param_groups"]]:
+                print(f"param_groups differ: {a['param_groups']} vs {b['param_groups']}")
+                state_rel = 1.0
         diffs = {n: rel(got_state[n], ref_state[n]) for n in ref_state}
         worst = max(diffs, key=diffs.get)
         loss_diff = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(got_losses, ref_losses))
@@ -228,6 +259,8 @@ def run(rank, world, styles, out):
             "ranks_agree": len({float(s) for s in sums}) == 1,
             "losses_ddp": ref_losses, "losses_shardopt": got_losses,
         }
+        if state_rel is not None:
+            results[style]["state_rel"] = state_rel
         print(f"rank {rank} {style}: params/buffers {diffs[worst]:.2e} ({worst}), "
               f"losses {loss_diff:.2e}, eval {results[style]['eval_rel']:.2e}", flush=True)
         if rank == 0:

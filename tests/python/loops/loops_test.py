@@ -33,9 +33,12 @@ STYLES = [
     "branch_set_to_none",    # a branch used every other step, zero_grad(set_to_none=True)
     "branch_zero2",          # the same with shard_gradients
     "branch_rank0",          # a branch only rank 0 uses, every third step
+    "rmsprop",               # RMSprop(momentum=0.9) through optim= (fairscale's OSS benchmark)
+    "adagrad_groups",        # Adagrad in two groups through optimizer_class=, set_to_none
 ]
 # torch.optim's rule for missing gradients, asserted bitwise (issue 28 item 4).
-EXACT = ["unused_param", "branch_set_to_none", "branch_zero2", "branch_rank0"]
+EXACT = ["unused_param", "branch_set_to_none", "branch_zero2", "branch_rank0", "rmsprop",
+         "adagrad_groups"]
 
 
 def collect(procs, timeout):
@@ -74,6 +77,8 @@ class LoopsTest(unittest.TestCase):
                 if style in EXACT:
                     self.assertEqual(r["worst_rel"], 0.0, f"{style}: {r['worst_tensor']}")
                     self.assertEqual(r["losses_ddp"], r["losses_shardopt"], style)
+                if "state_rel" in r:  # state_dict() equals torch.optim's
+                    self.assertEqual(r["state_rel"], 0.0, f"{style}: optimizer state")
 
     def test_loops_torchrun_env(self):
         out = os.path.join(tempfile.mkdtemp(), "r.json")
@@ -93,12 +98,21 @@ class LoopsTest(unittest.TestCase):
     def test_checkpoint_at_2_resume_at_3(self):
         """AdamW groups + OneCycleLR + clipping + BatchNorm: rank 0 torch.saves
         {model, optimizer, scheduler, epoch} at 2 ranks; resumed at 3."""
+        self.resume_pairs("adamw")
+
+    def test_checkpoint_rmsprop_at_2_resume_at_3(self):
+        """The same with RMSprop(momentum=0.9), a class without fused kernels
+        (OneCycleLR cycles its momentum): state_dict() gathers every rank's
+        state for the save, load_state_dict() takes torch's."""
+        self.resume_pairs("rmsprop")
+
+    def resume_pairs(self, optim):
         import torch
         tmp = tempfile.mkdtemp()
         resume = os.path.join(HERE, "resume_worker.py")
 
         def run(world, *args):
-            collect(start_ranks(world, [resume, *args]), 300)
+            collect(start_ranks(world, [resume, *args, "--optim", optim]), 300)
 
         finals = {}
         pairs = (("ddp", "ddp"), ("shardopt", "shardopt"), ("shardopt", "ddp"), ("ddp", "shardopt"))

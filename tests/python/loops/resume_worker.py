@@ -44,6 +44,8 @@ def main():
     ap.add_argument("--file", required=True)
     ap.add_argument("--steps", type=int, required=True)
     ap.add_argument("--out", default="")
+    ap.add_argument("--optim", choices=["adamw", "rmsprop"], default="adamw",
+                    help="rmsprop: a class without fused kernels (its own step on owned tensors)")
     a = ap.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
@@ -51,18 +53,23 @@ def main():
     torch.manual_seed(99)
     model = BnMlp()
     sharded = a.mode == "shardopt"
+    cls, kw = ((torch.optim.RMSprop, dict(lr=1e-3, momentum=0.9)) if a.optim == "rmsprop"
+               else (torch.optim.AdamW, dict(lr=1e-3)))
     if sharded:
-        opt = shardopt.ShardedOptimizer(groups(model, True), torch.optim.AdamW, lr=1e-3,
-                                        max_grad_norm=1.0, module=model)
+        opt = shardopt.ShardedOptimizer(groups(model, True), cls, max_grad_norm=1.0, module=model,
+                                        **kw)
         net = model
     else:
-        opt = torch.optim.AdamW(groups(model, False), lr=1e-3)
+        opt = cls(groups(model, False), **kw)
         net = DDP(model)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=TOTAL)
     first = 0
     if a.phase == "resume":
         ck = torch.load(a.file)
-        if sharded:
+        if sharded and a.optim == "rmsprop":
+            model.load_state_dict(ck["model"])  # before the optimizer reads parameters
+            opt.load_state_dict(ck["optimizer"])
+        elif sharded:
             opt.load_checkpoint(a.file)  # parameters, state, groups' hyper-parameters
             model.load_state_dict(ck["model"])  # buffers (the same parameters again)
         else:
