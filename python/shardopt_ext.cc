@@ -446,6 +446,25 @@ class PyOptimizer {
                                                 ": buffer broadcast failed: ", s.message())));
     }
   }
+  // Under shardrun: every rank marks that it reached call `seq` (a
+  // collective like state_dict()) in the coordinator's key-value store and
+  // waits up to timeout_s for the others. Returns the ranks that did not
+  // come; empty when all did. Without a coordinator: empty at once.
+  std::vector<int> Join(const std::string& what, int64_t seq, double timeout_s) {
+    std::vector<int> missing;
+    if (!comm_->client || comm_->comm->world_size() == 1) return missing;
+    py::gil_scoped_release release;
+    const std::string base = absl::StrCat(comm_->job_id, "/shardopt-join/", what, "/", seq, "/");
+    const int me = comm_->comm->rank();
+    (void)comm_->client->KvSet(absl::StrCat(base, me), "1");
+    const absl::Time deadline = absl::Now() + absl::Seconds(timeout_s);
+    for (int r = 0; r < comm_->comm->world_size(); ++r) {
+      if (r == me) continue;
+      const absl::Duration left = std::max(absl::Milliseconds(1), deadline - absl::Now());
+      if (!comm_->client->KvGet(absl::StrCat(base, r), left).ok()) missing.push_back(r);
+    }
+    return missing;
+  }
   void SetGradSync(bool on) { opt_->SetGradientSync(on); }
   int NumGroups() const { return opt_->num_groups(); }
   py::dict Group(int g) const {
@@ -638,6 +657,7 @@ PYBIND11_MODULE(_C, m) {
       .def("fail", &PyOptimizer::Fail)
       .def_property_readonly("abort_reason", &PyOptimizer::abort_reason)
       .def("zero_grad", &PyOptimizer::ZeroGrad, py::arg("set_to_none") = false)
+      .def("join", &PyOptimizer::Join, py::arg("what"), py::arg("seq"), py::arg("timeout_s"))
       .def("broadcast", &PyOptimizer::Broadcast, py::arg("tensor"), py::arg("root") = 0)
       .def("set_grad_sync", &PyOptimizer::SetGradSync)
       .def("num_groups", &PyOptimizer::NumGroups)

@@ -77,4 +77,13 @@ grep -q "rank 0 finished its loop at step 5 while rank 1 waited for step 6" "$tm
   fail "the failure does not say that rank 0 left its loop"
 (( took <= 30 )) || fail "the early exit took ${took}s to report"
 echo "rank 0 left early: reported in ${took}s: $(grep -m1 'shardrun: job failed' "$tmp/job.log")"
+# 4. state_dict() on rank 0 only, no torch.distributed group: it fails within
+# seconds naming the rank that did not come (through the coordinator).
+timeout 120 tools/shardrun --nproc 2 -- /usr/bin/python3 tests/python/shardrun_job.py --steps=50 \
+  --no-torch-group --state-dict-on-rank0=3 --step-sleep=0 >"$tmp/job.log" 2>&1
+rc=$?
+[[ $rc -ne 0 ]] || fail "shardrun exited 0 although state_dict() ran on one rank"
+grep -q "state_dict on rank 0 alone failed after .* rank(s) 1 did not within" "$tmp/job.log" ||
+  fail "state_dict() on one rank was not refused naming rank 1"
+echo "state_dict() on rank 0 alone: $(grep -m1 'state_dict on rank 0 alone' "$tmp/job.log" | cut -c1-160)"
 echo "PASS"

@@ -803,7 +803,11 @@ bool IsOurCheckpointDir(FileSystem* fs, const std::string& dir, std::vector<std:
     int r = -1, w = -1;
     const bool shard = std::sscanf(base.c_str(), "shard-%d-of-%d", &r, &w) == 2 && r >= 0 &&
                        w > 0 && base == ShardName(r, w);
-    if ((base != "manifest.json" && !shard) || fs->Kind(dir + "/" + f) != EntryKind::kFile)
+    // The Python API's state of a torch.optim class without fused kernels.
+    const bool optim = std::sscanf(base.c_str(), "optimizer-%d-of-%d", &r, &w) == 2 && r >= 0 &&
+                       w > 0 && base == absl::StrCat("optimizer-", r, "-of-", w, ".pt");
+    if ((base != "manifest.json" && !shard && !optim) ||
+        fs->Kind(dir + "/" + f) != EntryKind::kFile)
       return false;
   }
   *files = *entries;

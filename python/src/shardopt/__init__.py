@@ -18,6 +18,7 @@ See docs/python.md (API reference) and docs/migration.md.
 
 import contextlib
 import json
+import zlib
 import os
 import sys
 from dataclasses import dataclass, field
@@ -101,6 +102,10 @@ def _is_ddp(module) -> bool:
 _META_GROUPS = "shardopt.param_groups"
 _META_GROUP_OF = "shardopt.param_group_of"  # group of each trainable parameter, layout order
 _META_BUFFERS = "shardopt.buffers"
+# A torch.optim class without fused kernels: its class, its param_groups'
+# options, and every rank's state file (step-N/optimizer-R-of-W.pt) with its
+# size and CRC-32.
+_META_TORCH_OPTIM = "shardopt.torch_optimizer"
 
 
 def _json_or_none(text: Optional[str]):
@@ -232,6 +237,11 @@ def _torch_world() -> int:
     if not (dist.is_available() and dist.is_initialized()):
         return 0
     return dist.get_world_size()
+
+
+def _torch_backend() -> str:
+    import torch.distributed as dist
+    return dist.get_backend() if dist.is_available() and dist.is_initialized() else ""
 
 
 def _default_store():
@@ -602,9 +612,9 @@ class ShardedOptimizer(Optimizer):
         self._local = None  # generic: the torch.optim instance over this rank's owned tensors
         if generic_class is not None:
             if checkpoint_dir is not None:
-                raise ValueError(f"checkpoint_dir= (shardopt's sharded checkpoints) holds the state "
-                                 f"of the fused optimizers only; save {generic_class.__name__}'s "
-                                 "with torch.save(opt.state_dict()) (docs/migration.md)")
+                raise ValueError(f"checkpoint_dir= (checkpoints requested by shardctl) is for the "
+                                 f"fused optimizers only; save {generic_class.__name__}'s with "
+                                 "opt.save_checkpoint(root) or torch.save(opt.state_dict())")
             if any(t.dtype != torch.float32 for t in tensors if t.requires_grad):
                 raise ValueError(f"{generic_class.__name__} runs on the parameters themselves: "
                                  "they must be float32 (no master copy)")
@@ -699,20 +709,9 @@ class ShardedOptimizer(Optimizer):
         broadcast in turn), in the class's own state_dict format."""
         import io
         index = self._global_index()
-        local = self._local.state_dict()
-        order = [p for g in self._local.param_groups for p in g["params"]]
-        mine = {index[id(order[k])]: st for k, st in local["state"].items()}
-        buf = io.BytesIO()
-        torch.save(mine, buf)
-        data = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
         state: Dict[int, Any] = {}
-        for r in range(self.world_size):
-            n = torch.tensor([data.numel() if r == self.rank else 0], dtype=torch.int64)
-            self._core.broadcast(n, r)
-            payload = data if r == self.rank else torch.empty(int(n.item()), dtype=torch.uint8)
-            if payload.numel() > 0:
-                self._core.broadcast(payload, r)
-            state.update(torch.load(io.BytesIO(payload.numpy().tobytes())))
+        for data in self._exchange_bytes(self._owned_state()):
+            state.update(torch.load(io.BytesIO(data), weights_only=True))
         groups = []
         for group in self.param_groups:
             g = {k: v for k, v in group.items() if k != "params"}
@@ -916,7 +915,6 @@ class ShardedOptimizer(Optimizer):
         """Collective. Writes ROOT/step-N (each rank its shard; crash-safe) in
         the same format as the C++ side; returns the directory. keep > 0
         prunes older checkpoints."""
-        self._refuse_generic_checkpoint("save_checkpoint")
         self._sync_groups()
         meta = {_META_GROUPS: json.dumps([self._hyper(g) for g in self.param_groups]),
                 _META_GROUP_OF: json.dumps(self._trainable_groups())}
@@ -924,13 +922,53 @@ class ShardedOptimizer(Optimizer):
             # Rank 0's buffers (BatchNorm statistics): the ones every rank
             # gets at the next forward under broadcast_buffers.
             meta[_META_BUFFERS] = _encode_buffers(self._module)
-        return self._core.save_checkpoint(os.fspath(root), meta, int(keep))
+        if self._generic_class is None:
+            return self._core.save_checkpoint(os.fspath(root), meta, int(keep))
+        # A class without fused kernels: each rank's state in a file of its
+        # own beside its shard, written before the manifest commits them.
+        self.wait_for_parameters()
+        step_dir = os.path.join(os.fspath(root), f"step-{self._core.step_count}")
+        mine = self._owned_state()
+        name = f"optimizer-{self.rank}-of-{self.world_size}.pt"
+        path = os.path.join(step_dir, name)
+        # As the C++ save: a failed save removes what it wrote, and the
+        # directory if it was not there before (rank 0 tells).
+        created = not self._exchange_json(os.path.exists(step_dir))[0]
+        error = ""
+        try:
+            os.makedirs(step_dir, exist_ok=True)
+            with open(path + ".tmp", "wb") as f:
+                f.write(mine)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(path + ".tmp", path)
+        except OSError as e:
+            error = f"rank {self.rank}: writing {path}: {e}"
+        files = self._exchange_json({"file": name, "bytes": len(mine),
+                                     "crc32": zlib.crc32(mine), "error": error})
+        errors = [f["error"] for f in files if f["error"]]
+        if errors:
+            self._remove_own_state(path, step_dir, created)
+            raise OSError(f"save_checkpoint failed: {errors[0]}")
+        meta[_META_TORCH_OPTIM] = json.dumps({
+            "class": f"{self._generic_class.__module__}.{self._generic_class.__name__}",
+            "param_groups": [{k: v for k, v in g.items() if k != "params"}
+                             for g in self.param_groups],
+            "files": [{k: f[k] for k in ("file", "bytes", "crc32")} for f in files]})
+        try:
+            return self._core.save_checkpoint(os.fspath(root), meta, int(keep))
+        except Exception:
+            self._remove_own_state(path, step_dir, created)
+            raise
 
     def load_checkpoint(self, path: str) -> Dict[str, Any]:
         """Collective. Resumes from a checkpoint directory or root (any world
         size), a consolidated .safetensors file, or a torch.save file. Restores
         parameters, state, step and hyper-parameters (into param_groups)."""
-        self._refuse_generic_checkpoint("load_checkpoint")
+        if self._generic_class is not None and not os.path.isdir(os.fspath(path)):
+            raise ValueError(f"{os.fspath(path)}: {self._generic_class.__name__}'s state is "
+                             "resumed from a sharded checkpoint directory, or from a torch.save "
+                             "file with opt.load_state_dict(torch.load(file)['optimizer'])")
         info = self._core.load_checkpoint(os.fspath(path))
         meta = info["metadata"]
         groups = _json_or_none(meta.get(_META_GROUPS))
@@ -943,6 +981,8 @@ class ShardedOptimizer(Optimizer):
             for g, h in enumerate(groups):
                 self._core.set_group(g, h)
         self._pull_groups()
+        if self._generic_class is not None:
+            self._load_generic_checkpoint(info, os.fspath(path))
         buffers = info["metadata"].get(_META_BUFFERS)
         if buffers is not None and self._module is not None:
             _decode_buffers(self._module, buffers, os.fspath(path))
@@ -952,13 +992,98 @@ class ShardedOptimizer(Optimizer):
         self._consolidated = None
         return info
 
-    def _refuse_generic_checkpoint(self, what: str) -> None:
-        if self._generic_class is not None:
-            raise NotImplementedError(
-                f"{what}: shardopt's sharded checkpoints hold the state of its fused optimizers "
-                f"(Adam, AdamW, SGD) only; for {self._generic_class.__name__} save "
-                "torch.save({'model': model.state_dict(), 'optimizer': opt.state_dict()}) and "
-                "resume with opt.load_state_dict(...) (docs/migration.md)")
+    def _remove_own_state(self, path: str, step_dir: str, created: bool) -> None:
+        """After a failed save: this rank's state file, and where the save made
+        the directory, what the C++ save of this rank left too."""
+        try:  # committed after all (LATEST names it): it is complete, keep it
+            with open(os.path.join(os.path.dirname(step_dir), "LATEST")) as f:
+                if f.read().strip() == os.path.basename(step_dir):
+                    return
+        except OSError:
+            pass
+        doomed = [path, path + ".tmp"]
+        if created:
+            shard = os.path.join(step_dir, f"shard-{self.rank}-of-{self.world_size}.safetensors")
+            doomed += [shard, shard + ".tmp"]
+            if self.rank == 0:
+                manifest = os.path.join(step_dir, "manifest.json")
+                doomed += [manifest, manifest + ".tmp"]
+        for p in doomed:
+            try:
+                os.remove(p)
+            except OSError:
+                pass
+        if created:
+            try:
+                os.rmdir(step_dir)  # the last rank to get here
+            except OSError:
+                pass
+
+    def _owned_state(self) -> bytes:
+        """This rank's state of the class, keyed by torch.optim's index, as bytes."""
+        import io
+        index = self._global_index()
+        local = self._local.state_dict()
+        order = [p for g in self._local.param_groups for p in g["params"]]
+        buf = io.BytesIO()
+        torch.save({index[id(order[k])]: st for k, st in local["state"].items()}, buf)
+        return buf.getvalue()
+
+    def _exchange_bytes(self, data: bytes) -> List[bytes]:
+        """Every rank's bytes on every rank (each rank's broadcast in turn)."""
+        out = []
+        mine = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else \
+            torch.empty(0, dtype=torch.uint8)
+        for r in range(self.world_size):
+            n = torch.tensor([mine.numel() if r == self.rank else 0], dtype=torch.int64)
+            self._core.broadcast(n, r)
+            payload = mine if r == self.rank else torch.empty(int(n.item()), dtype=torch.uint8)
+            if payload.numel() > 0:
+                self._core.broadcast(payload, r)
+            out.append(payload.numpy().tobytes())
+        return out
+
+    def _exchange_json(self, value) -> List[Any]:
+        return [json.loads(b.decode()) for b in self._exchange_bytes(json.dumps(value).encode())]
+
+    def _load_generic_checkpoint(self, info: Dict[str, Any], where: str) -> None:
+        """The class's state from every rank's file of a sharded checkpoint
+        (any world size: each rank takes what it owns now)."""
+        import io
+        raw = info["metadata"].get(_META_TORCH_OPTIM)
+        cls = f"{self._generic_class.__module__}.{self._generic_class.__name__}"
+        saved = _json_or_none(raw)
+        if not isinstance(saved, dict) or not isinstance(saved.get("files"), list):
+            raise ValueError(f"{where}: holds no state of {cls} (saved by another optimizer, or "
+                             "not by the Python API): build the optimizer the checkpoint was "
+                             "saved with")
+        if saved.get("class") != cls:
+            raise ValueError(f"{where}: saved by {saved.get('class')}, this optimizer is {cls}")
+        groups = saved.get("param_groups")
+        if not isinstance(groups, list) or len(groups) != len(self.param_groups):
+            raise ValueError(f"{where}: saved with other parameter groups than this optimizer's")
+        state: Dict[int, Any] = {}
+        for f in saved["files"]:
+            name = str(f.get("file", ""))
+            if not name.startswith("optimizer-") or "/" in name or not name.endswith(".pt"):
+                raise ValueError(f"{where}: a bad optimizer file name {name!r}")
+            path = os.path.join(info["path"], name)
+            with open(path, "rb") as fh:
+                data = fh.read(int(f["bytes"]) + 1)
+            if len(data) != f["bytes"] or zlib.crc32(data) != f["crc32"]:
+                raise ValueError(f"{path}: corrupt (size or CRC-32 differs from the manifest's)")
+            # weights_only: tensors and plain values, never code.
+            part = torch.load(io.BytesIO(data), weights_only=True)
+            if not isinstance(part, dict):
+                raise ValueError(f"{path}: not an optimizer state")
+            state.update(part)
+        index = 0
+        param_groups = []
+        for g, group in zip(groups, self.param_groups):
+            ids = list(range(index, index + len(group["params"])))
+            index += len(ids)
+            param_groups.append(dict(g, params=ids))
+        self._generic_load_state_dict({"state": state, "param_groups": param_groups})
 
     _JOIN_TIMEOUT = 30.0  # seconds every rank has to reach a collective state_dict call
 
@@ -966,13 +1091,24 @@ class ShardedOptimizer(Optimizer):
         """Fails within seconds, naming the ranks that did not come, when a
         collective call is made on some ranks only (`if rank == 0:
         opt.state_dict()`), where torch.distributed's gloo group can tell."""
-        if self.world_size == 1 or _torch_world() != self.world_size:
+        if self.world_size == 1:
+            return
+        # Shorter than the collective timeout, so that the ranks that did call
+        # it report this, not the collective the other ranks then wait in.
+        wait = min(self._timeout * 0.5, self._JOIN_TIMEOUT)
+        if _torch_world() != self.world_size or _torch_backend() != "gloo":
+            # Under shardrun: through the coordinator's key-value store.
+            self._join_seq = getattr(self, "_join_seq", 0) + 1
+            missing = self._core.join(what.split("(")[0], self._join_seq, wait)
+            if missing:
+                raise RuntimeError(
+                    f"{what} is collective: every rank must call it at the same point, and "
+                    f"rank(s) {', '.join(map(str, missing))} did not within {wait:.0f} s. To save "
+                    "on one rank: call opt.consolidate_state_dict(to=0) on every rank, then "
+                    "opt.state_dict() on rank 0 only (or save_checkpoint() on every rank)")
             return
         import datetime
         import torch.distributed as dist
-        if dist.get_backend() != "gloo":
-            return
-        wait = min(self._timeout, self._JOIN_TIMEOUT)
         try:
             dist.monitored_barrier(timeout=datetime.timedelta(seconds=wait), wait_all_ranks=True)
         except RuntimeError as e:

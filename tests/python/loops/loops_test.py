@@ -106,23 +106,36 @@ class LoopsTest(unittest.TestCase):
         state for the save, load_state_dict() takes torch's."""
         self.resume_pairs("rmsprop")
 
-    def resume_pairs(self, optim):
+    def test_sharded_checkpoint_rmsprop_at_2_resume_at_3(self):
+        """RMSprop's state in shardopt's sharded checkpoint (save_checkpoint at
+        2 ranks, each rank's state beside its shard; load_checkpoint at 3)."""
+        self.resume_pairs("rmsprop", sharded_dir=True)
+
+    def resume_pairs(self, optim, sharded_dir=False):
         import torch
         tmp = tempfile.mkdtemp()
         resume = os.path.join(HERE, "resume_worker.py")
 
-        def run(world, *args):
-            collect(start_ranks(world, [resume, *args, "--optim", optim]), 300)
+        def run(world, mode, *args):
+            extra = ["--sharded-dir", os.path.join(tmp, "sharded")] \
+                if sharded_dir and mode == "shardopt" else []
+            collect(start_ranks(world, [resume, "--mode", mode, *args, "--optim", optim,
+                                        *extra]), 300)
 
         finals = {}
         pairs = (("ddp", "ddp"), ("shardopt", "shardopt"), ("shardopt", "ddp"), ("ddp", "shardopt"))
+        if sharded_dir:  # the sharded checkpoint is shardopt's alone
+            pairs = (("ddp", "ddp"), ("shardopt", "shardopt"))
         for saver, resumer in pairs:
             ck = os.path.join(tmp, f"{saver}.pt")
             if not os.path.exists(ck):
-                run(2, "--mode", saver, "--phase", "save", "--file", ck, "--steps", "6")
+                run(2, saver, "--phase", "save", "--file", ck, "--steps", "6")
             out = os.path.join(tmp, f"{saver}-{resumer}.pt")
-            run(3, "--mode", resumer, "--phase", "resume", "--file", ck, "--steps", "6",
-                "--out", out)
+            run(3, resumer, "--phase", "resume", "--file", ck, "--steps", "6", "--out", out)
+        if sharded_dir:
+            names = sorted(os.listdir(os.path.join(tmp, "sharded", "step-6")))
+            self.assertIn("optimizer-1-of-2.pt", names)
+            self.assertIn("manifest.json", names)
             finals[(saver, resumer)] = torch.load(out)
         ref = finals[("ddp", "ddp")]
         for key in pairs[1:]:

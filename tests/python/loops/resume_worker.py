@@ -44,6 +44,9 @@ def main():
     ap.add_argument("--file", required=True)
     ap.add_argument("--steps", type=int, required=True)
     ap.add_argument("--out", default="")
+    ap.add_argument("--sharded-dir", default="",
+                    help="shardopt: save_checkpoint()/load_checkpoint() of this directory for the "
+                         "optimizer (the rest still in --file)")
     ap.add_argument("--optim", choices=["adamw", "rmsprop"], default="adamw",
                     help="rmsprop: a class without fused kernels (its own step on owned tensors)")
     a = ap.parse_args()
@@ -66,7 +69,10 @@ def main():
     first = 0
     if a.phase == "resume":
         ck = torch.load(a.file)
-        if sharded and a.optim == "rmsprop":
+        if sharded and a.sharded_dir:
+            opt.load_checkpoint(a.sharded_dir)
+            model.load_state_dict(ck["model"])  # buffers (the same parameters again)
+        elif sharded and a.optim == "rmsprop":
             model.load_state_dict(ck["model"])  # before the optimizer reads parameters
             opt.load_state_dict(ck["optimizer"])
         elif sharded:
@@ -88,13 +94,18 @@ def main():
         opt.step()
         sched.step()
         losses.append(float(loss))
-    if sharded:
+    if sharded and a.sharded_dir and a.phase == "save":
+        opt.save_checkpoint(a.sharded_dir)
+    elif sharded:
         opt.wait_for_parameters()
         opt.consolidate_state_dict(to=0)
     if rank == 0:
         if a.phase == "save":
-            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
-                        "scheduler": sched.state_dict(), "epoch": first + a.steps}, a.file)
+            saved = {"model": model.state_dict(), "scheduler": sched.state_dict(),
+                     "epoch": first + a.steps}
+            if not (sharded and a.sharded_dir):
+                saved["optimizer"] = opt.state_dict()
+            torch.save(saved, a.file)
         else:
             torch.save({"state": model.state_dict(), "losses": losses}, a.out)
     dist.barrier()
