@@ -644,6 +644,7 @@ void ShardedOptimizer::OnGradReady(int param) {
     return;
   }
   ready_[param] = true;
+  synced_backward_ = true;
   if (++bucket_ready_count_[b] == bucket_size_[b]) BucketCompleteLocked(b);
 }
 
@@ -732,6 +733,48 @@ void ShardedOptimizer::LaunchReduceScatterLocked(int b) {
   rs_handles_[b] = comm_->ReduceScatter(base, bk.capacity_per_rank, t, ReduceOp::kAverage);
 }
 
+int64_t ShardedOptimizer::OwnedOffset(int bucket) const {
+  int64_t at = 0;
+  for (int b = 0; b < bucket; ++b) at += layout_.buckets()[b].capacity_per_rank;
+  return at;
+}
+
+absl::Status ShardedOptimizer::FoldReducedGradients() {
+  if (options_.shard_gradients) return absl::OkStatus();
+  at::NoGradGuard no_grad;
+  const int nb = static_cast<int>(layout_.buckets().size());
+  std::vector<CommHandlePtr> handles;
+  {
+    absl::MutexLock lock(&hook_state_->mu);
+    if (!synced_backward_ || needs_zero_grad_) return absl::OkStatus();
+    SHARDOPT_RETURN_IF_ERROR(TakeHookErrorLocked());
+    // Buckets the backward did not complete (unused parameters) are reduced
+    // now, in the agreed order, as BeginStep would.
+    while (next_launch_ < nb) LaunchReduceScatterLocked(launch_order_[next_launch_++]);
+    handles = rs_handles_;
+  }
+  if (!folded_.defined()) {
+    folded_ = torch::zeros({owner_->owned_elements()}, grad_flat_.options());
+    folded_bytes_ = folded_.numel() * folded_.element_size();
+  } else if (!folded_pending_) {
+    folded_.zero_();
+  }
+  for (int b = 0; b < nb; ++b) {
+    if (handles[b] != nullptr) {
+      SHARDOPT_RETURN_IF_ERROR(WaitOrAbort(handles[b], "reduce-scatter", b));
+    }
+    torch::Tensor g = owner_->owned_grad(b);
+    if (comm_scratch_.defined()) g.copy_(owner_->OwnedRange(comm_scratch_, b));
+    folded_.narrow(0, OwnedOffset(b), g.numel()).add_(g);
+  }
+  absl::MutexLock lock(&hook_state_->mu);
+  grad_flat_.zero_();
+  ResetBackwardStateLocked(/*needs_zero_grad=*/false);
+  if (!order_agreed_) ready_order_.clear();  // the next backward records it again
+  folded_pending_ = true;
+  return absl::OkStatus();
+}
+
 void ShardedOptimizer::SetGradientSync(bool enabled) {
   absl::MutexLock lock(&hook_state_->mu);
   sync_ = enabled;
@@ -795,6 +838,7 @@ void ShardedOptimizer::ZeroGrad(bool set_to_none) {
     grad_flat_.zero_();
   }
   ResetBackwardStateLocked(/*needs_zero_grad=*/false);
+  folded_pending_ = false;
 }
 
 // Forgets what backward passes recorded since the last ZeroGrad()/Step().
@@ -808,6 +852,7 @@ void ShardedOptimizer::ResetBackwardStateLocked(bool needs_zero_grad) {
   grads_seen_ = 0;
   grad_version_ = -1;
   needs_zero_grad_ = needs_zero_grad;
+  synced_backward_ = false;
   if (!needs_zero_grad) {
     grad_after_step_ = false;
     accumulated_while_syncing_ = false;
@@ -838,9 +883,10 @@ absl::Status ShardedOptimizer::BeginStep() {
     return absl::FailedPreconditionError(
         "several backward passes ran with gradient sync on, so buckets were reduced before "
         "all gradients were accumulated: run all micro-batches but the last inside "
-        "`with optimizer.no_sync():` (SetGradientSync(false) in C++)");
+        "`with optimizer.no_sync():` (SetGradientSync(false) in C++), or pass module= (Python; "
+        "FoldReducedGradients() before each forward in C++) to accumulate as DDP does");
   }
-  if (grads_seen_ == 0) {
+  if (grads_seen_ == 0 && !folded_pending_) {
     return absl::FailedPreconditionError(
         "Step() called without a backward pass since the last step (no gradient arrived)");
   }
@@ -911,6 +957,7 @@ absl::Status ShardedOptimizer::FinishReduce(int b, double* local_sq) {
   }
   torch::Tensor g = owner_->owned_grad(b);
   if (comm_scratch_.defined()) g.copy_(owner_->OwnedRange(comm_scratch_, b));
+  if (folded_pending_) g.add_(folded_.narrow(0, OwnedOffset(b), g.numel()));
   if (!all_active_) owner_->ZeroInactiveGradients(b, active_);
   if (device_.is_cpu()) {
     SHARDOPT_ASSIGN_OR_RETURN(const double sq, owner_->SquaredGradNorm(b));
@@ -1290,6 +1337,7 @@ void ShardedOptimizer::EndStep(int64_t step) {
   absl::MutexLock lock(&hook_state_->mu);
   if (options_.shard_gradients) ReleaseShardedBuffersLocked();
   ResetBackwardStateLocked(/*needs_zero_grad=*/true);
+  folded_pending_ = false;
   step_ = step;
   Trace(TraceEvent::kStepEnd, -1, -1);
 }
@@ -1317,8 +1365,9 @@ MemoryReport ShardedOptimizer::memory() const {
   auto bytes = [](const torch::Tensor& t) {
     return t.defined() ? t.numel() * t.element_size() : 0;
   };
-  m.grad_bytes = options_.shard_gradients ? sharded_grad_bytes_.load()
-                                          : bytes(grad_flat_) + bytes(comm_scratch_);
+  m.grad_bytes = options_.shard_gradients
+                     ? sharded_grad_bytes_.load()
+                     : bytes(grad_flat_) + bytes(comm_scratch_) + folded_bytes_.load();
   m.param_bytes = bytes(param_flat_);
   return m;
 }

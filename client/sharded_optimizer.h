@@ -206,6 +206,16 @@ class ShardedOptimizer {
   // false: backward only accumulates locally (gradient accumulation, like
   // DDP's no_sync()); true (default): buckets are reduced during backward.
   void SetGradientSync(bool enabled);
+  // Gradient accumulation without SetGradientSync(false), as DDP allows it:
+  // call before the forward of a micro-batch that follows a backward whose
+  // gradients were reduced. Finishes those reductions, keeps this rank's
+  // reduced gradients aside and zeroes the buffers, so the next backward is
+  // reduced on its own and Step() sees the sum of the reduced micro-batches
+  // (DDP: avg(g1) + avg(g2)). A no-op when no backward reduced anything since
+  // the last ZeroGrad()/Step(), and with shard_gradients (where the second
+  // backward is refused at Step()). The Python API calls it from a forward
+  // pre-hook of `module=`. Errors: a reduction failed.
+  absl::Status FoldReducedGradients();
   // Sets every group's learning rate; takes effect at the next Step().
   void SetLearningRate(double lr);
   // Group 0's learning rate.
@@ -364,6 +374,8 @@ class ShardedOptimizer {
   absl::Status OrderPreviousGathers();
   absl::Status StepOverlapped(StepResult* result, int64_t* update_ns);
   absl::Status RunExternalUpdate(int64_t* update_ns);
+  // Offset of bucket `bucket`'s owned range among this rank's ranges.
+  int64_t OwnedOffset(int bucket) const;
   void EndStep(int64_t step);
 
   ShardedOptimizerOptions options_;
@@ -415,6 +427,14 @@ class ShardedOptimizer {
   bool needs_zero_grad_ = false;
   bool grad_after_step_ = false;
   bool accumulated_while_syncing_ = false;
+  // FoldReducedGradients: a backward with sync on since the last fold /
+  // ZeroGrad / Step (guarded by hook_state_->mu); the reduced owned
+  // gradients kept aside (owned_elements(), the model's dtype) and whether
+  // they count in this step.
+  bool synced_backward_ = false;
+  torch::Tensor folded_;
+  std::atomic<int64_t> folded_bytes_{0};  // read by memory() from other threads
+  bool folded_pending_ = false;
   std::vector<TraceEvent> trace_;
 
   // shard_gradients; guarded by hook_state_->mu.

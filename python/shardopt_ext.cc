@@ -466,6 +466,14 @@ class PyOptimizer {
     return missing;
   }
   void SetGradSync(bool on) { opt_->SetGradientSync(on); }
+  void FoldReducedGradients() {
+    absl::Status s;
+    {
+      py::gil_scoped_release release;
+      s = opt_->FoldReducedGradients();
+    }
+    if (!s.ok()) Raise(s);
+  }
   int NumGroups() const { return opt_->num_groups(); }
   py::dict Group(int g) const {
     if (g < 0 || g >= opt_->num_groups()) throw py::index_error("no such parameter group");
@@ -658,6 +666,7 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("abort_reason", &PyOptimizer::abort_reason)
       .def("zero_grad", &PyOptimizer::ZeroGrad, py::arg("set_to_none") = false)
       .def("join", &PyOptimizer::Join, py::arg("what"), py::arg("seq"), py::arg("timeout_s"))
+      .def("fold_reduced_gradients", &PyOptimizer::FoldReducedGradients)
       .def("broadcast", &PyOptimizer::Broadcast, py::arg("tensor"), py::arg("root") = 0)
       .def("set_grad_sync", &PyOptimizer::SetGradSync)
       .def("num_groups", &PyOptimizer::NumGroups)

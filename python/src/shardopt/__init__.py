@@ -758,7 +758,14 @@ class ShardedOptimizer(Optimizer):
             lambda m, sd, prefix, meta: core.wait_all()))
 
     def _attach_module(self, module: torch.nn.Module) -> None:
-        """Buffers broadcast as DDP does; module.zero_grad() as zero_grad()."""
+        """Buffers broadcast as DDP does; module.zero_grad() as zero_grad();
+        micro-batches accumulated without no_sync() as DDP accumulates them."""
+        # A forward after a backward whose gradients were reduced (sync on)
+        # starts another micro-batch: keep the reduced gradients aside, so
+        # that step() sees their sum with the next (avg(g1) + avg(g2), DDP's).
+        core = self._core
+        self._hooks.append(module.register_forward_pre_hook(
+            lambda m, inputs: core.fold_reduced_gradients()))
         if self._broadcast_buffers:
             self._sync_buffers()  # DDP syncs module states at construction
             self._hooks.append(module.register_forward_pre_hook(
@@ -768,7 +775,6 @@ class ShardedOptimizer(Optimizer):
         # module.zero_grad() zeroes through the optimizer too (with
         # shard_gradients the gradients live in the optimizer, where
         # Module.zero_grad cannot see them).
-        core = self._core
         original = module.zero_grad
 
         def zero_grad(set_to_none: bool = False):

@@ -6,6 +6,7 @@ buffers and losses. Launched torchrun-style (RANK, WORLD_SIZE, MASTER_*), or
 through torch.multiprocessing.spawn with init_process_group(init_method=...)
 and no RANK/WORLD_SIZE variables (--spawn)."""
 import argparse
+import contextlib
 import copy
 import datetime
 import json
@@ -164,9 +165,11 @@ def train(style, sharded, rank):
             loss = F.cross_entropy(net(x, uses_b(rank, step)), y)
             loss.backward()
             opt.step()
-        elif style in ("accum_no_sync",):
-            # Two micro-batches; the first only accumulates locally.
-            ctx = opt.no_sync() if sharded else net.no_sync()
+        elif style in ("accum_no_sync", "accum_synced"):
+            # Two micro-batches; with no_sync the first only accumulates
+            # locally, without it both are reduced (DDP: avg(g1) + avg(g2)).
+            ctx = (opt.no_sync() if sharded else net.no_sync()) if style == "accum_no_sync" \
+                else contextlib.nullcontext()
             with ctx:
                 x, y = batch(style, rank, step, 0)
                 (F.cross_entropy(net(x), y) / 2).backward()

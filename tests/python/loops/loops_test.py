@@ -25,6 +25,7 @@ STYLES = [
     "set_to_none",           # opt.zero_grad(set_to_none=True)
     "closure",               # loss = opt.step(closure)
     "accum_no_sync",         # two micro-batches, the first under no_sync()
+    "accum_synced",          # two micro-batches, both reduced (no no_sync(), as DDP allows)
     "groups_onecycle_clip",  # AdamW decay/no-decay groups + OneCycleLR + clipping (class as optimizer)
     "sgd_nesterov",          # SGD(momentum, nesterov, weight_decay) through optim=
     "zero_api",              # ZeroRedundancyOptimizer's optimizer_class= signature
