@@ -346,8 +346,21 @@ absl::Status ShardedOptimizer::LaunchHyperAgreement() {
   if (world_ == 1) {
     hyper_handle_ = nullptr;
     ReadActive();
+    agreed_ = true;
     return absl::OkStatus();
   }
+  // Until the agreement arrives, this rank's own marks: a parameter it has
+  // a gradient for is updated whatever the others say (the maximum), so
+  // only a bucket with an owned parameter this rank has no gradient for
+  // waits for it (AgreeIfNeeded); the usual step never does, and its
+  // updates overlap the last reductions.
+  active_.assign(local_active_.size(), 0);
+  all_active_ = true;
+  for (size_t p = 0; p < local_active_.size(); ++p) {
+    active_[p] = local_active_[p] > 0.5f ? 1 : 0;
+    if (active_[p] == 0 && layout_.placement(static_cast<int>(p)).bucket >= 0) all_active_ = false;
+  }
+  agreed_ = false;
   hyper_handle_ = comm_->AllReduce(hyper_buf_.data(), static_cast<int64_t>(hyper_buf_.size()),
                                    ElementType::kFloat32, ReduceOp::kMax);
   return absl::OkStatus();
@@ -360,6 +373,13 @@ void ShardedOptimizer::ReadActive() {
     active_[p] = hyper_buf_[6 + p] > 0.5f ? 1 : 0;
     if (active_[p] == 0 && layout_.placement(static_cast<int>(p)).bucket >= 0) all_active_ = false;
   }
+}
+
+absl::Status ShardedOptimizer::AgreeIfNeeded(int bucket) {
+  if (agreed_) return absl::OkStatus();
+  if (bucket >= 0 && (all_active_ || owner_->AllActive(bucket, active_))) return absl::OkStatus();
+  agreed_ = true;
+  return FinishHyperAgreement(step_ + 1);
 }
 
 absl::Status ShardedOptimizer::FinishHyperAgreement(int64_t step) {
@@ -958,7 +978,10 @@ absl::Status ShardedOptimizer::FinishReduce(int b, double* local_sq) {
   torch::Tensor g = owner_->owned_grad(b);
   if (comm_scratch_.defined()) g.copy_(owner_->OwnedRange(comm_scratch_, b));
   if (folded_pending_) g.add_(folded_.narrow(0, OwnedOffset(b), g.numel()));
-  if (!all_active_) owner_->ZeroInactiveGradients(b, active_);
+  if (!all_active_) {
+    SHARDOPT_RETURN_IF_ERROR(AgreeIfNeeded(b));
+    if (!all_active_) owner_->ZeroInactiveGradients(b, active_);
+  }
   if (device_.is_cpu()) {
     SHARDOPT_ASSIGN_OR_RETURN(const double sq, owner_->SquaredGradNorm(b));
     *local_sq += sq;
@@ -970,7 +993,10 @@ absl::Status ShardedOptimizer::FinishReduce(int b, double* local_sq) {
 absl::Status ShardedOptimizer::UpdateAndGather(int b, int64_t step, int64_t* update_ns) {
   const int64_t t0 = NowNs();
   (void)step;  // each parameter is at its own count (ShardOwner::param_step)
-  if (!options_.external_update) SHARDOPT_RETURN_IF_ERROR(owner_->Update(b, active_));
+  if (!options_.external_update) {
+    SHARDOPT_RETURN_IF_ERROR(AgreeIfNeeded(b));
+    SHARDOPT_RETURN_IF_ERROR(owner_->Update(b, active_));
+  }
   *update_ns += NowNs() - t0;
   {
     absl::MutexLock lock(&hook_state_->mu);
@@ -1202,6 +1228,7 @@ absl::Status ShardedOptimizer::StepOverlapped(StepResult* result, int64_t* updat
 
 absl::Status ShardedOptimizer::RunExternalUpdate(int64_t* update_ns) {
   if (!options_.external_update) return absl::OkStatus();
+  SHARDOPT_RETURN_IF_ERROR(AgreeIfNeeded(-1));  // the whole mask
   const int64_t t0 = NowNs();
   absl::Status s = options_.external_update(active_);
   *update_ns += NowNs() - t0;
@@ -1284,9 +1311,6 @@ absl::StatusOr<StepResult> ShardedOptimizer::Step() {
     wait_ns_ += hook_wait_ns_;
     hook_wait_ns_ = 0;
   }
-  // The agreement (hyper-parameters, which parameters had a gradient) is
-  // needed before any update.
-  SHARDOPT_RETURN_IF_ERROR(FinishHyperAgreement(result.step));
   int64_t update_ns = 0;
   double local_sq = 0.0;
   if (options_.overlap_param_gather) {
@@ -1324,6 +1348,11 @@ absl::StatusOr<StepResult> ShardedOptimizer::Step() {
   result.comm_wait_seconds = wait_ns_ * 1e-9;
   result.update_seconds = update_ns * 1e-9;
   if (!result.grad_norm_pending) last_norm_ = {result.step, result.grad_norm, result.clipped};
+  // The agreement, if no update had to wait for it: it hid behind the step.
+  if (!agreed_) {
+    agreed_ = true;
+    SHARDOPT_RETURN_IF_ERROR(FinishHyperAgreement(result.step));
+  }
   if (!order_agreed_) SHARDOPT_RETURN_IF_ERROR(AgreeLaunchOrder());
   EndStep(result.step);
   if (in_agreed_order) {

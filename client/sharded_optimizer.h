@@ -351,6 +351,10 @@ class ShardedOptimizer {
   void MarkActiveLocked();
   // active_ from the agreement's result.
   void ReadActive();
+  // Waits for the step's agreement unless bucket `bucket` (-1: none) can be
+  // updated on this rank's own marks (every owned parameter has a gradient
+  // here); fails on a disagreement.
+  absl::Status AgreeIfNeeded(int bucket);
   absl::Status FinishReduce(int bucket, double* local_sq);
   absl::Status UpdateAndGather(int bucket, int64_t step, int64_t* update_ns);
   absl::StatusOr<double> GlobalNorm(double local_sq);
@@ -490,7 +494,8 @@ class ShardedOptimizer {
 
   // This step's agreement on which parameters are updated (training thread).
   std::vector<float> local_active_;  // per parameter: 1 if this rank has a gradient
-  std::vector<uint8_t> active_;      // the agreed result (some rank has one)
+  std::vector<uint8_t> active_;      // the agreed result (some rank has one), or this rank's
+  bool agreed_ = true;               // active_ is the agreed result
   bool all_active_ = true;
 
   int64_t step_ = 0;

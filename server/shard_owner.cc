@@ -247,6 +247,13 @@ absl::Status ShardOwner::Update(int bucket, const std::vector<uint8_t>& active) 
   return absl::OkStatus();
 }
 
+bool ShardOwner::AllActive(int bucket, const std::vector<uint8_t>& active) const {
+  for (const Piece& p : pieces_[bucket]) {
+    if (active[p.param] == 0) return false;
+  }
+  return true;
+}
+
 void ShardOwner::ZeroInactiveGradients(int bucket, const std::vector<uint8_t>& active) {
   at::NoGradGuard no_grad;
   torch::Tensor g;

@@ -84,6 +84,9 @@ class ShardOwner {
   // state['step'] per parameter. When every parameter is active and at the
   // same count this is Update(bucket, count + 1).
   absl::Status Update(int bucket, const std::vector<uint8_t>& active);
+  // True when every parameter with a piece in this rank's range of bucket
+  // `bucket` has active[param] != 0.
+  bool AllActive(int bucket, const std::vector<uint8_t>& active) const;
   // Zeroes the owned gradients of the inactive parameters of bucket
   // `bucket` (what no rank produced this step must not count in the norm).
   void ZeroInactiveGradients(int bucket, const std::vector<uint8_t>& active);
