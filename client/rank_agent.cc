@@ -3,8 +3,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <cfloat>
-#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -18,7 +16,9 @@
 #include "absl/strings/str_join.h"
 #include "client/checkpoint/checkpoint.h"
 #include "common/file_system.h"
-#include "server/flight_records.h"
+#include "common/hyper_params.h"
+#include "common/protocol_limits.h"
+#include "client/comm/flight_record_proto.h"
 #include "server/rpc_server.h"
 #include "server/shard_owner_service.h"
 
@@ -26,12 +26,8 @@ namespace shardopt {
 
 namespace {
 
-constexpr size_t kMaxStepTimes = 256;  // per heartbeat (the coordinator's limit)
-constexpr auto kSignalPoll = std::chrono::milliseconds(100);
-
-std::chrono::milliseconds Millis(absl::Duration d) {
-  return std::chrono::milliseconds(std::max<int64_t>(0, absl::ToInt64Milliseconds(d)));
-}
+constexpr size_t kMaxStepTimes = kMaxStepTimesPerHeartbeat;  // the coordinator's limit
+constexpr absl::Duration kSignalPoll = absl::Milliseconds(100);
 
 std::string EnvStr(const char* name, const std::string& def) {
   const char* v = std::getenv(name);
@@ -141,10 +137,9 @@ void RankAgent::Stop() {
   if (stopped_) return;
   stopped_ = true;
   {
-    std::lock_guard<std::mutex> l(mu_);
+    absl::MutexLock l(&mu_);
     stop_ = true;
   }
-  cv_.notify_all();
   if (heartbeat_.joinable()) heartbeat_.join();
   if (session_ != nullptr) session_->Close();
   if (session_reader_.joinable()) session_reader_.join();
@@ -174,19 +169,21 @@ int RankAgent::Fail(const std::string& message,
 // ---------------------------------------------------------------- heartbeats
 
 std::string RankAgent::abort_reason() const {
-  std::lock_guard<std::mutex> l(mu_);
+  absl::MutexLock l(&mu_);
   return abort_reason_;
 }
 
 std::string RankAgent::WaitForAbort(absl::Duration timeout) {
-  std::unique_lock<std::mutex> l(mu_);
-  cv_.wait_for(l, Millis(timeout), [this] { return !abort_reason_.empty(); });
+  absl::MutexLock l(&mu_);
+  mu_.AwaitWithTimeout(absl::Condition(
+                           +[](std::string* reason) { return !reason->empty(); }, &abort_reason_),
+                       std::max(timeout, absl::ZeroDuration()));
   return abort_reason_;
 }
 
 void RankAgent::SetAbort(const std::string& reason) {
   {
-    std::lock_guard<std::mutex> l(mu_);
+    absl::MutexLock l(&mu_);
     if (!abort_reason_.empty() || aborting_) return;
     aborting_ = true;
   }
@@ -194,16 +191,15 @@ void RankAgent::SetAbort(const std::string& reason) {
   // failing from then on.
   comm_->Abort(absl::AbortedError(reason));
   {
-    std::lock_guard<std::mutex> l(mu_);
+    absl::MutexLock l(&mu_);
     abort_reason_ = reason;
   }
-  cv_.notify_all();
 }
 
 // One handler for the coordinator's notices, pushed on the session or
 // returned by a unary heartbeat: "" or the reason the job was aborted.
 std::string RankAgent::HandleNotice(const v1::HeartbeatResponse& r) {
-  std::lock_guard<std::mutex> l(mu_);
+  absl::MutexLock l(&mu_);
   if (r.hyper_params_version() > wanted_.lr_version && r.learning_rate() > 0) {
     wanted_.lr = r.learning_rate();
     wanted_.lr_version = r.hyper_params_version();
@@ -223,7 +219,7 @@ void RankAgent::SessionLoop() {
 
 void RankAgent::FillMetrics(v1::RankMetrics* m) {
   {
-    std::lock_guard<std::mutex> l(mu_);
+    absl::MutexLock l(&mu_);
     for (double v : metrics_.step_seconds) m->add_step_seconds(v);
     metrics_.step_seconds.clear();
     m->set_grad_norm(metrics_.grad_norm);
@@ -262,7 +258,7 @@ void RankAgent::HeartbeatLoop() {
   absl::Time last_ok = absl::Now();
   while (true) {
     {
-      std::lock_guard<std::mutex> l(mu_);
+      absl::MutexLock l(&mu_);
       if (stop_) return;
     }
     const v1::HeartbeatRequest hb = MakeHeartbeat();
@@ -287,11 +283,10 @@ void RankAgent::HeartbeatLoop() {
       return;
     }
     // The next heartbeat, unless stopped (checking for a signal meanwhile).
-    const auto until = std::chrono::steady_clock::now() + Millis(options_.heartbeat_interval);
-    std::unique_lock<std::mutex> l(mu_);
-    while (!stop_ && std::chrono::steady_clock::now() < until && StopSignal() == 0) {
-      cv_.wait_for(l, std::min<std::chrono::steady_clock::duration>(
-                          kSignalPoll, until - std::chrono::steady_clock::now()));
+    const absl::Time until = absl::Now() + options_.heartbeat_interval;
+    absl::MutexLock l(&mu_);
+    while (!stop_ && absl::Now() < until && StopSignal() == 0) {
+      mu_.AwaitWithTimeout(absl::Condition(&stop_), std::min(kSignalPoll, until - absl::Now()));
     }
   }
 }
@@ -337,7 +332,7 @@ void RankAgent::FinishStep(int64_t step, const StepResult& result, double loss) 
 }
 
 void RankAgent::RecordStep(const StepResult& result, double agree_seconds) {
-  std::lock_guard<std::mutex> l(mu_);
+  absl::MutexLock l(&mu_);
   if (metrics_.step_seconds.size() == kMaxStepTimes)
     metrics_.step_seconds.erase(metrics_.step_seconds.begin());
   metrics_.step_seconds.push_back(absl::ToDoubleSeconds(absl::Now() - step_start_));
@@ -351,8 +346,7 @@ void RankAgent::RecordStep(const StepResult& result, double agree_seconds) {
 }
 
 absl::Status RankAgent::AllReduceMax(int count) {
-  CommHandlePtr h =
-      comm_->AllReduce(agree_buf_.data(), count, ElementType::kFloat32, ReduceOp::kMax);
+  CommHandlePtr h = comm_->AllReduce(agree_buf_.data(), count, DType::kFloat32, ReduceOp::kMax);
   absl::Status s = h->Wait(options_.collective_timeout);
   if (!s.ok()) {
     // A timed-out collective still runs on agree_buf_: abort it, and let it
@@ -372,7 +366,7 @@ absl::StatusOr<AgreedStep> RankAgent::Agree(int64_t step, bool nonfinite_loss) {
   lr_applied_ = opt_->learning_rate();  // (a resumed run restores its own)
   Wanted wanted;
   {
-    std::lock_guard<std::mutex> l(mu_);
+    absl::MutexLock l(&mu_);
     wanted = wanted_;
   }
   agree_buf_ = {static_cast<float>(wanted.lr_version),
@@ -408,8 +402,8 @@ absl::Status RankAgent::AgreeOnLearningRate(int64_t step, int64_t version, const
   if (absl::Status s = AllReduceMax(1); !s.ok()) return s;
   const float lr_new = agree_buf_[0];
   applied_version_ = version;
-  if (std::isfinite(lr_new) && lr_new >= FLT_MIN) {
-    opt_->SetLearningRate(lr_new);
+  if (ValidateLearningRateChange(lr_new).ok()) {
+    if (absl::Status s = opt_->SetLearningRate(lr_new); !s.ok()) return s;
     lr_applied_ = lr_new;
     out->new_lr = lr_new;
     if (options_.rank == 0) {
@@ -527,7 +521,7 @@ void RankAgent::RecordCheckpoint(int64_t step, const std::string& dir, double se
         bytes += static_cast<int64_t>(*size);
     }
   }
-  std::lock_guard<std::mutex> l(mu_);
+  absl::MutexLock l(&mu_);
   ++metrics_.checkpoints_total;
   metrics_.last_checkpoint_step = step;
   metrics_.last_checkpoint_seconds = seconds;

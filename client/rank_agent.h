@@ -35,17 +35,17 @@
 
 #include <array>
 #include <atomic>
-#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "client/comm/flight_recorder.h"
 #include "client/coordinator_client.h"
@@ -299,17 +299,16 @@ class RankAgent {
   std::atomic<double> sps_now_{0};
   std::atomic<double> lr_applied_{0};
 
-  mutable std::mutex mu_;       // guards what follows
-  std::condition_variable cv_;  // abort_reason_ set, stop_ set
-  Wanted wanted_;
-  Metrics metrics_;
-  std::string abort_reason_;
-  bool aborting_ = false;
-  double last_agree_seconds_ =
-      0;  // caller's thread  // SetAbort in progress (the communicator is being aborted)
-  bool stop_ = false;
+  mutable absl::Mutex mu_;
+  Wanted wanted_ ABSL_GUARDED_BY(mu_);
+  Metrics metrics_ ABSL_GUARDED_BY(mu_);
+  std::string abort_reason_ ABSL_GUARDED_BY(mu_);
+  // SetAbort in progress (the communicator is being aborted).
+  bool aborting_ ABSL_GUARDED_BY(mu_) = false;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
 
   // Training thread only.
+  double last_agree_seconds_ = 0;
   int64_t applied_version_ = 0;
   int64_t done_request_ = 0;
   int64_t last_saved_ = -1;

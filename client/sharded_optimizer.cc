@@ -17,6 +17,8 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
+#include "common/hyper_params.h"
+#include "server/kernels/cpu/cpu_backend.h"
 #include "common/planner.h"
 #include "common/status_macros.h"
 
@@ -38,11 +40,6 @@ const char* TraceEventName(TraceEvent::Kind kind) {
 
 // Shared with the backward hooks, which may outlive the optimizer (autograd
 // keeps them on the parameters' gradient accumulators).
-struct ShardedOptimizer::HookState {
-  absl::Mutex mu;
-  ShardedOptimizer* owner ABSL_GUARDED_BY(mu) = nullptr;
-};
-
 namespace {
 
 int64_t NowNs() {
@@ -76,8 +73,8 @@ bool IsAllZero(const torch::Tensor& t) {
   return !t.ne(0).any().item<bool>();
 }
 
-ElementType ElementTypeOf(torch::ScalarType t) {
-  return t == torch::kBFloat16 ? ElementType::kBFloat16 : ElementType::kFloat32;
+DType DTypeOf(torch::ScalarType t) {
+  return t == torch::kBFloat16 ? DType::kBFloat16 : DType::kFloat32;
 }
 
 std::string ShapeString(const std::vector<int64_t>& shape) {
@@ -142,7 +139,7 @@ std::string DescribeModel(const Layout& layout, const ShardedOptimizerOptions& o
   std::string out = absl::StrCat(
       "options optimizer=", OptimizerKindName(o.kind), " bucket_cap=", o.plan.bucket_cap_elements,
       " alignment=", o.plan.alignment_elements, " allow_cut=", o.plan.allow_cut,
-      " grad_comm=", ElementTypeName(o.grad_comm_type), " max_grad_norm=", o.max_grad_norm,
+      " grad_comm=", DTypeName(o.grad_comm_type), " max_grad_norm=", o.max_grad_norm,
       " shard_gradients=", o.shard_gradients, "\n");
   absl::StrAppend(&out, "groups ", std::max<size_t>(1, o.groups.size()), "\n");
   absl::StrAppend(
@@ -166,10 +163,7 @@ absl::Status ValidateOptions(ShardedOptimizerOptions& opt, size_t num_params) {
     opt.adam.decoupled_weight_decay = opt.kind == OptimizerKind::kAdamW;
     SHARDOPT_RETURN_IF_ERROR(ValidateAdamConfig(opt.adam));
   }
-  if (!(opt.max_grad_norm >= 0.0) || !std::isfinite(opt.max_grad_norm)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("max_grad_norm must be >= 0 and finite, got ", opt.max_grad_norm));
-  }
+  SHARDOPT_RETURN_IF_ERROR(ValidateHyperParameter(HyperParameter::kMaxGradNorm, opt.max_grad_norm));
   if (opt.shard_gradients && opt.grad_staging_buffers < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("grad_staging_buffers must be >= 1, got ", opt.grad_staging_buffers));
@@ -181,7 +175,7 @@ absl::Status ValidateOptions(ShardedOptimizerOptions& opt, size_t num_params) {
   }
   if (opt.kernel_threads < 0) return absl::InvalidArgumentError("kernel_threads must be >= 0");
   if (opt.timeout <= absl::ZeroDuration()) return absl::InvalidArgumentError("timeout must be > 0");
-  if (opt.grad_comm_type == ElementType::kByte) {
+  if (opt.grad_comm_type == DType::kByte) {
     return absl::InvalidArgumentError("gradients travel as float32 or bfloat16");
   }
   if (num_params == 0) return absl::InvalidArgumentError("the model has no parameters");
@@ -257,8 +251,8 @@ absl::StatusOr<std::unique_ptr<ShardedOptimizer>> ShardedOptimizer::Create(
     }
     specs.push_back(std::move(s));
   }
-  if (dtype == torch::kBFloat16 && opt.grad_comm_type != ElementType::kBFloat16) {
-    opt.grad_comm_type = ElementType::kBFloat16;  // bf16 gradients travel as they are
+  if (dtype == torch::kBFloat16 && opt.grad_comm_type != DType::kBFloat16) {
+    opt.grad_comm_type = DType::kBFloat16;  // bf16 gradients travel as they are
   }
   auto layout = Plan(specs, comm->world_size(), opt.plan);
   if (!layout.ok()) {
@@ -316,12 +310,12 @@ absl::Status ShardedOptimizer::BroadcastText(const std::string& mine, const char
   int64_t len = static_cast<int64_t>(mine.size());
   // Host buffers: the communicator stages them where it moves device memory (NCCL).
   SHARDOPT_RETURN_IF_ERROR(
-      WaitOrAbort(comm_->Broadcast(&len, sizeof(len), ElementType::kByte, 0), what, -1));
+      WaitOrAbort(comm_->Broadcast(&len, sizeof(len), DType::kByte, 0), what, -1));
   if (len < 0 || len > (int64_t{1} << 30)) {
     return absl::DataLossError(absl::StrCat(what, ": rank 0 sent a corrupt description length"));
   }
   *theirs = rank_ == 0 ? mine : std::string(static_cast<size_t>(len), '\0');
-  return WaitOrAbort(comm_->Broadcast(theirs->data(), len, ElementType::kByte, 0), what, -1);
+  return WaitOrAbort(comm_->Broadcast(theirs->data(), len, DType::kByte, 0), what, -1);
 }
 
 // Every step: the ranks agree on a hash of every group's hyper-parameters
@@ -362,7 +356,7 @@ absl::Status ShardedOptimizer::LaunchHyperAgreement() {
   }
   agreed_ = false;
   hyper_handle_ = comm_->AllReduce(hyper_buf_.data(), static_cast<int64_t>(hyper_buf_.size()),
-                                   ElementType::kFloat32, ReduceOp::kMax);
+                                   DType::kFloat32, ReduceOp::kMax);
   return absl::OkStatus();
 }
 
@@ -438,8 +432,8 @@ absl::StatusOr<std::string> ShardedOptimizer::ShareDetail(const std::string& min
   detail_buf_.assign(static_cast<size_t>(kDetailBytes * world_), '\0');
   std::memcpy(&detail_buf_[kDetailBytes * rank_], mine.data(),
               std::min<size_t>(mine.size(), kDetailBytes - 1));
-  SHARDOPT_RETURN_IF_ERROR(WaitOrAbort(
-      comm_->AllGather(detail_buf_.data(), kDetailBytes, ElementType::kByte), what, -1));
+  SHARDOPT_RETURN_IF_ERROR(
+      WaitOrAbort(comm_->AllGather(detail_buf_.data(), kDetailBytes, DType::kByte), what, -1));
   for (int r = 0; r < world_; ++r) {
     const char* d = &detail_buf_[kDetailBytes * r];
     const size_t n = strnlen(d, kDetailBytes);
@@ -459,10 +453,11 @@ absl::Status ShardedOptimizer::Init(
   if (options_.shard_gradients) {
     int64_t owned = 0;
     for (const Bucket& b : layout_.buckets()) owned += b.capacity_per_rank;
+    absl::MutexLock lock(&hook_state_->mu);  // (no hook yet: for the analysis)
     owned_grad_flat_ = torch::zeros({owned}, on_device.dtype(dtype_));
   } else {
     grad_flat_ = torch::zeros({flat}, on_device.dtype(dtype_));
-    if (dtype_ == torch::kFloat && comm_type_ == ElementType::kBFloat16) {
+    if (dtype_ == torch::kFloat && comm_type_ == DType::kBFloat16) {
       comm_scratch_ = torch::zeros({flat}, on_device.dtype(torch::kBFloat16));
     }
   }
@@ -507,8 +502,8 @@ absl::Status ShardedOptimizer::Init(
 
 absl::Status ShardedOptimizer::BroadcastInitialValues() {
   // Every rank starts from rank 0's values, as DDP does.
-  const ElementType ptype = ElementTypeOf(dtype_);
-  const int elem = ElementSize(ptype);
+  const DType ptype = DTypeOf(dtype_);
+  const int elem = DTypeSize(ptype);
   char* pbase = static_cast<char*>(param_flat_.data_ptr());
   for (const Bucket& b : layout_.buckets()) {
     CollectiveBucketScope tag(b.index);  // for the flight recorder
@@ -521,7 +516,7 @@ absl::Status ShardedOptimizer::BroadcastInitialValues() {
     if (layout_.placement(static_cast<int>(i)).bucket >= 0 || params_[i].numel() == 0) continue;
     torch::Tensor& p = params_[i];
     SHARDOPT_RETURN_IF_ERROR(
-        WaitOrAbort(comm_->Broadcast(p.data_ptr(), p.numel(), ElementTypeOf(p.scalar_type()), 0),
+        WaitOrAbort(comm_->Broadcast(p.data_ptr(), p.numel(), DTypeOf(p.scalar_type()), 0),
                     "initial broadcast of a frozen parameter", -1));
   }
   return absl::OkStatus();
@@ -549,6 +544,7 @@ absl::Status ShardedOptimizer::CreateShardOwner() {
 absl::Status ShardedOptimizer::InstallHooks(
     const std::vector<std::pair<std::string, torch::Tensor>>& named_parameters) {
   const int nb = static_cast<int>(layout_.buckets().size());
+  absl::MutexLock lock(&hook_state_->mu);  // (no hook yet: for the analysis)
   ready_.assign(params_.size(), false);
   has_grad_.assign(params_.size(), 0);
   active_.assign(params_.size(), 1);
@@ -560,10 +556,7 @@ absl::Status ShardedOptimizer::InstallHooks(
     bucket_size_[b] = static_cast<int>(layout_.buckets()[b].params.size());
   rs_handles_.assign(nb, nullptr);
   ag_handles_.assign(nb, nullptr);
-  {
-    absl::MutexLock lock(&hook_state_->mu);
-    hook_state_->owner = this;
-  }
+  hook_state_->owner = this;
   for (size_t i = 0; i < params_.size(); ++i) {
     if (layout_.placement(static_cast<int>(i)).bucket < 0) continue;
     std::shared_ptr<torch::autograd::Node> acc =
@@ -579,6 +572,7 @@ absl::Status ShardedOptimizer::InstallHooks(
                        const torch::autograd::variable_list&) {
           absl::MutexLock lock(&state->mu);
           if (state->owner != nullptr) {
+            state->owner->AssertHookLockHeld();  // state is its hook_state_
             state->owner->OnGradReady(index);
           }
           return outputs;
@@ -586,7 +580,9 @@ absl::Status ShardedOptimizer::InstallHooks(
     if (!options_.shard_gradients) {
       acc->add_pre_hook(std::make_unique<LambdaPreHook>([state, index] {
         absl::MutexLock lock(&state->mu);
-        if (state->owner != nullptr) state->owner->BeforeGradLocked(index);
+        if (state->owner == nullptr) return;
+        state->owner->AssertHookLockHeld();  // state is its hook_state_
+        state->owner->BeforeGradLocked(index);
       }));
     }
     grad_accumulators_.push_back(std::move(acc));
@@ -712,8 +708,8 @@ absl::Status ShardedOptimizer::AgreeLaunchOrder() {
       if (!seen[b]) order.push_back(b);
     }
   }
-  SHARDOPT_RETURN_IF_ERROR(WaitOrAbort(
-      comm_->Broadcast(order.data(), nb * 4, ElementType::kByte, 0), "launch order", -1));
+  SHARDOPT_RETURN_IF_ERROR(
+      WaitOrAbort(comm_->Broadcast(order.data(), nb * 4, DType::kByte, 0), "launch order", -1));
   std::vector<bool> seen(nb, false);
   for (int32_t b : order) {
     if (b < 0 || b >= nb || seen[b]) {
@@ -744,12 +740,12 @@ void ShardedOptimizer::LaunchReduceScatterLocked(int b) {
   if (comm_scratch_.defined()) {
     torch::Tensor dst = comm_scratch_.narrow(0, bk.flat_offset, size);
     dst.copy_(grad_flat_.narrow(0, bk.flat_offset, size));
-    rs_handles_[b] = comm_->ReduceScatter(dst.data_ptr(), bk.capacity_per_rank,
-                                          ElementType::kBFloat16, ReduceOp::kAverage);
+    rs_handles_[b] = comm_->ReduceScatter(dst.data_ptr(), bk.capacity_per_rank, DType::kBFloat16,
+                                          ReduceOp::kAverage);
     return;
   }
-  const ElementType t = ElementTypeOf(dtype_);
-  char* base = static_cast<char*>(grad_flat_.data_ptr()) + bk.flat_offset * ElementSize(t);
+  const DType t = DTypeOf(dtype_);
+  char* base = static_cast<char*>(grad_flat_.data_ptr()) + bk.flat_offset * DTypeSize(t);
   rs_handles_[b] = comm_->ReduceScatter(base, bk.capacity_per_rank, t, ReduceOp::kAverage);
 }
 
@@ -800,10 +796,11 @@ void ShardedOptimizer::SetGradientSync(bool enabled) {
   sync_ = enabled;
 }
 
-void ShardedOptimizer::SetLearningRate(double lr) {
-  owner_->SetLearningRate(lr);
+absl::Status ShardedOptimizer::SetLearningRate(double lr) {
+  SHARDOPT_RETURN_IF_ERROR(owner_->SetLearningRate(lr));
   options_.sgd.lr = lr;
   options_.adam.lr = lr;
+  return absl::OkStatus();
 }
 
 absl::Status ShardedOptimizer::SetHyperParameters(const AdamConfig& adam, const SgdConfig& sgd) {
@@ -1004,11 +1001,11 @@ absl::Status ShardedOptimizer::UpdateAndGather(int b, int64_t step, int64_t* upd
     Trace(TraceEvent::kAllGatherStart, b, -1);
   }
   const Bucket& bk = layout_.buckets()[b];
-  const ElementType ptype = ElementTypeOf(dtype_);
+  const DType ptype = DTypeOf(dtype_);
   char* pbase = static_cast<char*>(param_flat_.data_ptr());
   CollectiveBucketScope tag(b);  // for the flight recorder
   ag_handles_[b] =
-      comm_->AllGather(pbase + bk.flat_offset * ElementSize(ptype), bk.capacity_per_rank, ptype);
+      comm_->AllGather(pbase + bk.flat_offset * DTypeSize(ptype), bk.capacity_per_rank, ptype);
   return absl::OkStatus();
 }
 
@@ -1021,7 +1018,7 @@ absl::Status ShardedOptimizer::LaunchGlobalNorm(double local_sq) {
   // member: a collective that timed out may still write into it.
   norm_parts_.assign(world_, 0.0);
   norm_parts_[rank_] = local_sq;
-  norm_handle_ = comm_->AllGather(norm_parts_.data(), sizeof(double), ElementType::kByte);
+  norm_handle_ = comm_->AllGather(norm_parts_.data(), sizeof(double), DType::kByte);
   return absl::OkStatus();
 }
 
@@ -1062,7 +1059,7 @@ absl::Status ShardedOptimizer::LaunchNormOnDevice(double local_sq) {
   } else {
     SHARDOPT_RETURN_IF_ERROR(owner_->SquaredGradNormTo(norm_parts_t_.data_ptr<double>() + rank_));
   }
-  norm_handle_ = comm_->AllGather(norm_parts_t_.data_ptr(), sizeof(double), ElementType::kByte);
+  norm_handle_ = comm_->AllGather(norm_parts_t_.data_ptr(), sizeof(double), DType::kByte);
   return absl::OkStatus();
 }
 
@@ -1288,10 +1285,15 @@ std::vector<int> ShardedOptimizer::BucketsOf(const std::vector<torch::Tensor>& p
   return out;
 }
 
+bool ShardedOptimizer::OrderAgreed() const {
+  absl::MutexLock lock(&hook_state_->mu);
+  return order_agreed_;
+}
+
 absl::StatusOr<StepResult> ShardedOptimizer::Step() {
   at::NoGradGuard no_grad;
   wait_ns_ = 0;
-  const bool in_agreed_order = order_agreed_;
+  const bool in_agreed_order = OrderAgreed();
   // The previous step's gathers (overlap_param_gather) end before this
   // step's updates write the same buffer (device_async_step: on the device,
   // and the outcome of what the last steps left to the device is checked).
@@ -1353,7 +1355,7 @@ absl::StatusOr<StepResult> ShardedOptimizer::Step() {
     agreed_ = true;
     SHARDOPT_RETURN_IF_ERROR(FinishHyperAgreement(result.step));
   }
-  if (!order_agreed_) SHARDOPT_RETURN_IF_ERROR(AgreeLaunchOrder());
+  if (!OrderAgreed()) SHARDOPT_RETURN_IF_ERROR(AgreeLaunchOrder());
   EndStep(result.step);
   if (in_agreed_order) {
     absl::MutexLock lock(&hook_state_->mu);
@@ -1374,8 +1376,8 @@ void ShardedOptimizer::EndStep(int64_t step) {
 absl::Status ShardedOptimizer::FinishRestore(int64_t step) {
   at::NoGradGuard no_grad;
   SHARDOPT_RETURN_IF_ERROR(WaitForParameters());
-  const ElementType ptype = ElementTypeOf(dtype_);
-  const int elem = ElementSize(ptype);
+  const DType ptype = DTypeOf(dtype_);
+  const int elem = DTypeSize(ptype);
   char* pbase = static_cast<char*>(param_flat_.data_ptr());
   for (const Bucket& b : layout_.buckets()) {
     owner_->WriteModelCopy(b.index);
@@ -1427,8 +1429,8 @@ MemoryReport ShardedOptimizer::memory() const {
 
 namespace {
 
-torch::ScalarType ScalarTypeOf(ElementType t) {
-  return t == ElementType::kBFloat16 ? torch::kBFloat16 : torch::kFloat;
+torch::ScalarType ScalarTypeOf(DType t) {
+  return t == DType::kBFloat16 ? torch::kBFloat16 : torch::kFloat;
 }
 
 }  // namespace
@@ -1444,7 +1446,7 @@ void ShardedOptimizer::PrepareShardedGradients() {
   overflow_buf_.assign(nb, torch::Tensor());
   in_accum_.assign(nb, false);
   reclaimed_.assign(nb, false);
-  split_own_ = comm_->SupportsSeparateChunks() && comm_type_ == ElementTypeOf(dtype_);
+  split_own_ = comm_->SupportsSeparateChunks() && comm_type_ == DTypeOf(dtype_);
   // A bucket of the cap holds at most the cap plus each rank's alignment.
   const int64_t cap_bucket =
       layout_.options().bucket_cap_elements + world_ * layout_.options().alignment_elements;
@@ -1646,7 +1648,7 @@ void ShardedOptimizer::AcquireStagingLocked(int b) {
   const Bucket& bk = layout_.buckets()[b];
   const int64_t cap = bk.capacity_per_rank;
   std::vector<torch::Tensor> chunks(world_);
-  if (accum_flat_.defined() && comm_type_ == ElementTypeOf(dtype_)) {
+  if (accum_flat_.defined() && comm_type_ == DTypeOf(dtype_)) {
     // Micro-batches were accumulated: reduce that buffer in place.
     for (int r = 0; r < world_; ++r)
       chunks[r] = accum_flat_.narrow(0, bk.flat_offset + r * cap, cap);
@@ -1709,7 +1711,7 @@ torch::Tensor ShardedOptimizer::StageLocked(int64_t length, Region* region,
     overflow_shortfall_ = std::max(overflow_shortfall_, length - (staging_elements_ - end));
   }
   *own_buffer = torch::empty({length}, opts);
-  overflow_bytes_ += length * ElementSize(comm_type_);
+  overflow_bytes_ += length * DTypeSize(comm_type_);
   if (overflow_bytes_ > overflow_peak_bytes_) {
     overflow_peak_bytes_ = overflow_bytes_;
     UpdateGradBytesLocked();
@@ -1741,8 +1743,9 @@ std::vector<torch::Tensor> ShardedOptimizer::StagedChunks(int b, const torch::Te
 // filling: moves them to the arena's start, so the free room is one region.
 void ShardedOptimizer::CompactStagingLocked() {
   std::vector<int> order = placed_;
-  std::sort(order.begin(), order.end(),
-            [this](int a, int b) { return region_[a].begin < region_[b].begin; });
+  std::vector<int64_t> begin(region_.size());
+  for (size_t b = 0; b < region_.size(); ++b) begin[b] = region_[b].begin;
+  std::sort(order.begin(), order.end(), [&begin](int a, int b) { return begin[a] < begin[b]; });
   int64_t at = 0;
   at::NoGradGuard no_grad;
   for (int b : order) {
@@ -1785,7 +1788,7 @@ void ShardedOptimizer::LaunchShardedLocked(int b) {
   std::vector<void*> ptrs(world_);
   CollectiveBucketScope tag(b);  // for the flight recorder
   if (PiecewiseLocked(b)) {
-    const int64_t elem = ElementSize(comm_type_);
+    const int64_t elem = DTypeSize(comm_type_);
     for (int64_t at = 0; at < bk.capacity_per_rank; at += piece_elements_) {
       const int64_t n = std::min(piece_elements_, bk.capacity_per_rank - at);
       for (int r = 0; r < world_; ++r) {

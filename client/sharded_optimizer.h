@@ -31,12 +31,14 @@
 #include <utility>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "client/comm/communicator.h"
 #include "common/layout.h"
 #include "server/kernels/kernel_backend.h"
-#include "server/kernels/optimizer_config.h"
+#include "common/optimizer_config.h"
 #include "server/shard_owner.h"
 
 namespace torch {
@@ -69,7 +71,7 @@ struct ShardedOptimizerOptions {
   // Type gradients travel in. kBFloat16 halves gradient traffic for fp32 models
   // (rounded once before the reduce-scatter; the sum is accumulated per ring
   // step in fp32 and rounded). Parameters always travel in their own dtype.
-  ElementType grad_comm_type = ElementType::kFloat32;
+  DType grad_comm_type = DType::kFloat32;
   // Bound on every collective wait.
   absl::Duration timeout = absl::Seconds(300);
   // Threads for the fused update (0 = all hardware threads).
@@ -217,7 +219,8 @@ class ShardedOptimizer {
   // pre-hook of `module=`. Errors: a reduction failed.
   absl::Status FoldReducedGradients();
   // Sets every group's learning rate; takes effect at the next Step().
-  void SetLearningRate(double lr);
+  // InvalidArgument (nothing changed) unless ValidateHyperParameter accepts it.
+  absl::Status SetLearningRate(double lr);
   // Group 0's learning rate.
   double learning_rate() const;
   // Replaces the hyper-parameters of every group (lr, betas, eps, weight
@@ -281,7 +284,19 @@ class ShardedOptimizer {
   std::vector<TraceEvent> TakeTrace();
 
  private:
-  struct HookState;
+  // What backward's hooks share with the optimizer: one lock for everything
+  // they touch (members marked ABSL_GUARDED_BY(hook_state_->mu)), and the
+  // optimizer they call while it lives (the destructor clears owner under mu,
+  // so a hook never runs on a destroyed optimizer).
+  struct HookState {
+    absl::Mutex mu;
+    ShardedOptimizer* owner ABSL_GUARDED_BY(mu) = nullptr;
+  };
+  // For hooks, which lock their own copy of the shared_ptr: says that it is
+  // the same mutex (checked at run time).
+  void AssertHookLockHeld() const ABSL_ASSERT_EXCLUSIVE_LOCK(hook_state_->mu) {
+    hook_state_->mu.AssertHeld();
+  }
   struct Region {  // of the shard_gradients staging arena
     int64_t begin = 0;
     int64_t length = 0;  // 0: none
@@ -292,63 +307,76 @@ class ShardedOptimizer {
   absl::Status BroadcastInitialValues();
   absl::Status CreateShardOwner();
   absl::Status InstallHooks(const std::vector<std::pair<std::string, torch::Tensor>>& params);
-  void OnGradReady(int param);
-  void BeforeGradLocked(int param);
+  void OnGradReady(int param) ABSL_EXCLUSIVE_LOCKS_REQUIRED(hook_state_->mu);
+  void BeforeGradLocked(int param) ABSL_EXCLUSIVE_LOCKS_REQUIRED(hook_state_->mu);
   absl::Status LaunchHyperAgreement();
   absl::Status FinishHyperAgreement(int64_t step);
   absl::Status BroadcastText(const std::string& mine, const char* what, std::string* theirs);
   absl::StatusOr<std::string> ShareDetail(const std::string& mine, const char* what);
-  void BucketCompleteLocked(int bucket);
-  void LaunchReadyBucketsLocked();
+  void BucketCompleteLocked(int bucket) ABSL_EXCLUSIVE_LOCKS_REQUIRED(hook_state_->mu);
+  void LaunchReadyBucketsLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(hook_state_->mu);
   absl::Status AgreeLaunchOrder();
-  void SizeStagingAfterSecondStepLocked();
-  void LaunchReduceScatterLocked(int bucket);
+  void SizeStagingAfterSecondStepLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(hook_state_->mu);
+  void LaunchReduceScatterLocked(int bucket) ABSL_EXCLUSIVE_LOCKS_REQUIRED(hook_state_->mu);
   // shard_gradients (all with hook_state_->mu held).
   void PrepareShardedGradients();
-  void OnShardedGradReadyLocked(int param, torch::Tensor grad);
-  void AcquireStagingLocked(int bucket);
+  void OnShardedGradReadyLocked(int param, torch::Tensor grad)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(hook_state_->mu);
+  void AcquireStagingLocked(int bucket) ABSL_EXCLUSIVE_LOCKS_REQUIRED(hook_state_->mu);
   std::vector<torch::Tensor> StagedChunks(int bucket, const torch::Tensor& buf);
-  void CompactStagingLocked();
+  void CompactStagingLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(hook_state_->mu);
   int64_t StageLength(int bucket) const;
-  bool PlaceLocked(int64_t length, int64_t* begin) const;
-  void FreeStagingLocked(int bucket);
+  bool PlaceLocked(int64_t length, int64_t* begin) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(hook_state_->mu);
+  void FreeStagingLocked(int bucket) ABSL_EXCLUSIVE_LOCKS_REQUIRED(hook_state_->mu);
   // Calls fn(chunk slice, offset into the range, length) for each chunk that
   // elements [offset, offset + length) of bucket `b` span.
   template <typename Fn>
-  void ForChunks(int bucket, int64_t offset, int64_t length, Fn fn);
-  void WriteGradLocked(int bucket, int64_t offset, const torch::Tensor& flat);
-  void ZeroGradRangeLocked(int bucket, int64_t offset, int64_t length);
-  void LaunchShardedLocked(int bucket);
-  bool PiecewiseLocked(int bucket) const;
-  void LaunchPiecesLocked(int bucket, const torch::Tensor& flat_grad);
+  void ForChunks(int bucket, int64_t offset, int64_t length, Fn fn)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(hook_state_->mu);
+  void WriteGradLocked(int bucket, int64_t offset, const torch::Tensor& flat)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(hook_state_->mu);
+  void ZeroGradRangeLocked(int bucket, int64_t offset, int64_t length)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(hook_state_->mu);
+  void LaunchShardedLocked(int bucket) ABSL_EXCLUSIVE_LOCKS_REQUIRED(hook_state_->mu);
+  bool PiecewiseLocked(int bucket) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(hook_state_->mu);
+  void LaunchPiecesLocked(int bucket, const torch::Tensor& flat_grad)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(hook_state_->mu);
   struct StagedPiece;
-  void LaunchPieceLocked(const std::vector<void*>& chunks, int64_t count, StagedPiece piece);
-  absl::Status TakeHookErrorLocked();
+  void LaunchPieceLocked(const std::vector<void*>& chunks, int64_t count, StagedPiece piece)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(hook_state_->mu);
+  absl::Status TakeHookErrorLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(hook_state_->mu);
   // Gives a staged collective `length` elements: a region of the arena
   // (waiting for reductions in flight while there is no room, compacting
   // filling buckets when nothing is in flight), else a buffer of its own
   // (counted). Returns the buffer; *region is set when it is in the arena.
   // in_arena false: a buffer of its own at once.
   torch::Tensor StageLocked(int64_t length, Region* region, torch::Tensor* own_buffer,
-                            bool in_arena);
-  void ReleaseOwnBufferLocked(torch::Tensor* own_buffer);
-  absl::Status WaitPieceLocked(size_t index);
-  absl::Status FailStagingLocked(const absl::Status& s);
-  void AbandonChunksLocked(int bucket);
-  absl::Status ReclaimLocked(int bucket);
-  void ReclaimFinishedLocked();
-  void ResetBackwardStateLocked(bool needs_zero_grad);
-  void ReclaimOldestLocked();
-  void ReleaseShardedBuffersLocked();
-  void UpdateGradBytesLocked();
-  torch::Tensor AccumView(int param);
-  void Trace(TraceEvent::Kind kind, int bucket, int param);
+                            bool in_arena) ABSL_EXCLUSIVE_LOCKS_REQUIRED(hook_state_->mu);
+  void ReleaseOwnBufferLocked(torch::Tensor* own_buffer)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(hook_state_->mu);
+  absl::Status WaitPieceLocked(size_t index) ABSL_EXCLUSIVE_LOCKS_REQUIRED(hook_state_->mu);
+  absl::Status FailStagingLocked(const absl::Status& s)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(hook_state_->mu);
+  void AbandonChunksLocked(int bucket) ABSL_EXCLUSIVE_LOCKS_REQUIRED(hook_state_->mu);
+  absl::Status ReclaimLocked(int bucket) ABSL_EXCLUSIVE_LOCKS_REQUIRED(hook_state_->mu);
+  void ReclaimFinishedLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(hook_state_->mu);
+  void ResetBackwardStateLocked(bool needs_zero_grad)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(hook_state_->mu);
+  void ReclaimOldestLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(hook_state_->mu);
+  void ReleaseShardedBuffersLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(hook_state_->mu);
+  void UpdateGradBytesLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(hook_state_->mu);
+  torch::Tensor AccumView(int param) ABSL_EXCLUSIVE_LOCKS_REQUIRED(hook_state_->mu);
+  void Trace(TraceEvent::Kind kind, int bucket, int param)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(hook_state_->mu);
+  // order_agreed_, read under the lock (the training thread writes it).
+  bool OrderAgreed() const;
   absl::Status WaitOrAbort(const CommHandlePtr& handle, const char* what, int bucket);
   // Step()'s stages.
   absl::Status BeginStep();
   // Marks the parameters this rank has a gradient for (torch.optim updates
   // a parameter iff its .grad is not None); agreed in LaunchHyperAgreement.
-  void MarkActiveLocked();
+  void MarkActiveLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(hook_state_->mu);
   // active_ from the agreement's result.
   void ReadActive();
   // Waits for the step's agreement unless bucket `bucket` (-1: none) can be
@@ -398,59 +426,65 @@ class ShardedOptimizer {
   std::vector<torch::Tensor> params_;      // the model's parameters (views)
   std::vector<torch::Tensor> grad_views_;  // their gradients: views of grad_flat_
   std::vector<std::shared_ptr<torch::autograd::Node>> grad_accumulators_;
-  std::shared_ptr<HookState> hook_state_;
+  const std::shared_ptr<HookState> hook_state_;
 
   // Guarded by hook_state_->mu (written by backward hooks).
-  std::vector<bool> ready_;
+  std::vector<bool> ready_ ABSL_GUARDED_BY(hook_state_->mu);
   // Per parameter: a gradient arrived since the last ZeroGrad(set_to_none).
-  std::vector<uint8_t> has_grad_;
-  std::vector<int> bucket_ready_count_;
+  std::vector<uint8_t> has_grad_ ABSL_GUARDED_BY(hook_state_->mu);
+  std::vector<int> bucket_ready_count_ ABSL_GUARDED_BY(hook_state_->mu);
   std::vector<int> bucket_size_;
-  std::vector<CommHandlePtr> rs_handles_;
+  std::vector<CommHandlePtr> rs_handles_ ABSL_GUARDED_BY(hook_state_->mu);
   std::vector<CommHandlePtr> ag_handles_;           // training thread only
   std::unordered_map<const void*, int> bucket_of_;  // parameter (TensorImpl) -> bucket
   CommHandlePtr norm_handle_;
   std::vector<double> norm_parts_;  // per rank: squared norm of its owned gradients
-  int64_t grad_version_ = -1;       // grad_flat_'s version after the last gradient arrived
+  int64_t grad_version_ ABSL_GUARDED_BY(hook_state_->mu) =
+      -1;  // grad_flat_'s version after the last gradient arrived
   // Hash of the groups, its negation, then local_active_ (max over ranks).
   std::vector<float> hyper_buf_;
   std::string hyper_text_;  // what was hashed
   CommHandlePtr hyper_handle_;
   std::string detail_buf_;      // ShareDetail's all-gather (a member: it may outlive a timeout)
   int64_t gather_wait_ns_ = 0;  // gathers waited for outside Step()
-  int next_launch_ = 0;         // position in launch_order_
+  int next_launch_ ABSL_GUARDED_BY(hook_state_->mu) = 0;  // position in launch_order_
   // The order buckets are reduced in, the same on every rank: bucket order in
   // the first step, then the order rank 0's first backward completed them
   // (AgreeLaunchOrder). ready_order_ records it until then.
-  std::vector<int> launch_order_;
-  std::vector<int> ready_order_;
-  bool order_agreed_ = false;  // written by the training thread with mu held
-  bool arena_sized_ = false;   // shard_gradients: staging grown after the second step
-  int64_t grads_seen_ = 0;
-  bool sync_ = true;
-  bool needs_zero_grad_ = false;
-  bool grad_after_step_ = false;
-  bool accumulated_while_syncing_ = false;
+  std::vector<int> launch_order_ ABSL_GUARDED_BY(hook_state_->mu);
+  std::vector<int> ready_order_ ABSL_GUARDED_BY(hook_state_->mu);
+  bool order_agreed_ ABSL_GUARDED_BY(hook_state_->mu) =
+      false;  // written by the training thread with mu held
+  bool arena_sized_ ABSL_GUARDED_BY(hook_state_->mu) =
+      false;  // shard_gradients: staging grown after the second step
+  int64_t grads_seen_ ABSL_GUARDED_BY(hook_state_->mu) = 0;
+  bool sync_ ABSL_GUARDED_BY(hook_state_->mu) = true;
+  bool needs_zero_grad_ ABSL_GUARDED_BY(hook_state_->mu) = false;
+  bool grad_after_step_ ABSL_GUARDED_BY(hook_state_->mu) = false;
+  bool accumulated_while_syncing_ ABSL_GUARDED_BY(hook_state_->mu) = false;
   // FoldReducedGradients: a backward with sync on since the last fold /
   // ZeroGrad / Step (guarded by hook_state_->mu); the reduced owned
   // gradients kept aside (owned_elements(), the model's dtype) and whether
   // they count in this step.
-  bool synced_backward_ = false;
+  bool synced_backward_ ABSL_GUARDED_BY(hook_state_->mu) = false;
   torch::Tensor folded_;
   std::atomic<int64_t> folded_bytes_{0};  // read by memory() from other threads
   bool folded_pending_ = false;
-  std::vector<TraceEvent> trace_;
+  std::vector<TraceEvent> trace_ ABSL_GUARDED_BY(hook_state_->mu);
 
   // shard_gradients; guarded by hook_state_->mu.
-  torch::Tensor owned_grad_flat_;                  // this rank's ranges, bucket after bucket
-  torch::Tensor accum_flat_;                       // full size, only while accumulating (no_sync)
-  ElementType comm_type_ = ElementType::kFloat32;  // type gradients travel in
+  torch::Tensor owned_grad_flat_
+      ABSL_GUARDED_BY(hook_state_->mu);  // this rank's ranges, bucket after bucket
+  torch::Tensor accum_flat_
+      ABSL_GUARDED_BY(hook_state_->mu);  // full size, only while accumulating (no_sync)
+  DType comm_type_ = DType::kFloat32;    // type gradients travel in
   std::vector<std::vector<std::pair<int64_t, int64_t>>> gaps_;  // per bucket: padding runs
   bool split_own_ = false;  // this rank's chunk reduced in place in owned_grad_flat_
-  torch::Tensor staging_;   // the arena, in comm_type_ (allocated at first use)
-  int64_t staging_elements_ = 0;
-  std::vector<Region> region_;  // per bucket: its part of staging_
-  std::vector<int> placed_;     // buckets holding a region
+  torch::Tensor staging_
+      ABSL_GUARDED_BY(hook_state_->mu);  // the arena, in comm_type_ (allocated at first use)
+  int64_t staging_elements_ ABSL_GUARDED_BY(hook_state_->mu) = 0;
+  std::vector<Region> region_ ABSL_GUARDED_BY(hook_state_->mu);  // per bucket: its part of staging_
+  std::vector<int> placed_ ABSL_GUARDED_BY(hook_state_->mu);     // buckets holding a region
   // A bucket of one tensor whose reduce-scatter does not fit a staging piece
   // is reduced in pieces of piece_elements_ of every rank's chunk, staged in
   // the arena while backward waits (PiecewiseLocked); pieces_ are those
@@ -461,20 +495,28 @@ class ShardedOptimizer {
     torch::Tensor own;  // a buffer of its own (counted)
     CommHandlePtr handle;
   };
-  std::deque<StagedPiece> pieces_;
-  int64_t piece_elements_ = 0;                      // per rank; 0: no bucket is reduced in pieces
-  std::vector<torch::Tensor> overflow_buf_;         // per bucket: a buffer of its own
-  int64_t overflow_bytes_ = 0;                      // held by overflow_buf_ now
-  int64_t overflow_peak_bytes_ = 0;                 // the most ever held at once
-  int64_t overflow_shortfall_ = 0;                  // elements the arena's end lacked for one
-  std::vector<std::vector<torch::Tensor>> chunks_;  // per bucket: its reduce-scatter's chunks
-  std::vector<bool> in_accum_;   // chunks_[b] are accum_flat_'s (else chunks_[b][rank_] is the
-                                 // owned gradient when split_own_)
-  std::vector<bool> reclaimed_;  // reduced; owned range holds the result
-  std::vector<int> in_flight_;   // launched, not reclaimed, in launch order
-  std::vector<torch::Tensor> abandoned_;  // buffers of collectives that failed
-  absl::Status hook_error_;
-  int64_t hook_wait_ns_ = 0;  // backward blocked on a reduction (exposed)
+  std::deque<StagedPiece> pieces_ ABSL_GUARDED_BY(hook_state_->mu);
+  int64_t piece_elements_ = 0;  // per rank; 0: no bucket is reduced in pieces
+  std::vector<torch::Tensor> overflow_buf_
+      ABSL_GUARDED_BY(hook_state_->mu);                          // per bucket: a buffer of its own
+  int64_t overflow_bytes_ ABSL_GUARDED_BY(hook_state_->mu) = 0;  // held by overflow_buf_ now
+  int64_t overflow_peak_bytes_ ABSL_GUARDED_BY(hook_state_->mu) = 0;  // the most ever held at once
+  int64_t overflow_shortfall_ ABSL_GUARDED_BY(hook_state_->mu) =
+      0;  // elements the arena's end lacked for one
+  std::vector<std::vector<torch::Tensor>> chunks_
+      ABSL_GUARDED_BY(hook_state_->mu);  // per bucket: its reduce-scatter's chunks
+  std::vector<bool> in_accum_
+      ABSL_GUARDED_BY(hook_state_->mu);  // chunks_[b] are accum_flat_'s (else chunks_[b][rank_] is
+                                         // the owned gradient when split_own_)
+  std::vector<bool> reclaimed_
+      ABSL_GUARDED_BY(hook_state_->mu);  // reduced; owned range holds the result
+  std::vector<int> in_flight_
+      ABSL_GUARDED_BY(hook_state_->mu);  // launched, not reclaimed, in launch order
+  std::vector<torch::Tensor> abandoned_
+      ABSL_GUARDED_BY(hook_state_->mu);  // buffers of collectives that failed
+  absl::Status hook_error_ ABSL_GUARDED_BY(hook_state_->mu);
+  int64_t hook_wait_ns_ ABSL_GUARDED_BY(hook_state_->mu) =
+      0;  // backward blocked on a reduction (exposed)
   std::atomic<int64_t> sharded_grad_bytes_{0};
 
   // device_async_step (training thread only).

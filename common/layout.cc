@@ -8,15 +8,6 @@
 
 namespace shardopt {
 
-const char* DTypeName(DType dtype) {
-  switch (dtype) {
-    case DType::kFloat32: return "float32";
-    case DType::kBFloat16: return "bfloat16";
-    case DType::kFloat16: return "float16";
-  }
-  return "unknown";
-}
-
 absl::StatusOr<int64_t> NumElements(const std::vector<int64_t>& shape, int64_t max_elements) {
   int64_t n = 1;
   for (int64_t d : shape) {

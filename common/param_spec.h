@@ -6,13 +6,9 @@
 #include <string>
 #include <vector>
 
+#include "common/dtype.h"
+
 namespace shardopt {
-
-enum class DType : uint8_t { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
-
-// Bytes per element of `dtype`.
-inline int DTypeSize(DType dtype) { return dtype == DType::kFloat32 ? 4 : 2; }
-const char* DTypeName(DType dtype);
 
 // One named parameter tensor in registration order (the order of
 // `module->named_parameters()`). Frozen parameters (trainable == false) are

@@ -30,9 +30,7 @@
 #include "client/checkpoint/full_state.h"
 #include "client/sharded_optimizer.h"
 #include "common/file_system.h"
-#ifdef SHARDOPT_WITH_CUDA
-#include "server/kernels/cuda/cuda_backend.h"
-#endif
+#include "common/hyper_params.h"
 
 namespace py = pybind11;
 
@@ -230,7 +228,7 @@ class PyOptimizer {
     o.max_grad_norm = max_grad_norm;
     if (bucket_cap_elements < 1) throw py::value_error("bucket_cap_mb must be > 0");
     o.plan.bucket_cap_elements = bucket_cap_elements;
-    o.grad_comm_type = grad_bf16 ? ElementType::kBFloat16 : ElementType::kFloat32;
+    o.grad_comm_type = grad_bf16 ? DType::kBFloat16 : DType::kFloat32;
     if (!(timeout_s > 0)) throw py::value_error("timeout must be > 0 seconds");
     o.timeout = absl::Seconds(timeout_s);
     o.kernel_threads = kernel_threads;
@@ -256,9 +254,6 @@ class PyOptimizer {
         return absl::OkStatus();
       };
     }
-#ifdef SHARDOPT_WITH_CUDA
-    if (!tensors.empty() && tensors.front().is_cuda()) o.kernel_backend = MakeCudaKernelBackend();
-#endif
     std::vector<std::pair<std::string, torch::Tensor>> named;
     for (size_t i = 0; i < names.size(); ++i) named.emplace_back(names[i], tensors[i]);
     absl::StatusOr<std::unique_ptr<ShardedOptimizer>> opt;
@@ -437,7 +432,7 @@ class PyOptimizer {
     {
       py::gil_scoped_release release;
       CommHandlePtr h =
-          comm->Broadcast(t.data_ptr(), static_cast<int64_t>(t.nbytes()), ElementType::kByte, root);
+          comm->Broadcast(t.data_ptr(), static_cast<int64_t>(t.nbytes()), DType::kByte, root);
       s = h->Wait(opt_->options().timeout);
       if (!s.ok()) comm->Abort(s);
     }
@@ -610,11 +605,20 @@ class PyOptimizer {
 PYBIND11_MODULE(_C, m) {
   using namespace shardopt;
   m.doc() = "shardopt's C++ core (use the shardopt package, not this module)";
-#ifdef SHARDOPT_WITH_CUDA
-  m.attr("has_cuda") = true;
-#else
-  m.attr("has_cuda") = false;  // the Bazel build: Debian's torch has no CUDA
-#endif
+  // Debian's python3-torch (the torch this extension is built against) has no
+  // CUDA, so neither has the extension: GPU training is C++ only
+  // (docs/gpu.md). The package refuses CUDA parameters with that reason.
+  m.attr("has_cuda") = false;
+  // The one rule per hyper-parameter (common/hyper_params.h): ValueError
+  // naming the value and its range, as every other path says it.
+  m.def(
+      "validate_hyper_parameter",
+      [](const std::string& name, double value) {
+        auto p = ParseHyperParameterName(name);
+        if (!p) throw py::value_error("unknown hyper-parameter '" + name + "'");
+        Check(ValidateHyperParameter(*p, value));
+      },
+      py::arg("name"), py::arg("value"));
   m.def("install_host_allocator", [] {
     InstallHostAllocator();
     return std::string(DescribeHostAllocator());

@@ -1,7 +1,6 @@
 #include "server/coordinator.h"
 
 #include <algorithm>
-#include <cfloat>
 #include <cmath>
 #include <memory>
 
@@ -9,6 +8,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/notification.h"
+#include "common/hyper_params.h"
 #include "common/planner.h"
 
 namespace shardopt {
@@ -42,27 +42,6 @@ absl::StatusOr<T> Block(Coordinator* c, absl::Time deadline, Start start) {
 }
 
 }  // namespace
-
-absl::Status ValidateLearningRate(double lr) {
-  if (!std::isfinite(lr) || !(lr > 0)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("learning rate must be finite and > 0, got ", lr));
-  }
-  const float f = static_cast<float>(lr);
-  if (!std::isfinite(f)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("learning rate ", lr,
-                     " is inf as a float (the optimizer kernels compute in float); "
-                     "it must be at most ",
-                     FLT_MAX));
-  }
-  if (!std::isnormal(f)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "learning rate ", lr, " is ", f == 0 ? "0" : "a denormal",
-        " as a float (the optimizer kernels compute in float); it must be at least ", FLT_MIN));
-  }
-  return absl::OkStatus();
-}
 
 const char* AbortCauseName(AbortCause cause) {
   switch (cause) {
@@ -185,10 +164,10 @@ absl::Status Coordinator::ValidateJoin(const JoinInfo& info) const {
     return absl::InvalidArgumentError(absl::StrCat("parameter count ", info.params.size(),
                                                    " out of range [1, ", kMaxParams, "]"));
   }
-  // Reported, not applied: any finite value >= 0 (0: not reported).
-  if (!std::isfinite(info.learning_rate) || info.learning_rate < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("reported learning rate ", info.learning_rate, " is not finite and >= 0"));
+  // Reported, not applied: a valid learning rate (0: not reported).
+  if (absl::Status s = ValidateHyperParameter(HyperParameter::kLearningRate, info.learning_rate);
+      !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("reported learning rate: ", s.message()));
   }
   for (const ParamSpec& p : info.params) {
     if (p.shape.size() > 16) {
@@ -533,10 +512,10 @@ absl::StatusOr<HeartbeatReply> Coordinator::Heartbeat(const HeartbeatInfo& info)
   if (info.step < 0 || !std::isfinite(info.samples_per_s)) {
     return absl::InvalidArgumentError("bad step or throughput");
   }
-  // Reported, not applied: any finite value >= 0 (0: not reported).
-  if (!std::isfinite(info.learning_rate) || info.learning_rate < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("reported learning rate ", info.learning_rate, " is not finite and >= 0"));
+  // Reported, not applied: a valid learning rate (0: not reported).
+  if (absl::Status s = ValidateHyperParameter(HyperParameter::kLearningRate, info.learning_rate);
+      !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("reported learning rate: ", s.message()));
   }
   if (info.has_metrics) {
     if (absl::Status s = ValidateRankMetrics(info.metrics); !s.ok()) return s;
@@ -785,7 +764,7 @@ std::vector<std::string> Coordinator::ShardOwnerAddresses() {
 }
 
 absl::StatusOr<int64_t> Coordinator::SetLearningRate(double lr) {
-  if (absl::Status s = ValidateLearningRate(lr); !s.ok()) return s;
+  if (absl::Status s = ValidateLearningRateChange(lr); !s.ok()) return s;
   int64_t version;
   {
     absl::MutexLock lock(&mu_);

@@ -26,24 +26,11 @@
 #include "absl/time/time.h"
 #include "common/layout.h"
 #include "common/param_spec.h"
+#include "common/protocol_limits.h"
 
 namespace shardopt {
 
-// Bounds on what a client may send.
-inline constexpr int kMaxParams = 1 << 20;
-inline constexpr size_t kMaxKeyBytes = 512;
-inline constexpr size_t kMaxValueBytes = 1 << 20;
-inline constexpr size_t kMaxStoreBytes = 256 << 20;
-
-// What the optimizer kernels can use as a learning rate: they compute in
-// float, so the value as a float must be finite, > 0 and normal (1e39 becomes
-// inf, 1e-46 becomes 0, 1e-40 a denormal). InvalidArgument saying why
-// otherwise. Checked where a value enters (SetLearningRate) and by the ranks.
-absl::Status ValidateLearningRate(double lr);
-
-// Metrics a heartbeat may carry (RankMetrics in the protocol): at most this
-// many step times.
-inline constexpr int kMaxStepTimesPerHeartbeat = 256;
+// Bounds on what a client may send: common/protocol_limits.h.
 // The window of recent step times behind RankState::step_seconds_p50/max:
 // the last kStepWindowSteps steps received within kStepWindowAge.
 inline constexpr int kStepWindowSteps = 200;
@@ -283,7 +270,7 @@ class Coordinator {
   std::vector<std::string> ShardOwnerAddresses();
 
   // Applied by every rank at its next step boundary. Returns the new version.
-  // InvalidArgument unless ValidateLearningRate(lr) is ok.
+  // InvalidArgument unless ValidateLearningRateChange(lr) (common/hyper_params.h) is ok.
   absl::StatusOr<int64_t> SetLearningRate(double lr);
   // Asks every rank to checkpoint at the next step boundary they agree on.
   // Returns the request number.

@@ -1,4 +1,5 @@
-// The coordinator's side of the flight recorder (client/comm/flight_recorder.h):
+// The coordinator's side of the flight recorder (client/comm/flight_recorder.h,
+// sent as client/comm/flight_record_proto.h makes it):
 // the rings ranks report when a job fails, validation of what they send, and
 // the analysis that says in one or two lines where the ranks first stopped
 // agreeing, e.g.
@@ -19,23 +20,18 @@
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "client/comm/flight_recorder.h"
+#include "common/protocol_limits.h"
 #include "proto/shardopt.pb.h"
 
 namespace shardopt {
 
 class Coordinator;
 
-// Bounds on a reported ring (larger ones are refused).
-inline constexpr int kMaxFlightRecords = 65536;
-inline constexpr size_t kMaxFlightReasonBytes = 4096;
+// Bounds on a reported ring (larger ones are refused): kMaxFlightRecords,
+// kMaxFlightReasonBytes in common/protocol_limits.h.
 // Ranks whose rings differ only by collectives younger than this (a live
 // job's rings are taken milliseconds apart) are "making progress".
 inline constexpr absl::Duration kFlightSettleTime = absl::Seconds(1);
-
-// A rank's ring as the protocol carries it (times in seconds since the epoch).
-v1::FlightRecord ToFlightRecord(int rank, const std::vector<FlightEntry>& entries,
-                                absl::Time captured, const std::string& reason);
 
 // InvalidArgument naming the first bad field: rank outside [0, world_size),
 // too many records, unknown op or state, negative sequence numbers, times

@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/hyper_params.h"
 #include "common/status_macros.h"
 
 namespace shardopt {
@@ -329,12 +330,14 @@ absl::Status ShardOwner::SetGroup(int g, const HyperParameters& hp) {
   return absl::OkStatus();
 }
 
-void ShardOwner::SetLearningRate(double lr) {
+absl::Status ShardOwner::SetLearningRate(double lr) {
+  SHARDOPT_RETURN_IF_ERROR(ValidateHyperParameter(HyperParameter::kLearningRate, lr));
   absl::MutexLock lock(&mu_);
   for (HyperParameters& hp : groups_) {
     hp.adam.lr = lr;
     hp.sgd.lr = lr;
   }
+  return absl::OkStatus();
 }
 
 double ShardOwner::learning_rate() const {

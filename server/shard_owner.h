@@ -30,7 +30,7 @@
 #include "absl/synchronization/mutex.h"
 #include "common/layout.h"
 #include "server/kernels/kernel_backend.h"
-#include "server/kernels/optimizer_config.h"
+#include "common/optimizer_config.h"
 
 namespace shardopt {
 
@@ -120,8 +120,9 @@ class ShardOwner {
   int num_groups() const;
   HyperParameters group(int g) const;
   absl::Status SetGroup(int g, const HyperParameters& hp);
-  // Sets the learning rate of every group.
-  void SetLearningRate(double lr);
+  // Sets the learning rate of every group. InvalidArgument (nothing changed)
+  // unless ValidateHyperParameter(kLearningRate, lr) is ok.
+  absl::Status SetLearningRate(double lr);
   // Group 0's learning rate.
   double learning_rate() const;
   const std::vector<int>& param_group() const { return param_group_; }

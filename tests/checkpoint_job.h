@@ -12,7 +12,7 @@
 
 #include "client/checkpoint/checkpoint.h"
 #include "client/comm/in_process_communicator.h"
-#include "client/models.h"
+#include "tools/models/models.h"
 #include "gtest/gtest.h"
 #include "tests/training_harness.h"
 

@@ -15,7 +15,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/comm/in_process_communicator.h"
-#include "client/models.h"
+#include "tools/models/models.h"
 #include "common/crc32c.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"

@@ -15,7 +15,7 @@
 #include "client/checkpoint/checkpoint.h"
 #include "client/checkpoint/full_state.h"
 #include "client/comm/in_process_communicator.h"
-#include "client/models.h"
+#include "tools/models/models.h"
 #include "client/sharded_optimizer.h"
 
 namespace shardopt {
@@ -69,7 +69,8 @@ TEST(CollectiveTimeoutTest, LateRankAfterASaveTimedOutTouchesNoFreedMemory) {
   const std::string root = ::testing::TempDir() + "/late_rank_ckpt";
   absl::StatusOr<std::string> saved0 = absl::UnknownError("not run");
   std::thread late([&] {
-    // Arrives 2.5 s after rank 0, which waits 1 s per collective.
+    // A slow peer on purpose: arrives 2.5 s after rank 0, which waits 1 s
+    // per collective.
     std::this_thread::sleep_for(std::chrono::milliseconds(2500));
     (void)SaveCheckpoint(*ranks[1].opt, root);
   });
@@ -77,6 +78,8 @@ TEST(CollectiveTimeoutTest, LateRankAfterASaveTimedOutTouchesNoFreedMemory) {
   // Rank 0 is back (its buffers would be out of scope now) before rank 1
   // arrives at the collective it gave up on.
   late.join();
+  // On purpose, not a wait: a window for a late write into rank 0's freed
+  // buffers (by a collective still finishing) to happen while ASan watches.
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
   ASSERT_FALSE(saved0.ok());
   EXPECT_TRUE(saved0.status().code() == absl::StatusCode::kDeadlineExceeded ||
@@ -93,11 +96,14 @@ TEST(CollectiveTimeoutTest, LateRankAfterAFullStateGatherTimedOutTouchesNoFreedM
   ASSERT_TRUE(ranks[0].opt && ranks[1].opt);
   OneStep(ranks);
   std::thread late([&] {
+    // A slow peer on purpose: arrives 2.5 s after rank 0, which waits 1 s.
     std::this_thread::sleep_for(std::chrono::milliseconds(2500));
     (void)GatherFullState(*ranks[1].opt);
   });
   auto full0 = GatherFullState(*ranks[0].opt);
   late.join();
+  // On purpose, not a wait: a window for a late write into rank 0's freed
+  // buffers (by a collective still finishing) to happen while ASan watches.
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
   ASSERT_FALSE(full0.ok());
   EXPECT_EQ(full0.status().code(), absl::StatusCode::kDeadlineExceeded) << full0.status();

@@ -8,20 +8,16 @@
 #    shardrun alive after the job finished: it gets UNAVAILABLE "coordinator
 #    shutting down" as shardrun exits.
 set -uo pipefail
+source "$(dirname "$0")/lib.sh" || exit 1
 tmp=$(mktemp -d)
 trap 'kill $(jobs -p) 2>/dev/null; rm -rf "$tmp"' EXIT
-fails=0
-check() {  # check NAME CONDITION...
-  local name=$1; shift
-  if "$@"; then echo "PASS $name"; else echo "FAIL $name"; fails=$((fails + 1)); fi
-}
 
 # 1 and 2: a long job at --lr=1e-4.
 timeout 180 tools/shardrun --nproc 2 --port-file "$tmp/addr" -- \
   tools/shardopt_train --model=small --steps=1000000 --log-every=100000 --lr=1e-4 \
   >"$tmp/run.log" 2>&1 &
 run=$!
-for _ in $(seq 1 200); do [[ -s "$tmp/addr" ]] && break; sleep 0.1; done
+wait_file "$tmp/addr" 20
 addr=$(cat "$tmp/addr")
 ctl() { timeout 30 tools/shardctl --coordinator="$addr" "$@"; }
 ctl status --wait=60 >"$tmp/status.txt"
@@ -32,17 +28,16 @@ for v in 1e39 nan inf -1 0 1e-46; do
   check "set-lr $v refused (exit $rc)" test $rc -eq 2
   # shardctl refuses what it can tell itself; the coordinator refuses the
   # rest (tests/coordinator_test.cc sends these values over gRPC).
-  check "set-lr $v: says why" grep -q "shardctl: .*learning rate.*" "$tmp/setlr.err"
+  check "set-lr $v: says why" grep -q "shardctl: set-lr: invalid lr" "$tmp/setlr.err"
 done
 ctl status >"$tmp/status2.txt"
 check "job still running after refusals" grep -q 'running, 2 ranks' "$tmp/status2.txt"
 check "nothing was requested" grep -q ', lr 0.0001,' "$tmp/status2.txt"
 ctl set-lr 1e-3 >/dev/null
 check "set-lr 1e-3 accepted" test $? -eq 0
-for _ in $(seq 1 300); do grep -q 'learning rate set to 0.001 ' "$tmp/run.log" && break; sleep 0.1; done
-check "1e-3 applied" grep -q 'learning rate set to 0.001 ' "$tmp/run.log"
-for _ in $(seq 1 100); do ctl status | grep ', lr 0.001,' >/dev/null && break; sleep 0.1; done
-check "status shows the applied lr" bash -c "timeout 30 tools/shardctl --coordinator='$addr' status | grep ', lr 0.001,' >/dev/null"
+check "1e-3 applied" wait_until 30 "the ranks to log lr 0.001" grep -q 'learning rate set to 0.001 ' "$tmp/run.log"
+check "status shows the applied lr" wait_until 30 "shardctl status to show lr 0.001" \
+  bash -c "timeout 30 tools/shardctl --coordinator='$addr' status | grep ', lr 0.001,' >/dev/null"
 check "no rank saw a bad lr" bash -c "! grep -q -i 'invalid learning rate' '$tmp/run.log'"
 ctl abort "test over" >/dev/null
 wait $run
@@ -61,7 +56,7 @@ import grpc, shardopt_pb2, shardopt_pb2_grpc
 stub = shardopt_pb2_grpc.CoordinatorStub(grpc.insecure_channel(sys.argv[2]))
 call = stub.KvGet.future(shardopt_pb2.KvGetRequest(key="nobody-sets-this", wait_ms=600000),
                          timeout=700, wait_for_ready=True)
-time.sleep(1)                   # the call waits in the coordinator now
+time.sleep(1)  # a delay on purpose (no event says the call arrived): it waits in the coordinator now
 open(sys.argv[3], "w").close()  # let the ranks train
 try:
     call.result()
@@ -72,23 +67,25 @@ PY
 # The ranks start training once the KvGet waits.
 cat >"$tmp/gated.sh" <<SH
 #!/usr/bin/env bash
-for _ in \$(seq 1 600); do [[ -e "$tmp/go" ]] && break; sleep 0.1; done
+source "$PWD/tests/lib.sh" || exit 1
+wait_until 60 "the KvGet to wait in the coordinator ($tmp/go)" test -e "$tmp/go"
 exec $PWD/tools/shardopt_train --model=tiny --steps=5
 SH
 chmod +x "$tmp/gated.sh"
 timeout 300 tools/shardrun --nproc 2 --port-file "$tmp/addr2" -- "$tmp/gated.sh" >"$tmp/short.log" 2>&1 &
 run=$!
-for _ in $(seq 1 200); do [[ -s "$tmp/addr2" ]] && break; sleep 0.05; done
+wait_file "$tmp/addr2" 10
 /usr/bin/python3 "$tmp/kvget.py" "$tmp" "$(cat "$tmp/addr2")" "$tmp/go" >"$tmp/kvget.out" 2>&1 &
 kv=$!
-for _ in $(seq 1 300); do [[ -e "$tmp/go" ]] && break; sleep 0.1; done
+wait_until 30 "the KvGet client to start waiting (it creates $tmp/go)" test -e "$tmp/go"
 start=$(date +%s)
 wait $run
 rc=$?
 took=$(( $(date +%s) - start ))
 check "short job succeeds (rc $rc)" test $rc -eq 0
 check "shardrun exits despite a waiting KvGet ($took s after the ranks started)" test $took -le 20
-for _ in $(seq 1 100); do kill -0 $kv 2>/dev/null || break; sleep 0.1; done
+exited() { ! kill -0 "$1" 2>/dev/null; }
+wait_until 10 "the KvGet client to exit" exited $kv
 check "the waiting KvGet ended: $(cat "$tmp/kvget.out")" grep -q '^UNAVAILABLE coordinator shutting down' "$tmp/kvget.out"
 
 if [[ $fails -ne 0 ]]; then

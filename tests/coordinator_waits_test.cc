@@ -19,6 +19,7 @@
 #include "server/coordinator.h"
 #include "server/coordinator_service.h"
 #include "server/rpc_server.h"
+#include "tests/poll.h"
 
 namespace shardopt {
 namespace {
@@ -32,17 +33,6 @@ int ThreadCount() {
     closedir(d);
   }
   return n;
-}
-
-// Polls `pred` every 10 ms for at most `limit`.
-template <typename Pred>
-bool WaitUntil(Pred pred, absl::Duration limit = absl::Seconds(10)) {
-  const absl::Time end = absl::Now() + limit;
-  while (!pred()) {
-    if (absl::Now() > end) return false;
-    absl::SleepFor(absl::Milliseconds(10));
-  }
-  return true;
 }
 
 ParamSpec P(const std::string& name, std::vector<int64_t> shape) {
@@ -145,7 +135,7 @@ TEST(CoordinatorWaitsTest, ShutdownEndsAPendingTenMinuteKvGetAtOnce) {
   KvGetCall call;
   Calls calls;
   s.StartKvGet(&call, "never", 600000, &calls);
-  ASSERT_TRUE(WaitUntil([&] { return s.coordinator.pending_waits() == 1; }));
+  ASSERT_TRUE(PollUntil([&] { return s.coordinator.pending_waits() == 1; }, absl::Seconds(10)));
   const absl::Time t0 = absl::Now();
   s.server->Shutdown();
   const absl::Duration took = absl::Now() - t0;
@@ -165,7 +155,7 @@ TEST(CoordinatorWaitsTest, ShutdownWakesBlockingWaitsAndRefusesNewOnes) {
   auto kv = std::async(std::launch::async, [&] { return c.KvGet("k", absl::Minutes(10)); });
   auto join = std::async(std::launch::async,
                          [&] { return c.Join(Info(0, 2, {P("w", {8})}), absl::Minutes(10)); });
-  ASSERT_TRUE(WaitUntil([&] { return c.pending_waits() == 2; }));
+  ASSERT_TRUE(PollUntil([&] { return c.pending_waits() == 2; }, absl::Seconds(10)));
   const absl::Time t0 = absl::Now();
   c.Shutdown();
   ASSERT_EQ(kv.wait_for(std::chrono::seconds(2)), std::future_status::ready);
@@ -199,7 +189,7 @@ TEST(CoordinatorWaitsTest, ThreeHundredWaitingKvGetsHoldNoThreads) {
     waiting.push_back(std::make_unique<KvGetCall>());
     s.StartKvGet(waiting.back().get(), "later", 60000, &calls);
   }
-  ASSERT_TRUE(WaitUntil([&] { return s.coordinator.pending_waits() == 300; }))
+  ASSERT_TRUE(PollUntil([&] { return s.coordinator.pending_waits() == 300; }, absl::Seconds(10)))
       << s.coordinator.pending_waits();
   const int during = ThreadCount();
   std::printf("threads: %d before, %d with 300 KvGets waiting\n", before, during);
@@ -225,7 +215,7 @@ TEST(CoordinatorWaitsTest, WaitingKvGetsAreBounded) {
     waiting.push_back(std::make_unique<KvGetCall>());
     s.StartKvGet(waiting.back().get(), absl::StrCat("key", i), 60000, &calls);
   }
-  ASSERT_TRUE(WaitUntil([&] { return s.coordinator.pending_waits() == 10; }));
+  ASSERT_TRUE(PollUntil([&] { return s.coordinator.pending_waits() == 10; }, absl::Seconds(10)));
   CoordinatorClient client(s.server->address(), "");
   auto over = client.KvGet("one-too-many", absl::Seconds(30));
   EXPECT_EQ(over.status().code(), absl::StatusCode::kResourceExhausted) << over.status();
@@ -248,10 +238,10 @@ TEST(CoordinatorWaitsTest, AClientThatGoesAwayFreesItsWait) {
   KvGetCall call;
   Calls calls;
   s.StartKvGet(&call, "never", 600000, &calls);
-  ASSERT_TRUE(WaitUntil([&] { return s.coordinator.pending_waits() == 1; }));
+  ASSERT_TRUE(PollUntil([&] { return s.coordinator.pending_waits() == 1; }, absl::Seconds(10)));
   call.ctx.TryCancel();
   ASSERT_TRUE(calls.WaitAll(std::chrono::seconds(5)));
-  EXPECT_TRUE(WaitUntil([&] { return s.coordinator.pending_waits() == 0; }, absl::Seconds(5)));
+  EXPECT_TRUE(PollUntil([&] { return s.coordinator.pending_waits() == 0; }, absl::Seconds(5)));
 
   // A client deadline shorter than the requested wait ends the wait there.
   KvGetCall short_call;
@@ -264,7 +254,7 @@ TEST(CoordinatorWaitsTest, AClientThatGoesAwayFreesItsWait) {
                          [&](grpc::Status st) { short_calls.Done(st); });
   ASSERT_TRUE(short_calls.WaitAll(std::chrono::seconds(5)));
   EXPECT_EQ(short_calls.Count(grpc::StatusCode::DEADLINE_EXCEEDED), 1);
-  EXPECT_TRUE(WaitUntil([&] { return s.coordinator.pending_waits() == 0; }, absl::Seconds(5)));
+  EXPECT_TRUE(PollUntil([&] { return s.coordinator.pending_waits() == 0; }, absl::Seconds(5)));
 
   // A Join whose client gives up no longer holds its rank.
   CoordinatorClient client(s.server->address(), "");
@@ -276,10 +266,10 @@ TEST(CoordinatorWaitsTest, AClientThatGoesAwayFreesItsWait) {
   const v1::JoinRequest join = MakeJoinRequest(*planned, info);
   EXPECT_EQ(client.Join(join, absl::Milliseconds(500)).status().code(),
             absl::StatusCode::kDeadlineExceeded);
-  EXPECT_TRUE(WaitUntil([&] { return s.coordinator.pending_waits() == 0; }, absl::Seconds(5)));
+  EXPECT_TRUE(PollUntil([&] { return s.coordinator.pending_waits() == 0; }, absl::Seconds(5)));
   // Now both join.
   auto r1 = std::async(std::launch::async, [&] { return client.Join(join, absl::Seconds(20)); });
-  ASSERT_TRUE(WaitUntil([&] { return s.coordinator.pending_waits() == 1; }));
+  ASSERT_TRUE(PollUntil([&] { return s.coordinator.pending_waits() == 1; }, absl::Seconds(10)));
   // A second Join for the same rank while one waits is refused.
   EXPECT_EQ(client.Join(join, absl::Seconds(2)).status().code(), absl::StatusCode::kAlreadyExists);
   auto r0 = s.coordinator.Join(Info(0, 2, {P("w", {8})}), absl::Seconds(10));
@@ -296,7 +286,7 @@ TEST(CoordinatorWaitsTest, AFailedJobEndsEveryWait) {
   auto kv = std::async(std::launch::async, [&] { return c.KvGet("k", absl::Minutes(10)); });
   auto join = std::async(std::launch::async,
                          [&] { return c.Join(Info(1, 2, {P("w", {8})}), absl::Minutes(10)); });
-  ASSERT_TRUE(WaitUntil([&] { return c.pending_waits() == 2; }));
+  ASSERT_TRUE(PollUntil([&] { return c.pending_waits() == 2; }, absl::Seconds(10)));
   c.Abort("operator said so", -1);
   ASSERT_EQ(kv.wait_for(std::chrono::seconds(2)), std::future_status::ready);
   ASSERT_EQ(join.wait_for(std::chrono::seconds(2)), std::future_status::ready);
@@ -342,7 +332,7 @@ TEST(CoordinatorWaitsTest, DestroyingTheServiceIsQuickWithWaitsPending) {
     calls.Add();
     stub->async()->KvGet(&call.ctx, &call.req, &call.resp,
                          [&](grpc::Status st) { calls.Done(st); });
-    ASSERT_TRUE(WaitUntil([&] { return c.pending_waits() == 1; }));
+    ASSERT_TRUE(PollUntil([&] { return c.pending_waits() == 1; }, absl::Seconds(10)));
   }  // the server, then the service
   EXPECT_LT(absl::Now() - t0, absl::Seconds(5));
   if (!calls.WaitAll(std::chrono::seconds(5))) call.ctx.TryCancel();

@@ -1,14 +1,10 @@
 #!/usr/bin/env bash
 # End to end: shardrun + shardopt_train + shardctl as a user runs them.
 set -uo pipefail
+source "$(dirname "$0")/lib.sh" || exit 1
 B=tools
 tmp=$(mktemp -d)
 trap 'kill $(jobs -p) 2>/dev/null; rm -rf "$tmp"' EXIT
-fails=0
-check() {  # check NAME CONDITION...
-  local name=$1; shift
-  if "$@"; then echo "PASS $name"; else echo "FAIL $name"; fails=$((fails + 1)); fi
-}
 
 # 1. A 2-rank job runs to completion with prefixed output.
 timeout 120 $B/shardrun --nproc 2 -- $B/shardopt_train --model=tiny --steps=5 >"$tmp/ok.log" 2>&1
@@ -42,7 +38,7 @@ timeout 120 $B/shardrun --nproc 2 --port-file "$tmp/addr" --token-file "$tmp/tok
   $B/shardopt_train --model=small --steps=1000000 --log-every=100000 --ckpt-dir="$tmp/ondemand" \
   >"$tmp/run.log" 2>&1 &
 run=$!
-for _ in $(seq 1 200); do [[ -s "$tmp/addr" ]] && break; sleep 0.1; done
+wait_file "$tmp/addr" 20
 addr=$(cat "$tmp/addr")
 ctl() { timeout 30 $B/shardctl --coordinator="$addr" --token-file="$tmp/token" "$@"; }
 ctl status --wait=60 >"$tmp/status.txt"
@@ -58,10 +54,10 @@ ctl set-lr 0.5 >/dev/null
 check "set-lr accepted" test $? -eq 0
 timeout 30 $B/shardctl --coordinator="$addr" status >"$tmp/noauth.txt" 2>&1
 check "missing token refused" grep -q 'missing bearer token' "$tmp/noauth.txt"
-for _ in $(seq 1 150); do grep -q 'learning rate set to 0.5' "$tmp/run.log" && break; sleep 0.1; done
+wait_until 15 "the ranks to log lr 0.5" grep -q 'learning rate set to 0.5' "$tmp/run.log"
 ctl checkpoint >/dev/null
-for _ in $(seq 1 150); do grep -q "checkpoint $tmp/ondemand/step-.* written" "$tmp/run.log" && break; sleep 0.1; done
-check "on-demand checkpoint taken" grep -q "checkpoint $tmp/ondemand/step-.* written" "$tmp/run.log"
+check "on-demand checkpoint taken" wait_until 15 "the on-demand checkpoint in the log" \
+  grep -q "checkpoint $tmp/ondemand/step-.* written" "$tmp/run.log"
 check "on-demand checkpoint verifies" bash -c "$B/shardctl inspect '$tmp/ondemand' | grep 'every CRC matches' >/dev/null"
 ctl abort "test says stop" >/dev/null
 wait $run
@@ -82,10 +78,11 @@ for mode in off on; do
     --job-id="zero2-$mode" -- $B/shardopt_train --model=tiny --steps=1000000 --log-every=100000 \
     --bucket-cap=4096 --shard-gradients=$mode >"$tmp/zero2.$mode.log" 2>&1 &
   run=$!
-  for _ in $(seq 1 200); do [[ -s "$tmp/addr.$mode" ]] && break; sleep 0.1; done
+  wait_file "$tmp/addr.$mode" 20
   addr=$(cat "$tmp/addr.$mode")
   ctl status --wait=60 >/dev/null
-  sleep 1  # a few steps: staging buffers allocated
+  # A few steps: staging buffers allocated.
+  wait_until 30 "job zero2-$mode past step 2" job_past_step "$addr" 2 --token-file="$tmp/token"
   ctl memory --json >"$tmp/memory.$mode.json"
   ctl layout --json >"$tmp/layout.$mode.json"
   ctl memory >"$tmp/memory.$mode.txt"
@@ -113,12 +110,13 @@ print(0.5+staging/(2*sum(caps)))" "$tmp/layout.on.json")
 echo "expected with sharding: $expected"
 check "sharded gradients: half plus the staging" python3 -c "assert abs($sharded - $expected) < 1e-6 and $sharded < 0.56"
 
-# 3b. Ctrl-C (SIGINT to shardrun) stops everything cleanly.
-$B/shardrun --nproc 2 --job-id=ctrlc -- $B/shardopt_train --model=small --steps=1000000 \
-  --log-every=100000 >"$tmp/ctrlc.log" 2>&1 &
+# 3b. Ctrl-C (SIGINT to shardrun) stops everything cleanly, once it trains.
+$B/shardrun --nproc 2 --job-id=ctrlc --port-file "$tmp/addrc" -- $B/shardopt_train --model=small \
+  --steps=1000000 --log-every=100000 >"$tmp/ctrlc.log" 2>&1 &
 run=$!
-for _ in $(seq 1 100); do grep -q 'shardopt_train: 2 ranks' "$tmp/ctrlc.log" && break; sleep 0.1; done
-sleep 1
+wait_until 10 "rank 0 of job ctrlc to start" grep -q 'shardopt_train: 2 ranks' "$tmp/ctrlc.log"
+wait_file "$tmp/addrc" 20
+wait_until 60 "job ctrlc past step 0" job_past_step "$(cat "$tmp/addrc")" 0
 kill -INT $run
 start=$(date +%s)
 wait $run
@@ -129,16 +127,10 @@ check "Ctrl-C: stopped within 10 s" test $(( $(date +%s) - start )) -le 10
 check "Ctrl-C: no rank left" test -z "$(pgrep -f 'SHARDOPT_JOB_ID=ctrlc' || true)$(for p in $(pgrep -f shardopt_train); do tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -x SHARDOPT_JOB_ID=ctrlc >/dev/null && echo $p; done)"
 
 # 4. kill -9 one rank of a 3-rank job: the others exit naming it, shardrun fails, no hang.
-rank_pid() {  # rank_pid JOBTAG RANK: the pid of that rank of the job started with --job-id=JOBTAG
-  for p in $(pgrep -f "shardopt_train"); do
-    if tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -x "SHARDOPT_JOB_ID=$1" >/dev/null &&
-       tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -x "RANK=$2" >/dev/null; then echo "$p"; fi
-  done
-}
 timeout 120 $B/shardrun --nproc 3 --job-id=kill9 --heartbeat-timeout=3 --port-file "$tmp/addr9" -- \
   $B/shardopt_train --model=small --steps=1000000 --log-every=100000 >"$tmp/kill.log" 2>&1 &
 run=$!
-for _ in $(seq 1 200); do [[ -s "$tmp/addr9" ]] && break; sleep 0.1; done
+wait_file "$tmp/addr9" 20
 timeout 60 $B/shardctl --coordinator="$(cat "$tmp/addr9")" status --wait=60 >/dev/null
 victim=$(rank_pid kill9 1)
 start=$(date +%s)
@@ -156,12 +148,12 @@ check "kill -9: no rank left behind" test -z "$(rank_pid kill9 0)$(rank_pid kill
 $B/shardrun --nproc 2 --job-id=killrun --port-file "$tmp/addrk" -- \
   $B/shardopt_train --model=small --steps=1000000 --log-every=100000 >"$tmp/killrun.log" 2>&1 &
 run=$!
-for _ in $(seq 1 200); do [[ -s "$tmp/addrk" ]] && break; sleep 0.1; done
+wait_file "$tmp/addrk" 20
 timeout 60 $B/shardctl --coordinator="$(cat "$tmp/addrk")" status --wait=60 >/dev/null
 kill -9 $run
 wait $run 2>/dev/null
-for _ in $(seq 1 100); do [[ -z "$(rank_pid killrun 0)$(rank_pid killrun 1)" ]] && break; sleep 0.1; done
-check "launcher killed: ranks stop within 10 s" test -z "$(rank_pid killrun 0)$(rank_pid killrun 1)"
+check "launcher killed: ranks stop within 10 s" wait_until 10 "the ranks of job killrun to exit" \
+  no_ranks killrun 0 1
 
 # 5b. A rank that stalls in collectives while still heartbeating: the job aborts naming it.
 timeout 120 $B/shardrun --nproc 3 -- $B/shardopt_train --model=small --steps=100 --collective-timeout=3 \

@@ -3,13 +3,9 @@
 # 2 ranks under shardrun with checkpoints, then a resume at another world
 # size, then --device=cuda refused clearly where LibTorch has no CUDA.
 set -uo pipefail
+source "$(dirname "$0")/lib.sh" || exit 1
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-fails=0
-check() {  # check NAME CONDITION...
-  local name=$1; shift
-  if "$@"; then echo "PASS $name"; else echo "FAIL $name"; fails=$((fails + 1)); fi
-}
 run=tools/shardrun
 ex=examples/train_loop
 

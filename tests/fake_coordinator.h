@@ -18,9 +18,11 @@
 #include <utility>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "client/coordinator_client.h"
+#include "tests/poll.h"
 
 namespace shardopt {
 
@@ -81,14 +83,8 @@ class FakeCoordinator final : public CoordinatorApi {
     return notices_.size();
   }
   // Waits (bounded) until `pred` holds over the records; returns it.
-  bool WaitFor(const std::function<bool()>& pred, absl::Duration timeout) {
-    const auto until = std::chrono::steady_clock::now() +
-                       std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout));
-    while (!pred()) {
-      if (std::chrono::steady_clock::now() >= until) return false;
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));
-    }
-    return true;
+  bool WaitFor(absl::FunctionRef<bool()> pred, absl::Duration timeout) {
+    return PollUntil(pred, timeout);
   }
 
   // ---- CoordinatorApi

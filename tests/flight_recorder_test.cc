@@ -22,6 +22,7 @@
 #include "server/coordinator.h"
 #include "server/coordinator_service.h"
 #include "server/shard_owner_service.h"
+#include "client/comm/flight_record_proto.h"
 #include "server/flight_records.h"
 #include "server/rpc_server.h"
 
@@ -151,18 +152,17 @@ TEST(FlightRecordingCommunicatorTest, SameSeqOnEveryRankWithBucketsAndSteps) {
       job.recorders[r]->set_step(7);
       {
         CollectiveBucketScope tag(3);
-        EXPECT_TRUE(c->ReduceScatter(buf.data(), 4, ElementType::kFloat32, ReduceOp::kSum)
+        EXPECT_TRUE(c->ReduceScatter(buf.data(), 4, DType::kFloat32, ReduceOp::kSum)
                         ->Wait(absl::Seconds(10))
                         .ok());
-        EXPECT_TRUE(
-            c->AllGather(buf.data(), 4, ElementType::kFloat32)->Wait(absl::Seconds(10)).ok());
+        EXPECT_TRUE(c->AllGather(buf.data(), 4, DType::kFloat32)->Wait(absl::Seconds(10)).ok());
       }
       EXPECT_EQ(CurrentCollectiveBucket(), -1);
       job.recorders[r]->set_step(8);
-      EXPECT_TRUE(c->AllReduce(buf.data(), 2, ElementType::kFloat32, ReduceOp::kMax)
+      EXPECT_TRUE(c->AllReduce(buf.data(), 2, DType::kFloat32, ReduceOp::kMax)
                       ->Wait(absl::Seconds(10))
                       .ok());
-      EXPECT_TRUE(c->Broadcast(buf.data(), 8, ElementType::kByte, 0)->Wait(absl::Seconds(10)).ok());
+      EXPECT_TRUE(c->Broadcast(buf.data(), 8, DType::kByte, 0)->Wait(absl::Seconds(10)).ok());
       EXPECT_TRUE(c->Barrier()->Wait(absl::Seconds(10)).ok());
     });
   }
@@ -204,7 +204,7 @@ TEST(FlightRecordingCommunicatorTest, SeparateChunksPassThroughAndAreRecorded) {
       std::vector<void*> chunks = r == 0 ? std::vector<void*>{own[0].data(), other[0].data()}
                                          : std::vector<void*>{other[1].data(), own[1].data()};
       absl::Status s = job.comms[r]
-                           ->ReduceScatterChunks(chunks, 2, ElementType::kFloat32, ReduceOp::kSum)
+                           ->ReduceScatterChunks(chunks, 2, DType::kFloat32, ReduceOp::kSum)
                            ->Wait(absl::Seconds(10));
       EXPECT_TRUE(s.ok()) << s;
     });
@@ -226,7 +226,7 @@ TEST(FlightRecordingCommunicatorTest, TimedOutWaitIsAStallAndAbortFailsIt) {
   RecordedJob job(2, absl::Seconds(30));
   std::vector<float> buf(4, 1.0f);
   // Rank 0 calls an all-reduce that rank 1 never joins.
-  CommHandlePtr h = job.comms[0]->AllReduce(buf.data(), 4, ElementType::kFloat32, ReduceOp::kSum);
+  CommHandlePtr h = job.comms[0]->AllReduce(buf.data(), 4, DType::kFloat32, ReduceOp::kSum);
   EXPECT_EQ(h->Wait(absl::Milliseconds(20)).code(), absl::StatusCode::kDeadlineExceeded);
   EXPECT_EQ(h->Wait(absl::Milliseconds(20)).code(), absl::StatusCode::kDeadlineExceeded);
   EXPECT_EQ(job.recorders[0]->stalls(), 1);  // one stalled collective, however often waited on
@@ -247,7 +247,7 @@ TEST(FlightRecordingCommunicatorTest, TimedOutWaitIsAStallAndAbortFailsIt) {
   EXPECT_TRUE(job.recorders[1]->Snapshot().empty());
   // An argument error is recorded as failed too.
   job.comms[1]
-      ->AllReduce(nullptr, 4, ElementType::kFloat32, ReduceOp::kSum)
+      ->AllReduce(nullptr, 4, DType::kFloat32, ReduceOp::kSum)
       ->Wait(absl::Seconds(1))
       .IgnoreError();
   ASSERT_EQ(job.recorders[1]->Snapshot().size(), 1u);
@@ -277,7 +277,7 @@ TEST(FlightRecordingCommunicatorTest, EntryIsFinalWhenWaitReturns) {
   float x = 1;
   for (int i = 0; i < 2000; ++i) {
     ASSERT_TRUE(job.comms[0]
-                    ->AllReduce(&x, 1, ElementType::kFloat32, ReduceOp::kSum)
+                    ->AllReduce(&x, 1, DType::kFloat32, ReduceOp::kSum)
                     ->Wait(absl::Seconds(10))
                     .ok());
     ASSERT_EQ(job.recorders[0]->Snapshot().back().state, FlightState::kDone) << "collective " << i;
@@ -533,8 +533,7 @@ TEST(FlightRecordsTest, InProcessStallIsFound) {
         if (r == 1 && step == 3) return;  // stalls before step 3
         job.recorders[r]->set_step(step);
         CollectiveBucketScope tag(0);
-        CommHandlePtr h =
-            c->ReduceScatter(bufs[r].data(), 4, ElementType::kFloat32, ReduceOp::kSum);
+        CommHandlePtr h = c->ReduceScatter(bufs[r].data(), 4, DType::kFloat32, ReduceOp::kSum);
         absl::Status s = h->Wait(absl::Milliseconds(r == 0 && step == 3 ? 200 : 10000));
         if (!s.ok()) {
           c->Abort(s);

@@ -10,24 +10,11 @@
 #     the checkpoints.
 # Every process runs under timeout; everything listens on 127.0.0.1, port 0.
 set -uo pipefail
+source "$(dirname "$0")/lib.sh" || exit 1
 B=tools
 tmp=$(mktemp -d)
 id=${tmp##*.}  # job ids unique to this run (rank_pid finds ranks by job id)
 trap 'kill $(jobs -p) 2>/dev/null; rm -rf "$tmp"' EXIT
-fails=0
-check() {  # check NAME CONDITION...
-  local name=$1; shift
-  if "$@"; then echo "PASS $name"; else echo "FAIL $name"; fails=$((fails + 1)); fi
-}
-rank_pid() {  # rank_pid JOBTAG RANK: the pid of that rank of the job started with --job-id=JOBTAG
-  for p in $(pgrep -f "shardopt_train"); do
-    if tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -x "SHARDOPT_JOB_ID=$1" >/dev/null &&
-       tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -x "RANK=$2" >/dev/null; then echo "$p"; fi
-  done
-}
-wait_addr() {  # wait_addr FILE: until shardrun has written its address
-  for _ in $(seq 1 300); do [[ -s "$1" ]] && break; sleep 0.1; done
-}
 
 # (a) Rank 1 of 3 stops taking part before step 6 (index 5) while its
 # heartbeats go on; the others time out after 2 s. (A step's collectives, with
@@ -51,17 +38,15 @@ check "stall: rank 1's last collective is the one before ($seqs)" test "$(echo "
 timeout 120 $B/shardrun --nproc 3 --job-id=fr_kill9_$id --heartbeat-timeout=3 --port-file "$tmp/addr9" -- \
   $B/shardopt_train --model=small --steps=1000000 --log-every=100000 >"$tmp/kill.log" 2>&1 &
 run=$!
-wait_addr "$tmp/addr9"
+wait_file "$tmp/addr9"
 timeout 60 $B/shardctl --coordinator="$(cat "$tmp/addr9")" status --wait=60 >/dev/null
-sleep 1
+# Mid-run: every rank has heartbeated a step (the output names rank 1's last).
+wait_until 30 "job fr_kill9 past step 2" job_past_step "$(cat "$tmp/addr9")" 2
 # The rank's process carries RANK only once exec'd (a forked child still
 # shows shardrun's command line and environment): look until it is there.
 victim=""
-for _ in $(seq 1 300); do
-  victim=$(rank_pid fr_kill9_$id 1)
-  [[ -n $victim ]] && break
-  sleep 0.1
-done
+found_victim() { victim=$(rank_pid fr_kill9_$id 1); [[ -n $victim ]]; }
+wait_until 30 "rank 1's process (exec'd)" found_victim
 if [[ -z $victim ]]; then
   echo "could not find rank 1's process; shardopt_train processes:"
   for p in $(pgrep -f shardopt_train); do echo "  $p: $(tr '\0' ' ' <"/proc/$p/cmdline" 2>/dev/null | cut -c1-120)"; done
@@ -89,10 +74,18 @@ check "kill -9: says where the survivors were" grep -Eq \
 timeout 120 $B/shardrun --nproc 2 --job-id=fr_live_$id --port-file "$tmp/addr" -- \
   $B/shardopt_train --model=tiny --steps=1000000 --log-every=100000 >"$tmp/live.log" 2>&1 &
 run=$!
-wait_addr "$tmp/addr"
+wait_file "$tmp/addr"
 ctl() { timeout 30 $B/shardctl --coordinator="$(cat "$tmp/addr")" "$@"; }
 ctl status --wait=60 >/dev/null
-sleep 1
+# Until both rings hold 10 collectives, 10 of them the same (what the checks
+# below look at).
+rings_filled() {
+  ctl flight-recorder --json 2>/dev/null | python3 -c "
+import json, sys
+recs = {r['rank']: {int(x['seq']) for x in r['records']} for r in json.load(sys.stdin)['records']}
+sys.exit(0 if sorted(recs) == [0, 1] and len(recs[0] & recs[1]) >= 10 else 1)" 2>/dev/null
+}
+wait_until 30 "10 collectives in both ranks' rings" rings_filled
 ctl flight-recorder >"$tmp/fr.txt"
 check "live: table for rank 0" grep -q '^rank 0: [0-9]* collectives in its ring' "$tmp/fr.txt"
 check "live: table for rank 1" grep -q '^rank 1: [0-9]* collectives in its ring' "$tmp/fr.txt"
@@ -136,13 +129,13 @@ check "live: abort shows where every rank was" grep -Eq '^shardrun: flight recor
 timeout 120 $B/shardrun --nproc 2 --job-id=fr_norun_$id --port-file "$tmp/addrk" -- \
   $B/shardopt_train --model=tiny --steps=1000000 --log-every=100000 --ckpt-dir="$tmp/ck" >"$tmp/norun.log" 2>&1 &
 run=$!
-wait_addr "$tmp/addrk"
+wait_file "$tmp/addrk"
 timeout 60 $B/shardctl --coordinator="$(cat "$tmp/addrk")" status --wait=60 >/dev/null
 launcher=$(pgrep -P $run -f shardrun)  # (under timeout)
 kill -9 "$launcher"
 wait $run 2>/dev/null
-for _ in $(seq 1 150); do [[ -z "$(rank_pid fr_norun_$id 0)$(rank_pid fr_norun_$id 1)" ]] && break; sleep 0.1; done
-check "no coordinator: ranks stopped" test -z "$(rank_pid fr_norun_$id 0)$(rank_pid fr_norun_$id 1)"
+check "no coordinator: ranks stopped" wait_until 15 "the ranks of job fr_norun to exit" \
+  no_ranks fr_norun_$id 0 1
 for r in 0 1; do
   check "no coordinator: rank $r's ring in $tmp/ck" python3 -c "
 import json; d = json.load(open('$tmp/ck/flight-record-rank-$r.json'))

@@ -20,16 +20,16 @@ class ForwardingCommunicator : public Communicator {
 
   int rank() const override { return inner_->rank(); }
   int world_size() const override { return inner_->world_size(); }
-  CommHandlePtr ReduceScatter(void* b, int64_t n, ElementType t, ReduceOp op) override {
+  CommHandlePtr ReduceScatter(void* b, int64_t n, DType t, ReduceOp op) override {
     return inner_->ReduceScatter(b, n, t, op);
   }
-  CommHandlePtr AllGather(void* b, int64_t n, ElementType t) override {
+  CommHandlePtr AllGather(void* b, int64_t n, DType t) override {
     return inner_->AllGather(b, n, t);
   }
-  CommHandlePtr AllReduce(void* b, int64_t n, ElementType t, ReduceOp op) override {
+  CommHandlePtr AllReduce(void* b, int64_t n, DType t, ReduceOp op) override {
     return inner_->AllReduce(b, n, t, op);
   }
-  CommHandlePtr Broadcast(void* b, int64_t n, ElementType t, int root) override {
+  CommHandlePtr Broadcast(void* b, int64_t n, DType t, int root) override {
     return inner_->Broadcast(b, n, t, root);
   }
   CommHandlePtr Barrier() override { return inner_->Barrier(); }

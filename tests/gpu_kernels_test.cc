@@ -72,7 +72,7 @@ struct Arrays {
     s.state0 = dm;
     s.state1 = dv;
     s.model = dmodel;
-    s.model_type = cuda::ParamType::kBFloat16;
+    s.model_type = DType::kBFloat16;
     s.size = n;
     return s;
   }

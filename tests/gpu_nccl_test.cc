@@ -22,15 +22,13 @@ TEST(NcclTest, WorldSizeOneCollectivesAndAbort) {
   float* dev;
   ASSERT_EQ(cudaMalloc(&dev, 16), cudaSuccess);
   ASSERT_EQ(cudaMemcpy(dev, host.data(), 16, cudaMemcpyHostToDevice), cudaSuccess);
+  EXPECT_TRUE(
+      (*comm)->AllReduce(dev, 4, DType::kFloat32, ReduceOp::kSum)->Wait(absl::Seconds(30)).ok());
   EXPECT_TRUE((*comm)
-                  ->AllReduce(dev, 4, ElementType::kFloat32, ReduceOp::kSum)
+                  ->ReduceScatter(dev, 4, DType::kFloat32, ReduceOp::kAverage)
                   ->Wait(absl::Seconds(30))
                   .ok());
-  EXPECT_TRUE((*comm)
-                  ->ReduceScatter(dev, 4, ElementType::kFloat32, ReduceOp::kAverage)
-                  ->Wait(absl::Seconds(30))
-                  .ok());
-  EXPECT_TRUE((*comm)->AllGather(dev, 4, ElementType::kFloat32)->Wait(absl::Seconds(30)).ok());
+  EXPECT_TRUE((*comm)->AllGather(dev, 4, DType::kFloat32)->Wait(absl::Seconds(30)).ok());
   EXPECT_TRUE((*comm)->Barrier()->Wait(absl::Seconds(30)).ok());
   std::vector<float> back(4);
   ASSERT_EQ(cudaMemcpy(back.data(), dev, 16, cudaMemcpyDeviceToHost), cudaSuccess);
@@ -38,19 +36,19 @@ TEST(NcclTest, WorldSizeOneCollectivesAndAbort) {
   // Host buffers are staged through the device (control values, model check).
   std::vector<float> on_host = {5, -1, 2.5f};
   EXPECT_TRUE((*comm)
-                  ->AllReduce(on_host.data(), 3, ElementType::kFloat32, ReduceOp::kMax)
+                  ->AllReduce(on_host.data(), 3, DType::kFloat32, ReduceOp::kMax)
                   ->Wait(absl::Seconds(30))
                   .ok());
   EXPECT_EQ(on_host, (std::vector<float>{5, -1, 2.5f}));
   std::string text = "model description";
   EXPECT_TRUE((*comm)
-                  ->Broadcast(text.data(), static_cast<int64_t>(text.size()), ElementType::kByte, 0)
+                  ->Broadcast(text.data(), static_cast<int64_t>(text.size()), DType::kByte, 0)
                   ->Wait(absl::Seconds(30))
                   .ok());
   EXPECT_EQ(text, "model description");
   std::vector<float> gathered = {7, 8};
   EXPECT_TRUE(
-      (*comm)->AllGather(gathered.data(), 2, ElementType::kFloat32)->Wait(absl::Seconds(30)).ok());
+      (*comm)->AllGather(gathered.data(), 2, DType::kFloat32)->Wait(absl::Seconds(30)).ok());
   EXPECT_EQ(gathered, (std::vector<float>{7, 8}));
   const ByteCounters counters = (*comm)->counters();
   EXPECT_EQ(counters.sent[static_cast<int>(CollectiveKind::kAllReduce)],

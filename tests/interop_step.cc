@@ -9,7 +9,7 @@
 
 #include "client/checkpoint/checkpoint.h"
 #include "client/comm/in_process_communicator.h"
-#include "client/models.h"
+#include "tools/models/models.h"
 
 int main(int argc, char** argv) {
   using namespace shardopt;

@@ -1,10 +1,10 @@
 // The C++ models match their references: ResNet-101 parameter for parameter
 // against torchvision's (tests/fixtures/resnet101_params.json).
-#include "client/models.h"
+#include "tools/models/models.h"
 
 #include <ATen/Parallel.h>
 
-#include "common/model_shapes.h"
+#include "tools/models/model_shapes.h"
 #include "gtest/gtest.h"
 
 namespace shardopt {

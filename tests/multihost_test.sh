@@ -6,6 +6,7 @@
 # different number of ranks per host (1+1 -> 2+2).
 # Needs root (CAP_NET_ADMIN); without it the test says SKIPPED and why.
 set -uo pipefail
+source "$(dirname "$0")/lib.sh" || exit 1
 B=tools
 id=$$
 h1=so-h1-$id; h2=so-h2-$id
@@ -35,9 +36,6 @@ ip -n "$h2" link set "veth-b$id" up
 echo "hosts: $h1 at $net.1, $h2 at $net.2"
 set +e
 
-fails=0
-check() { local n=$1; shift; if "$@"; then echo "PASS $n"; else echo "FAIL $n"; fails=$((fails+1)); fi; }
-
 run_job() {  # run_job NPROC_PER_HOST STEPS LOG [trainer flags...]
   local nproc=$1 steps=$2 log=$3; shift 3
   rm -f "$tmp/addr"
@@ -45,7 +43,7 @@ run_job() {  # run_job NPROC_PER_HOST STEPS LOG [trainer flags...]
     --bind="$net.1" --port-file="$tmp/addr" -- \
     $B/shardopt_train --model=small --steps="$steps" --bind="$net.1" "$@" >"$log.0" 2>&1 &
   local p0=$!
-  for _ in $(seq 1 300); do [[ -s "$tmp/addr" ]] && break; sleep 0.1; done
+  wait_file "$tmp/addr" 30
   ip netns exec "$h2" timeout 180 $B/shardrun --nnodes=2 --node-rank=1 --nproc="$nproc" \
     --coordinator="$(cat "$tmp/addr")" -- \
     $B/shardopt_train --model=small --steps="$steps" --bind="$net.2" "$@" >"$log.1" 2>&1 &

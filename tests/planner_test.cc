@@ -6,7 +6,7 @@
 #include <numeric>
 
 #include "absl/strings/str_cat.h"
-#include "common/model_shapes.h"
+#include "tools/models/model_shapes.h"
 #include "gtest/gtest.h"
 
 namespace shardopt {

@@ -8,6 +8,7 @@
 # the real server loads the rules. Every process runs under `timeout`;
 # everything listens on 127.0.0.1, on ports the OS chose.
 set -uo pipefail
+source "$(dirname "$0")/lib.sh" || exit 1
 B=tools
 D=docs/prometheus
 tmp=$(mktemp -d "${TEST_TMPDIR:-/tmp}/prom.XXXXXX")
@@ -18,11 +19,6 @@ cleanup() {
   rm -rf "$tmp"
 }
 trap cleanup EXIT
-fails=0
-check() {  # check NAME COMMAND...
-  local name=$1; shift
-  if "$@"; then echo "PASS $name"; else echo "FAIL $name"; fails=$((fails + 1)); fi
-}
 
 for tool in prometheus promtool python3; do
   if ! command -v "$tool" >/dev/null; then
@@ -70,7 +66,8 @@ timeout 240 $B/shardrun --nproc 2 --port-file="$tmp/addr" --metrics-port=0 \
   --debug-slow-rank=1 --debug-slow-ms=150 >"$tmp/run.log" 2>&1 &
 run=$!
 pids+=("$run")
-for _ in $(seq 1 300); do [[ -s "$tmp/metrics" && -s "$tmp/addr" ]] && break; sleep 0.1; done
+wait_file "$tmp/metrics" 30
+wait_file "$tmp/addr" 30
 metrics=$(cat "$tmp/metrics" 2>/dev/null)
 addr=$(cat "$tmp/addr" 2>/dev/null)
 check "shardrun prints the metrics address" grep -q "^shardrun: metrics on http://$metrics/metrics" "$tmp/run.log"
@@ -94,19 +91,21 @@ scrape_configs:
 EOF
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 prom=""
+# prom_ready PORT PID: Prometheus answers on PORT (then $prom is set), or its
+# process PID is gone (then there is nothing to wait for).
+prom_ready() {
+  if python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$1/-/ready', timeout=2)" 2>/dev/null; then
+    prom="127.0.0.1:$1"
+    return 0
+  fi
+  ! kill -0 "$2" 2>/dev/null
+}
 for attempt in 1 2 3; do
   port=$(free_port)
   timeout 200 prometheus --config.file="$tmp/prometheus.yml" --storage.tsdb.path="$tmp/tsdb.$attempt" \
     --web.listen-address="127.0.0.1:$port" --log.level=warn >"$tmp/prometheus.$attempt.log" 2>&1 &
   pids+=("$!")
-  for _ in $(seq 1 150); do
-    if python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$port/-/ready', timeout=2)" 2>/dev/null; then
-      prom="127.0.0.1:$port"
-      break
-    fi
-    kill -0 "${pids[-1]}" 2>/dev/null || break
-    sleep 0.2
-  done
+  wait_until 30 "Prometheus ready on port $port" prom_ready "$port" "${pids[-1]}"
   [[ -n "$prom" ]] && break
 done
 check "prometheus started" test -n "$prom"
@@ -122,16 +121,14 @@ res = r["data"]["result"] if r.get("status") == "success" else []
 print("none" if not res else "many" if len(res) > 1 else res[0]["value"][1])
 EOF
 q() { timeout 20 python3 "$tmp/q.py" "$prom" "$1"; }
-# wait_for EXPR: until the query has a value (at most 60 s).
-wait_for() {
-  for _ in $(seq 1 120); do
-    local v
-    v=$(q "$1")
-    [[ "$v" != none && -n "$v" ]] && return 0
-    sleep 0.5
-  done
-  return 1
+# has_value EXPR: the query has a value now; wait_for EXPR: until it has one
+# (at most 60 s).
+has_value() {
+  local v
+  v=$(q "$1")
+  [[ "$v" != none && -n "$v" ]]
 }
+wait_for() { wait_until 60 "a value of the query $1" has_value "$1"; }
 # num A OP B: a comparison of two numeric Python expressions (Prometheus'
 # NaN and +Inf are numbers; "none" or "many" fail).
 num() {
@@ -147,14 +144,18 @@ check "job state running" test "$(q 'shardopt_job_state{state="running"}')" = 1
 check "job state: one state at 1" test "$(q 'sum(shardopt_job_state)')" = 1
 check "job info names the job" test "$(q 'shardopt_job_info{job_id="job"}')" = 1
 
-# Steps increase between two queries.
+# Steps increase between two queries (the second once Prometheus has scraped
+# the increase: at most 30 s).
 s1=$(q 'shardopt_rank_step{rank="0"}')
 j1=$(q 'shardopt_job_step')
 b1=$(q 'shardopt_rank_sent_bytes_total{rank="1"}')
-sleep 4
-s2=$(q 'shardopt_rank_step{rank="0"}')
-j2=$(q 'shardopt_job_step')
-b2=$(q 'shardopt_rank_sent_bytes_total{rank="1"}')
+increased() {
+  s2=$(q 'shardopt_rank_step{rank="0"}')
+  j2=$(q 'shardopt_job_step')
+  b2=$(q 'shardopt_rank_sent_bytes_total{rank="1"}')
+  num "$s2" '>' "$s1" && num "$j2" '>' "$j1" && num "$b2" '>' "$b1"
+}
+wait_until 30 "the steps and bytes sent to increase in Prometheus" increased
 echo "rank 0 step $s1 -> $s2, job step $j1 -> $j2, rank 1 sent bytes $b1 -> $b2"
 check "rank step increases" num "$s2" '>' "$s1"
 check "job step increases" num "$j2" '>' "$j1"
@@ -207,7 +208,7 @@ check "no aborts" test "$(q 'sum(shardopt_job_aborts_total)')" = 0
 
 # 4. The slowed rank is named: one line on shardrun's output, the metric,
 # shardctl status --json; the fast rank is not.
-for _ in $(seq 1 600); do grep -q '^shardrun: rank 1 is slow: ' "$tmp/run.log" && break; sleep 0.1; done
+wait_until 60 "shardrun to name rank 1 slow" grep -q '^shardrun: rank 1 is slow: ' "$tmp/run.log"
 check "shardrun names rank 1 slow" grep -q '^shardrun: rank 1 is slow: busy time per step (step time minus waiting on collectives) p50 .* the median of the others (.*), 3 windows of 2 s in a row$' "$tmp/run.log"
 grep '^shardrun: rank' "$tmp/run.log"
 check "slow metric of rank 1" wait_for 'shardopt_rank_slow{rank="1"} == 1'

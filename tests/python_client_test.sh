@@ -2,6 +2,7 @@
 # A second, independent gRPC client (Debian's python3-grpcio, stubs generated
 # from the same .proto) reads the layout of a running job.
 set -uo pipefail
+source "$(dirname "$0")/lib.sh" || exit 1
 tmp=$(mktemp -d)
 trap 'kill $(jobs -p) 2>/dev/null; rm -rf "$tmp"' EXIT
 if ! /usr/bin/python3 -c "import grpc, google.protobuf" 2>/dev/null; then
@@ -12,7 +13,7 @@ protoc -Iproto --python_out="$tmp" --grpc_out="$tmp" \
   --plugin=protoc-gen-grpc=/usr/bin/grpc_python_plugin proto/shardopt.proto || exit 1
 tools/shardrun --nproc 2 --port-file "$tmp/addr" -- \
   tools/shardopt_train --model=small --steps=1000000 --log-every=100000 >"$tmp/run.log" 2>&1 &
-for _ in $(seq 1 200); do [[ -s "$tmp/addr" ]] && break; sleep 0.1; done
+wait_file "$tmp/addr" 20
 addr=$(cat "$tmp/addr")
 tools/shardctl --coordinator="$addr" status --wait=60 >/dev/null
 /usr/bin/python3 tests/layout_client.py "$tmp" "$addr"

@@ -4,38 +4,39 @@
 # Python job's parameters; set-lr reaches param_groups; a rank killed with
 # SIGKILL makes the job fail naming it; a rank that leaves its loop early is named as such.
 set -uo pipefail
+source "$(dirname "$0")/lib.sh" || exit 1
 root=$PWD
 tmp=$(mktemp -d)
 pid=""
 trap '[[ -n $pid ]] && kill -9 $pid 2>/dev/null; rm -rf "$tmp"' EXIT
 export PYTHONPATH="$root/python"
 fail() { echo "FAIL: $*"; echo "--- job log"; cat "$tmp/job.log"; exit 1; }
-wait_for() {  # pattern, file, seconds
-  for _ in $(seq 1 $(($3 * 10))); do grep -q "$1" "$2" 2>/dev/null && return 0; sleep 0.1; done
-  return 1
-}
+logged() { grep -q "$1" "$tmp/job.log" 2>/dev/null; }  # logged PATTERN: in the job's output
 ctl() { "$root/tools/shardctl" --coordinator="$(cat "$tmp/port")" "$@"; }
 
 # 1. layout, set-lr, torch.distributed beside shardopt.
 timeout 240 tools/shardrun --nproc 2 --port-file="$tmp/port" -- /usr/bin/python3 \
   tests/python/shardrun_job.py --steps=300 >"$tmp/job.log" 2>&1 &
 pid=$!
-wait_for "torch.distributed all_reduce: 3" "$tmp/job.log" 60 || fail "the script's own process group did not work"
-for _ in $(seq 1 100); do ctl layout --json >"$tmp/layout.json" 2>/dev/null && grep -q '0.weight' "$tmp/layout.json" && break; sleep 0.2; done
+wait_until 60 "the script's all_reduce" logged "torch.distributed all_reduce: 3" ||
+  fail "the script's own process group did not work"
+layout_lists() { ctl layout --json >"$tmp/layout.json" 2>/dev/null && grep -q '0.weight' "$tmp/layout.json"; }
+wait_until 20 "shardctl layout --json to list 0.weight" layout_lists
 grep -q '"0.weight' "$tmp/layout.json" && grep -q '"2.weight"' "$tmp/layout.json" || fail "shardctl layout --json does not list the parameters: $(head -c 400 "$tmp/layout.json")"
 grep -q '"0.bias\|"2.bias' "$tmp/layout.json" || fail "layout misses the biases"
 echo "shardctl layout --json lists the Python job's parameters"
 # batch_size= makes heartbeats carry samples/s (it was 0.0 for Python jobs).
 sps=""
-for _ in $(seq 1 50); do
+rank0_sps() {
   sps=$(ctl status 2>/dev/null | awk '$1 == "0" && $3 ~ /^[0-9]+$/ {print $5}')
-  [[ -n "$sps" && "$sps" != "0.0" ]] && break
-  sleep 0.2
-done
+  [[ -n "$sps" && "$sps" != "0.0" ]]
+}
+wait_until 10 "samples/s of rank 0 in shardctl status" rank0_sps
 [[ -n "$sps" && "$sps" != "0.0" ]] || fail "shardctl status shows no samples/s for rank 0: '$sps'"
 echo "shardctl status: rank 0 at $sps samples/s"
 ctl set-lr 0.0025 || fail "set-lr failed"
-wait_for "param_groups lr 0.0025" "$tmp/job.log" 30 || fail "set-lr did not reach param_groups"
+wait_until 30 "param_groups lr 0.0025 in the job's output" logged "param_groups lr 0.0025" ||
+  fail "set-lr did not reach param_groups"
 echo "set-lr reached param_groups: $(grep -m1 'param_groups lr' "$tmp/job.log")"
 wait $pid || fail "the job failed"
 pid=""
@@ -46,15 +47,13 @@ rm -f "$tmp/port"
 timeout 240 tools/shardrun --nproc 2 --port-file="$tmp/port" --heartbeat-timeout=3 -- \
   /usr/bin/python3 tests/python/shardrun_job.py --steps=100000 >"$tmp/job.log" 2>&1 &
 pid=$!
-wait_for "torch.distributed all_reduce" "$tmp/job.log" 60 || fail "job did not start"
+wait_until 60 "the script's all_reduce" logged "torch.distributed all_reduce" || fail "job did not start"
 victim=""
-for _ in $(seq 1 100); do
-  victim=$(pgrep -f "shardrun_job.py" | while read -r p; do
-    tr '\0' '\n' </proc/$p/environ 2>/dev/null | grep -x "RANK=1" >/dev/null && echo "$p"; done | sed -n 1p)
-  [[ -n $victim ]] && break; sleep 0.1
-done
+found_victim() { victim=$(rank_pid "" 1 shardrun_job.py | sed -n 1p); [[ -n $victim ]]; }
+wait_until 10 "rank 1's process" found_victim
 [[ -n $victim ]] || fail "rank 1's process not found"
-sleep 1
+# Mid-run: both ranks have their optimizer and report steps.
+wait_until 30 "the job past step 1" job_past_step "$(cat "$tmp/port")" 1
 kill -9 "$victim"
 start=$(date +%s)
 wait $pid; rc=$?

@@ -278,7 +278,7 @@ TEST(RankAgentTest, AbortNoticeAbortsTheCommunicatorAndIsReported) {
   EXPECT_EQ(job.agent(0).WaitForAbort(absl::Seconds(10)), "job aborted: test says stop");
   float x = 1;
   const absl::Status s =
-      job.comm(0).AllReduce(&x, 1, ElementType::kFloat32, ReduceOp::kSum)->Wait(absl::Seconds(5));
+      job.comm(0).AllReduce(&x, 1, DType::kFloat32, ReduceOp::kSum)->Wait(absl::Seconds(5));
   EXPECT_EQ(s.code(), absl::StatusCode::kAborted) << s;
   EXPECT_TRUE(absl::StrContains(s.message(), "test says stop")) << s;
   job.fake(1).PushAbort("test says stop");
@@ -315,11 +315,9 @@ TEST(RankAgentTest, StopSignalAbortsTheJob) {
   EXPECT_EQ(job.agent(0).WaitForAbort(absl::Seconds(10)),
             "stopped by signal 15 (shardrun is stopping the job, or it died)");
   float x = 1;
-  EXPECT_EQ(job.comm(0)
-                .AllReduce(&x, 1, ElementType::kFloat32, ReduceOp::kSum)
-                ->Wait(absl::Seconds(5))
-                .code(),
-            absl::StatusCode::kAborted);
+  EXPECT_EQ(
+      job.comm(0).AllReduce(&x, 1, DType::kFloat32, ReduceOp::kSum)->Wait(absl::Seconds(5)).code(),
+      absl::StatusCode::kAborted);
 }
 
 TEST(RankAgentTest, WithoutASessionUnaryHeartbeatsCarryTheNotices) {

@@ -9,6 +9,7 @@
 #include <cstring>
 
 #include "common/planner.h"
+#include "server/kernels/cpu/cpu_backend.h"
 #include "server/kernels/reference_optimizer.h"
 
 namespace shardopt {

@@ -7,6 +7,7 @@
 # coordinator goes away, that q and Ctrl-C end it and leave the terminal as it
 # was (stty settings, cursor, main screen); and `top --once` for scripts.
 set -uo pipefail
+source "$(dirname "$0")/lib.sh" || exit 1
 B=tools
 if ! command -v tmux >/dev/null 2>&1; then
   echo "SKIPPED: tmux is not installed (tools/setup.sh installs it)"
@@ -25,25 +26,11 @@ cleanup() {
   rm -rf "$tmp" "$sockdir"
 }
 trap cleanup EXIT
-fails=0
-check() {  # check NAME CONDITION...
-  local name=$1; shift
-  if "$@"; then echo "PASS $name"; else echo "FAIL $name"; fails=$((fails + 1)); fi
-}
 cap() { T capture-pane -p -t "$1"; }        # the pane's text
 cape() { T capture-pane -p -e -t "$1"; }    # with escape sequences (attributes)
+pane_shows() { cap "$1" | grep -Eq -- "$2"; }
 wait_pane() {  # wait_pane SESSION EGREP SECONDS: until the pane shows a line matching
-  local end=$(( $(date +%s) + $3 ))
-  while (( $(date +%s) <= end )); do
-    cap "$1" | grep -Eq -- "$2" && return 0
-    sleep 0.2
-  done
-  return 1
-}
-wait_file() {  # wait_file PATH SECONDS
-  local end=$(( $(date +%s) + $2 ))
-  while (( $(date +%s) <= end )); do [[ -s "$1" ]] && return 0; sleep 0.1; done
-  return 1
+  wait_until "$3" "pane $1 to show /$2/" pane_shows "$1" "$2"
 }
 no_wider() { awk -v w="$1" 'length($0) > w { bad = 1 } END { exit bad }'; }
 
@@ -71,7 +58,11 @@ check "job running" grep -q 'running, 2 ranks' "$tmp/status.txt"
 # Memory is read from the ranks' shard-owner services, which serve TLS too.
 timeout 30 "${ctl[@]}" memory --json >"$tmp/mem.json" 2>&1
 check "memory through the ranks' TLS shard owners" python3 -c "import json,sys; r=json.load(open(sys.argv[1]))['ranks']; sys.exit(0 if len(r)==2 and all(not x.get('error') and int(x.get('stateBytes',0))>0 for x in r) else 1)" "$tmp/mem.json"
-sleep 1.5  # a heartbeat or two with step times
+# A heartbeat or two with step times from every rank.
+step_times() {
+  timeout 30 "${ctl[@]}" status --json 2>/dev/null | python3 -c "import json,sys; r=json.load(sys.stdin)['ranks']; sys.exit(0 if len(r)==2 and all(float(x.get('stepSecondsP50',0))>0 for x in r) else 1)" 2>/dev/null
+}
+wait_until 30 "step times in both ranks' heartbeats" step_times
 
 # --once: one plain frame, no terminal control.
 timeout 30 "${ctl[@]}" top --once >"$tmp/once.txt" 2>&1
@@ -110,7 +101,7 @@ rc=\$?
 # raced: the test could compare before the settings were written).
 stty -g >"$tmp/$1.after"
 echo \$rc >"$tmp/$1.rc"
-exec sleep 600
+exec sleep 600  # on purpose: the pane (and its screen) stays until the test ends it
 SH
   chmod +x "$tmp/$1.sh"
 }
@@ -147,16 +138,16 @@ cat "$tmp/b1.txt"
 check "B: header" grep -Eq '^job topjob  running  2 ranks  step [0-9]+  lr 0.0001  up [0-9]+s  slow ranks: (none|[0-9,]+)$' "$tmp/b1.txt"
 check "B: a line per rank" test "$(grep -Ec '^[ *!] +[01] +[0-9]+ ' "$tmp/b1.txt")" -eq 2
 step1=$(grep -Eo 'step [0-9]+' "$tmp/b1.txt" | sed -n 1p | cut -d' ' -f2)
-sleep 2
-step2=$(cap b | grep -Eo 'step [0-9]+' | sed -n 1p | cut -d' ' -f2)
+later_step() {
+  step2=$(cap b | grep -Eo 'step [0-9]+' | sed -n 1p | cut -d' ' -f2)
+  [[ "${step2:-0}" -gt "${step1:-0}" ]]
+}
+wait_until 10 "pane b to show a step after $step1" later_step
 check "B: refreshes (step $step1 -> $step2)" test "${step2:-0}" -gt "${step1:-0}"
 # The slowest rank ('*', when the ranks' step times differ) is the one line in reverse video.
 found=""
-for _ in $(seq 1 20); do
-  cape b >"$tmp/b2.txt"
-  if grep -Eq $'^(\033\\[7m)?\\*' "$tmp/b2.txt"; then found=1; break; fi
-  sleep 0.3
-done
+slowest_marked() { cape b >"$tmp/b2.txt" && grep -Eq $'^(\033\\[7m)?\\*' "$tmp/b2.txt"; }
+wait_until 6 "pane b to mark a slowest rank" slowest_marked && found=1
 if [[ -n $found ]]; then
   check "B: slowest in reverse video" test "$(grep -c $'^\033\\[7m\\*' "$tmp/b2.txt")" -eq 1
   check "B: no other marked line" test "$(grep -c '^\*' "$tmp/b2.txt")" -eq 0

@@ -31,10 +31,11 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/comm/in_process_communicator.h"
-#include "client/models.h"
+#include "tools/models/models.h"
 #include "client/sharded_optimizer.h"
 #include "gtest/gtest.h"
 #include "tests/forwarding_communicator.h"
+#include "tests/poll.h"
 #include "tests/training_harness.h"
 
 extern char** environ;
@@ -163,21 +164,22 @@ ProcessRun RunProcesses(const TrainConfig& c, int n) {
     pids.push_back(pid);
   }
   // Bounded wait: every worker must finish within the deadline.
-  const absl::Time deadline = absl::Now() + absl::Seconds(400);
   std::vector<bool> done(n, false);
   int remaining = n;
-  while (remaining > 0 && absl::Now() < deadline) {
-    for (int r = 0; r < n; ++r) {
-      if (done[r]) continue;
-      int status = 0;
-      if (waitpid(pids[r], &status, WNOHANG) == pids[r]) {
-        done[r] = true;
-        --remaining;
-        EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "rank " << r << " failed";
-      }
-    }
-    absl::SleepFor(absl::Milliseconds(20));
-  }
+  PollUntil(
+      [&] {
+        for (int r = 0; r < n; ++r) {
+          if (done[r]) continue;
+          int status = 0;
+          if (waitpid(pids[r], &status, WNOHANG) == pids[r]) {
+            done[r] = true;
+            --remaining;
+            EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "rank " << r << " failed";
+          }
+        }
+        return remaining == 0;
+      },
+      absl::Seconds(400), absl::Milliseconds(20));
   for (int r = 0; r < n; ++r) {
     if (!done[r]) {
       ADD_FAILURE() << "rank " << r << " did not finish in time; killing it";
@@ -477,7 +479,7 @@ TEST(ApiTest, Bf16GradientCommunicationHalvesReduceScatterBytes) {
   job.Run([&](int r) {
     auto model = *MakeModel("small", c.seed);
     ShardedOptimizerOptions o = OptionsFor(c);
-    o.grad_comm_type = ElementType::kBFloat16;
+    o.grad_comm_type = DType::kBFloat16;
     auto opt = ShardedOptimizer::Create(model->NamedParameters(), o, job.comms[r].get());
     ASSERT_TRUE(opt.ok()) << opt.status();
     const ByteCounters before = job.comms[r]->counters();
@@ -610,7 +612,7 @@ std::vector<float> TrainHand(bool shard, bool accumulate, MemoryReport* mem = nu
     HandModel m(7);
     ShardedOptimizerOptions o = HandOptimizerOptions(shard);
     o.max_grad_norm = 1.0;
-    if (ho.grad_bf16) o.grad_comm_type = ElementType::kBFloat16;
+    if (ho.grad_bf16) o.grad_comm_type = DType::kBFloat16;
     Communicator* comm = job.comms[r].get();
     std::unique_ptr<Communicator> wrapped;
     if (ho.whole_buckets) {
@@ -861,10 +863,11 @@ class FailingReduceScatter : public ForwardingCommunicator {
       : ForwardingCommunicator(std::move(inner)), fail_at_(fail_at), job_(std::move(job)) {
     job_->push_back(this->inner());
   }
-  CommHandlePtr ReduceScatterChunks(const std::vector<void*>& chunks, int64_t n, ElementType t,
+  CommHandlePtr ReduceScatterChunks(const std::vector<void*>& chunks, int64_t n, DType t,
                                     ReduceOp op) override {
     if (++calls_ != fail_at_) return inner()->ReduceScatterChunks(chunks, n, t, op);
-    // It fails a little later, so backward is already waiting for it.
+    // It fails a little later, so backward is already waiting for it (a delay
+    // on purpose, as a dying peer's transport would take: not a wait).
     auto failed = std::make_shared<CommHandle>();
     std::thread([failed] {
       absl::SleepFor(absl::Milliseconds(100));
@@ -1255,9 +1258,9 @@ class DeviceOrderingCommunicator : public ForwardingCommunicator {
  public:
   explicit DeviceOrderingCommunicator(std::unique_ptr<Communicator> inner)
       : ForwardingCommunicator(std::move(inner)) {}
-  CommHandlePtr AllGather(void* b, int64_t n, ElementType t) override {
+  CommHandlePtr AllGather(void* b, int64_t n, DType t) override {
     CommHandlePtr h = inner()->AllGather(b, n, t);
-    if (t == ElementType::kByte) return h;  // the norm's exchange: not a parameter gather
+    if (t == DType::kByte) return h;  // the norm's exchange: not a parameter gather
     if (++gathers_ != fail_gather_) return h;
     (void)h->Wait(absl::Seconds(10));
     auto failed = std::make_shared<CommHandle>();

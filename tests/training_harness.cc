@@ -9,7 +9,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "client/models.h"
+#include "tools/models/models.h"
 #include "common/status_macros.h"
 
 namespace shardopt {
@@ -26,7 +26,7 @@ ShardedOptimizerOptions OptionsFor(const TrainConfig& c) {
   o.shard_gradients = c.shard_gradients;
   o.grad_staging_buffers = c.staging_buffers;
   o.device_async_step = c.device_async_step;
-  if (c.grad_bf16) o.grad_comm_type = ElementType::kBFloat16;
+  if (c.grad_bf16) o.grad_comm_type = DType::kBFloat16;
   o.timeout = absl::Seconds(60);
   return o;
 }

@@ -7,10 +7,11 @@
 set -euo pipefail
 
 PACKAGES=(
-  # build
-  bazel-bootstrap bazel-platforms g++
-  # tools/format_check.sh (counted by tools/test.sh)
-  clang-format git
+  # build (third_party/system_configure.bzl reads the libraries' pkg-config files)
+  bazel-bootstrap bazel-platforms g++ pkg-config
+  # tools/format_check.sh (counted by tools/test.sh); tools/tsa_check.sh:
+  # clang's thread-safety analysis (libomp: clang's -fopenmp)
+  clang-format git clang libomp-dev
   # gRPC / protobuf code generation and runtime
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   # libraries

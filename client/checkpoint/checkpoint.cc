@@ -53,13 +53,13 @@ absl::StatusOr<std::vector<std::string>> GatherStrings(Communicator* comm, const
   auto lens = std::make_shared<std::vector<int64_t>>(n, 0);
   (*lens)[r] = static_cast<int64_t>(mine.size());
   SHARDOPT_RETURN_IF_ERROR(WaitSafely(
-      comm, comm->AllGather(lens->data(), sizeof(int64_t), ElementType::kByte), timeout, lens));
+      comm, comm->AllGather(lens->data(), sizeof(int64_t), DType::kByte), timeout, lens));
   int64_t mx = 0;
   for (int64_t l : *lens) mx = std::max(mx, std::max<int64_t>(l, 0));
   auto buf = std::make_shared<std::vector<char>>(static_cast<size_t>(mx * n + 1), 0);
   std::memcpy(buf->data() + r * mx, mine.data(), mine.size());
   SHARDOPT_RETURN_IF_ERROR(
-      WaitSafely(comm, comm->AllGather(buf->data(), mx, ElementType::kByte), timeout, buf));
+      WaitSafely(comm, comm->AllGather(buf->data(), mx, DType::kByte), timeout, buf));
   std::vector<std::string> out;
   for (int q = 0; q < n; ++q)
     out.emplace_back(buf->data() + q * mx, std::max<int64_t>((*lens)[q], 0));
@@ -70,9 +70,8 @@ absl::StatusOr<std::vector<std::string>> GatherStrings(Communicator* comm, const
 absl::Status AgreeOnSuccess(Communicator* comm, const absl::Status& mine, const char* what,
                             absl::Duration timeout, bool* agreed_failure = nullptr) {
   auto failed = std::make_shared<float>(mine.ok() ? 0.0f : 1.0f);
-  absl::Status s =
-      WaitSafely(comm, comm->AllReduce(failed.get(), 1, ElementType::kFloat32, ReduceOp::kMax),
-                 timeout, failed);
+  absl::Status s = WaitSafely(
+      comm, comm->AllReduce(failed.get(), 1, DType::kFloat32, ReduceOp::kMax), timeout, failed);
   if (!s.ok()) return s;
   // The agreement itself worked: every rank knows the step failed.
   if (*failed > 0 && agreed_failure != nullptr) *agreed_failure = true;

@@ -11,8 +11,8 @@
 //   ROOT/LATEST  names the newest complete checkpoint.
 // Every file: temporary name, fsync, rename, directory fsync. A failure or a
 // crash at any moment leaves LATEST naming a complete checkpoint.
-#ifndef SHARDOPT_CLIENT_CHECKPOINT_H_
-#define SHARDOPT_CLIENT_CHECKPOINT_H_
+#ifndef SHARDOPT_CLIENT_CHECKPOINT_CHECKPOINT_H_
+#define SHARDOPT_CLIENT_CHECKPOINT_CHECKPOINT_H_
 
 #include <functional>
 #include <map>
@@ -113,4 +113,4 @@ SavedOptimizer SavedOptimizerOf(const ShardedOptimizerOptions& options);
 
 }  // namespace shardopt
 
-#endif  // SHARDOPT_CLIENT_CHECKPOINT_H_
+#endif  // SHARDOPT_CLIENT_CHECKPOINT_CHECKPOINT_H_

@@ -51,7 +51,7 @@ absl::StatusOr<FullState> GatherFullState(ShardedOptimizer& opt) {
       // On a timeout WaitSafely keeps `buf` alive: a late peer may still write it.
       status = WaitSafely(
           opt.communicator(),
-          opt.communicator()->AllGather(buf->data(), b.capacity_per_rank, ElementType::kFloat32),
+          opt.communicator()->AllGather(buf->data(), b.capacity_per_rank, DType::kFloat32),
           opt.options().timeout, buf);
       if (!status.ok()) {
         if (status.code() != absl::StatusCode::kDeadlineExceeded) opt.communicator()->Abort(status);
@@ -78,7 +78,7 @@ absl::StatusOr<FullState> GatherFullState(ShardedOptimizer& opt) {
     (*counts)[static_cast<size_t>(rank) * n + p.param] = opt.shard_owner().param_step(p.param);
   }
   SHARDOPT_RETURN_IF_ERROR(WaitSafely(
-      opt.communicator(), opt.communicator()->AllGather(counts->data(), n * 8, ElementType::kByte),
+      opt.communicator(), opt.communicator()->AllGather(counts->data(), n * 8, DType::kByte),
       opt.options().timeout, counts));
   for (int p = 0; p < n; ++p) {
     int64_t count = -1;

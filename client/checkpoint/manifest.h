@@ -11,8 +11,8 @@
 //
 // The same file holds the reader of safetensors headers (the shards and the
 // consolidated file), validated the same way.
-#ifndef SHARDOPT_CLIENT_MANIFEST_H_
-#define SHARDOPT_CLIENT_MANIFEST_H_
+#ifndef SHARDOPT_CLIENT_CHECKPOINT_MANIFEST_H_
+#define SHARDOPT_CLIENT_CHECKPOINT_MANIFEST_H_
 
 #include <cstdint>
 #include <map>
@@ -159,4 +159,4 @@ int SafetensorsDTypeSize(const std::string& dtype);
 
 }  // namespace shardopt
 
-#endif  // SHARDOPT_CLIENT_MANIFEST_H_
+#endif  // SHARDOPT_CLIENT_CHECKPOINT_MANIFEST_H_

@@ -4,8 +4,8 @@
 // Python's torch.load reads). Import reads torch.save files with shardopt's
 // data-only unpickler (client/checkpoint/torch_pickle.h), because LibTorch 1.13's
 // torch::pickle_load cannot read what Python's torch.save writes.
-#ifndef SHARDOPT_CLIENT_TORCH_INTEROP_H_
-#define SHARDOPT_CLIENT_TORCH_INTEROP_H_
+#ifndef SHARDOPT_CLIENT_CHECKPOINT_TORCH_INTEROP_H_
+#define SHARDOPT_CLIENT_CHECKPOINT_TORCH_INTEROP_H_
 
 #include <ATen/ATen.h>
 
@@ -17,7 +17,7 @@
 #include "client/checkpoint/checkpoint.h"
 #include "client/sharded_optimizer.h"
 #include "common/file_system.h"
-#include "server/kernels/optimizer_config.h"
+#include "common/optimizer_config.h"
 
 namespace shardopt {
 
@@ -82,4 +82,4 @@ absl::StatusOr<RestoredCheckpoint> LoadAnyCheckpoint(ShardedOptimizer& optimizer
 
 }  // namespace shardopt
 
-#endif  // SHARDOPT_CLIENT_TORCH_INTEROP_H_
+#endif  // SHARDOPT_CLIENT_CHECKPOINT_TORCH_INTEROP_H_

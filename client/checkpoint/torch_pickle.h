@@ -12,8 +12,8 @@
 // can bound neither the recursion depth nor memory: TorchReadLimits bounds
 // memory by a small multiple of the file's size (docs/checkpoints.md, "Limits
 // for torch.save files").
-#ifndef SHARDOPT_CLIENT_TORCH_PICKLE_H_
-#define SHARDOPT_CLIENT_TORCH_PICKLE_H_
+#ifndef SHARDOPT_CLIENT_CHECKPOINT_TORCH_PICKLE_H_
+#define SHARDOPT_CLIENT_CHECKPOINT_TORCH_PICKLE_H_
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/ScalarType.h>
@@ -141,4 +141,4 @@ absl::StatusOr<PyValuePtr> ParsePickle(absl::string_view pickle, const StorageLo
 
 }  // namespace shardopt
 
-#endif  // SHARDOPT_CLIENT_TORCH_PICKLE_H_
+#endif  // SHARDOPT_CLIENT_CHECKPOINT_TORCH_PICKLE_H_

@@ -6,24 +6,6 @@
 
 namespace shardopt {
 
-int ElementSize(ElementType type) {
-  switch (type) {
-    case ElementType::kFloat32: return 4;
-    case ElementType::kBFloat16: return 2;
-    case ElementType::kByte: return 1;
-  }
-  return 1;
-}
-
-const char* ElementTypeName(ElementType type) {
-  switch (type) {
-    case ElementType::kFloat32: return "float32";
-    case ElementType::kBFloat16: return "bfloat16";
-    case ElementType::kByte: return "byte";
-  }
-  return "unknown";
-}
-
 const char* CollectiveKindName(CollectiveKind kind) {
   switch (kind) {
     case CollectiveKind::kReduceScatter: return "reduce_scatter";
@@ -167,12 +149,12 @@ CommHandlePtr QueuedCommunicator::Enqueue(std::function<absl::Status()> run,
   return handle;
 }
 
-absl::Status CheckCollectiveArgs(const void* buffer, int64_t count, ElementType type,
-                                 bool reduces) {
+absl::Status CheckCollectiveArgs(const void* buffer, int64_t count, DType type, bool reduces) {
   if (count < 0) return absl::InvalidArgumentError(absl::StrCat("negative count ", count));
   if (count > 0 && buffer == nullptr) return absl::InvalidArgumentError("null buffer");
-  if (reduces && type == ElementType::kByte) {
-    return absl::InvalidArgumentError("byte buffers cannot be reduced");
+  if (reduces && type != DType::kFloat32 && type != DType::kBFloat16) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(DTypeName(type), " buffers cannot be reduced (float32 and bfloat16 can)"));
   }
   return absl::OkStatus();
 }
@@ -186,7 +168,7 @@ absl::Status CheckRoot(int root, int world_size) {
 }
 
 absl::Status CheckChunks(const std::vector<void*>& chunks, int world_size, int64_t count,
-                         ElementType type) {
+                         DType type) {
   if (static_cast<int>(chunks.size()) != world_size) {
     return absl::InvalidArgumentError(
         absl::StrCat(chunks.size(), " chunk pointers for a world of ", world_size, " ranks"));
@@ -199,7 +181,7 @@ absl::Status CheckChunks(const std::vector<void*>& chunks, int world_size, int64
   std::vector<const char*> sorted(chunks.size());
   for (size_t i = 0; i < chunks.size(); ++i) sorted[i] = static_cast<const char*>(chunks[i]);
   std::sort(sorted.begin(), sorted.end());
-  const int64_t bytes = count * ElementSize(type);
+  const int64_t bytes = count * DTypeSize(type);
   for (size_t i = 1; i < sorted.size() && bytes > 0; ++i) {
     if (sorted[i] < sorted[i - 1] + bytes) {
       return absl::InvalidArgumentError("reduce-scatter chunks overlap");
@@ -208,8 +190,8 @@ absl::Status CheckChunks(const std::vector<void*>& chunks, int world_size, int64
   return absl::OkStatus();
 }
 
-bool ChunksAdjacent(const std::vector<void*>& chunks, int64_t count, ElementType type) {
-  const int64_t bytes = count * ElementSize(type);
+bool ChunksAdjacent(const std::vector<void*>& chunks, int64_t count, DType type) {
+  const int64_t bytes = count * DTypeSize(type);
   for (size_t i = 1; i < chunks.size(); ++i) {
     if (static_cast<char*>(chunks[i]) != static_cast<char*>(chunks[0]) + i * bytes) return false;
   }
@@ -217,7 +199,7 @@ bool ChunksAdjacent(const std::vector<void*>& chunks, int64_t count, ElementType
 }
 
 CommHandlePtr Communicator::ReduceScatterChunks(const std::vector<void*>& chunks, int64_t count,
-                                                ElementType type, ReduceOp op) {
+                                                DType type, ReduceOp op) {
   absl::Status err = CheckChunks(chunks, world_size(), count, type);
   if (err.ok() && !ChunksAdjacent(chunks, count, type)) {
     err = absl::UnimplementedError("this communicator reduces adjacent chunks only");
@@ -228,38 +210,35 @@ CommHandlePtr Communicator::ReduceScatterChunks(const std::vector<void*>& chunks
   return handle;
 }
 
-CommHandlePtr QueuedCommunicator::ReduceScatter(void* buffer, int64_t count, ElementType type,
+CommHandlePtr QueuedCommunicator::ReduceScatter(void* buffer, int64_t count, DType type,
                                                 ReduceOp op) {
   absl::Status err = CheckCollectiveArgs(buffer, count, type, /*reduces=*/true);
   std::vector<char*> chunks(world_size_);
   for (int i = 0; err.ok() && i < world_size_; ++i) {
-    chunks[i] = static_cast<char*>(buffer) + i * count * ElementSize(type);
+    chunks[i] = static_cast<char*>(buffer) + i * count * DTypeSize(type);
   }
   return Enqueue([=] { return RunReduceScatter(chunks, count, type, op); }, err);
 }
 
 CommHandlePtr QueuedCommunicator::ReduceScatterChunks(const std::vector<void*>& chunks,
-                                                      int64_t count, ElementType type,
-                                                      ReduceOp op) {
+                                                      int64_t count, DType type, ReduceOp op) {
   absl::Status err = CheckChunks(chunks, world_size_, count, type);
   std::vector<char*> c(chunks.size());
   for (size_t i = 0; i < chunks.size(); ++i) c[i] = static_cast<char*>(chunks[i]);
   return Enqueue([=] { return RunReduceScatter(c, count, type, op); }, err);
 }
 
-CommHandlePtr QueuedCommunicator::AllGather(void* buffer, int64_t count, ElementType type) {
+CommHandlePtr QueuedCommunicator::AllGather(void* buffer, int64_t count, DType type) {
   return Enqueue([=] { return RunAllGather(buffer, count, type); },
                  CheckCollectiveArgs(buffer, count, type, /*reduces=*/false));
 }
 
-CommHandlePtr QueuedCommunicator::AllReduce(void* buffer, int64_t count, ElementType type,
-                                            ReduceOp op) {
+CommHandlePtr QueuedCommunicator::AllReduce(void* buffer, int64_t count, DType type, ReduceOp op) {
   return Enqueue([=] { return RunAllReduce(buffer, count, type, op); },
                  CheckCollectiveArgs(buffer, count, type, /*reduces=*/true));
 }
 
-CommHandlePtr QueuedCommunicator::Broadcast(void* buffer, int64_t count, ElementType type,
-                                            int root) {
+CommHandlePtr QueuedCommunicator::Broadcast(void* buffer, int64_t count, DType type, int root) {
   absl::Status err = CheckCollectiveArgs(buffer, count, type, /*reduces=*/false);
   if (err.ok()) err = CheckRoot(root, world_size_);
   return Enqueue([=] { return RunBroadcast(buffer, count, type, root); }, err);

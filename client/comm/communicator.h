@@ -5,8 +5,8 @@
 // collectives in the same order, as with NCCL and Gloo), and returns a handle
 // to wait on with a timeout. Buffers must stay valid and untouched until the
 // handle completes. Abort() makes every pending and future call fail promptly.
-#ifndef SHARDOPT_CLIENT_COMMUNICATOR_H_
-#define SHARDOPT_CLIENT_COMMUNICATOR_H_
+#ifndef SHARDOPT_CLIENT_COMM_COMMUNICATOR_H_
+#define SHARDOPT_CLIENT_COMM_COMMUNICATOR_H_
 
 #include <array>
 #include <atomic>
@@ -22,12 +22,9 @@
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/dtype.h"
 
 namespace shardopt {
-
-enum class ElementType { kFloat32, kBFloat16, kByte };
-int ElementSize(ElementType type);
-const char* ElementTypeName(ElementType type);
 
 // kAverage is a sum followed by a division by the world size.
 enum class ReduceOp { kSum, kAverage, kMax };
@@ -106,8 +103,7 @@ class Communicator {
   // `buffer` holds world_size * count elements. On completion, this rank's
   // chunk [rank * count, (rank + 1) * count) holds the reduction over ranks of
   // that chunk; the other chunks hold unspecified values.
-  virtual CommHandlePtr ReduceScatter(void* buffer, int64_t count, ElementType type,
-                                      ReduceOp op) = 0;
+  virtual CommHandlePtr ReduceScatter(void* buffer, int64_t count, DType type, ReduceOp op) = 0;
   // As ReduceScatter, with rank i's chunk of `count` elements at chunks[i]
   // (world_size pointers; the chunks need not be adjacent). On completion
   // chunks[rank] holds the reduction. ShardedOptimizer's gradient sharding
@@ -115,15 +111,15 @@ class Communicator {
   // so it stages only the other ranks' chunks. Where SupportsSeparateChunks()
   // is false, non-adjacent chunks fail the handle (Unimplemented).
   virtual CommHandlePtr ReduceScatterChunks(const std::vector<void*>& chunks, int64_t count,
-                                            ElementType type, ReduceOp op);
+                                            DType type, ReduceOp op);
   virtual bool SupportsSeparateChunks() const { return false; }
   // In place: `buffer` holds world_size * count elements; this rank's chunk is
   // its contribution. On completion every chunk holds its owner's data.
-  virtual CommHandlePtr AllGather(void* buffer, int64_t count, ElementType type) = 0;
+  virtual CommHandlePtr AllGather(void* buffer, int64_t count, DType type) = 0;
   // `buffer` holds `count` elements, reduced in place on every rank.
-  virtual CommHandlePtr AllReduce(void* buffer, int64_t count, ElementType type, ReduceOp op) = 0;
+  virtual CommHandlePtr AllReduce(void* buffer, int64_t count, DType type, ReduceOp op) = 0;
   // `count` elements from `root` to every rank, in place.
-  virtual CommHandlePtr Broadcast(void* buffer, int64_t count, ElementType type, int root) = 0;
+  virtual CommHandlePtr Broadcast(void* buffer, int64_t count, DType type, int root) = 0;
   virtual CommHandlePtr Barrier() = 0;
 
   // Fails every pending and future collective with `reason` (Aborted). Safe
@@ -150,12 +146,12 @@ class Communicator {
 // Argument checks every implementation applies before it starts a collective
 // (InvalidArgument, naming what is wrong): `reduces` for reduce-scatter and
 // all-reduce; CheckRoot for broadcasts.
-absl::Status CheckCollectiveArgs(const void* buffer, int64_t count, ElementType type, bool reduces);
+absl::Status CheckCollectiveArgs(const void* buffer, int64_t count, DType type, bool reduces);
 // For ReduceScatterChunks: world_size non-null chunk pointers (when count > 0).
 absl::Status CheckChunks(const std::vector<void*>& chunks, int world_size, int64_t count,
-                         ElementType type);
+                         DType type);
 // chunks[i] == chunks[0] + i * count elements for every i.
-bool ChunksAdjacent(const std::vector<void*>& chunks, int64_t count, ElementType type);
+bool ChunksAdjacent(const std::vector<void*>& chunks, int64_t count, DType type);
 absl::Status CheckRoot(int root, int world_size);
 
 // Shared machinery for implementations: the queue, the worker thread, handles,
@@ -168,13 +164,13 @@ class QueuedCommunicator : public Communicator {
 
   int rank() const override { return rank_; }
   int world_size() const override { return world_size_; }
-  CommHandlePtr ReduceScatter(void* buffer, int64_t count, ElementType type, ReduceOp op) override;
-  CommHandlePtr ReduceScatterChunks(const std::vector<void*>& chunks, int64_t count,
-                                    ElementType type, ReduceOp op) override;
+  CommHandlePtr ReduceScatter(void* buffer, int64_t count, DType type, ReduceOp op) override;
+  CommHandlePtr ReduceScatterChunks(const std::vector<void*>& chunks, int64_t count, DType type,
+                                    ReduceOp op) override;
   bool SupportsSeparateChunks() const override { return true; }
-  CommHandlePtr AllGather(void* buffer, int64_t count, ElementType type) override;
-  CommHandlePtr AllReduce(void* buffer, int64_t count, ElementType type, ReduceOp op) override;
-  CommHandlePtr Broadcast(void* buffer, int64_t count, ElementType type, int root) override;
+  CommHandlePtr AllGather(void* buffer, int64_t count, DType type) override;
+  CommHandlePtr AllReduce(void* buffer, int64_t count, DType type, ReduceOp op) override;
+  CommHandlePtr Broadcast(void* buffer, int64_t count, DType type, int root) override;
   CommHandlePtr Barrier() override;
   void Abort(const absl::Status& reason) override;
   ByteCounters counters() const override;
@@ -187,11 +183,11 @@ class QueuedCommunicator : public Communicator {
 
   // chunks: world_size pointers to `count` elements each (ReduceScatter's
   // buffer gives adjacent ones).
-  virtual absl::Status RunReduceScatter(const std::vector<char*>& chunks, int64_t count,
-                                        ElementType type, ReduceOp op) = 0;
-  virtual absl::Status RunAllGather(void* buffer, int64_t count, ElementType type) = 0;
-  virtual absl::Status RunAllReduce(void* buffer, int64_t count, ElementType type, ReduceOp op) = 0;
-  virtual absl::Status RunBroadcast(void* buffer, int64_t count, ElementType type, int root) = 0;
+  virtual absl::Status RunReduceScatter(const std::vector<char*>& chunks, int64_t count, DType type,
+                                        ReduceOp op) = 0;
+  virtual absl::Status RunAllGather(void* buffer, int64_t count, DType type) = 0;
+  virtual absl::Status RunAllReduce(void* buffer, int64_t count, DType type, ReduceOp op) = 0;
+  virtual absl::Status RunBroadcast(void* buffer, int64_t count, DType type, int root) = 0;
   virtual absl::Status RunBarrier() = 0;
   // Called (from any thread) by Abort(): wake up whatever Run*() is blocked on.
   virtual void Interrupt() = 0;
@@ -235,4 +231,4 @@ absl::Status WaitSafely(Communicator* comm, const CommHandlePtr& handle, absl::D
 
 }  // namespace shardopt
 
-#endif  // SHARDOPT_CLIENT_COMMUNICATOR_H_
+#endif  // SHARDOPT_CLIENT_COMM_COMMUNICATOR_H_

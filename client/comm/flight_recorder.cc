@@ -95,37 +95,36 @@ CommHandlePtr FlightRecordingCommunicator::Record(CollectiveKind kind, int64_t b
   return handle;
 }
 
-CommHandlePtr FlightRecordingCommunicator::ReduceScatter(void* buffer, int64_t count,
-                                                         ElementType type, ReduceOp op) {
-  const int64_t bytes = count * ElementSize(type) * inner_->world_size();
+CommHandlePtr FlightRecordingCommunicator::ReduceScatter(void* buffer, int64_t count, DType type,
+                                                         ReduceOp op) {
+  const int64_t bytes = count * DTypeSize(type) * inner_->world_size();
   return Record(CollectiveKind::kReduceScatter, bytes,
                 [&] { return inner_->ReduceScatter(buffer, count, type, op); });
 }
 
 CommHandlePtr FlightRecordingCommunicator::ReduceScatterChunks(const std::vector<void*>& chunks,
-                                                               int64_t count, ElementType type,
+                                                               int64_t count, DType type,
                                                                ReduceOp op) {
-  const int64_t bytes = count * ElementSize(type) * inner_->world_size();
+  const int64_t bytes = count * DTypeSize(type) * inner_->world_size();
   return Record(CollectiveKind::kReduceScatter, bytes,
                 [&] { return inner_->ReduceScatterChunks(chunks, count, type, op); });
 }
 
-CommHandlePtr FlightRecordingCommunicator::AllGather(void* buffer, int64_t count,
-                                                     ElementType type) {
-  const int64_t bytes = count * ElementSize(type) * inner_->world_size();
+CommHandlePtr FlightRecordingCommunicator::AllGather(void* buffer, int64_t count, DType type) {
+  const int64_t bytes = count * DTypeSize(type) * inner_->world_size();
   return Record(CollectiveKind::kAllGather, bytes,
                 [&] { return inner_->AllGather(buffer, count, type); });
 }
 
-CommHandlePtr FlightRecordingCommunicator::AllReduce(void* buffer, int64_t count, ElementType type,
+CommHandlePtr FlightRecordingCommunicator::AllReduce(void* buffer, int64_t count, DType type,
                                                      ReduceOp op) {
-  return Record(CollectiveKind::kAllReduce, count * ElementSize(type),
+  return Record(CollectiveKind::kAllReduce, count * DTypeSize(type),
                 [&] { return inner_->AllReduce(buffer, count, type, op); });
 }
 
-CommHandlePtr FlightRecordingCommunicator::Broadcast(void* buffer, int64_t count, ElementType type,
+CommHandlePtr FlightRecordingCommunicator::Broadcast(void* buffer, int64_t count, DType type,
                                                      int root) {
-  return Record(CollectiveKind::kBroadcast, count * ElementSize(type),
+  return Record(CollectiveKind::kBroadcast, count * DTypeSize(type),
                 [&] { return inner_->Broadcast(buffer, count, type, root); });
 }
 

@@ -14,8 +14,8 @@
 // critical sections (the issue order, the ring when it is issued and when it
 // completes) and reads the real-time clock twice: about 0.2-0.3 us. No
 // allocation per record.
-#ifndef SHARDOPT_CLIENT_FLIGHT_RECORDER_H_
-#define SHARDOPT_CLIENT_FLIGHT_RECORDER_H_
+#ifndef SHARDOPT_CLIENT_COMM_FLIGHT_RECORDER_H_
+#define SHARDOPT_CLIENT_COMM_FLIGHT_RECORDER_H_
 
 #include <atomic>
 #include <cstdint>
@@ -98,13 +98,13 @@ class FlightRecordingCommunicator final : public Communicator {
 
   int rank() const override { return inner_->rank(); }
   int world_size() const override { return inner_->world_size(); }
-  CommHandlePtr ReduceScatter(void* buffer, int64_t count, ElementType type, ReduceOp op) override;
-  CommHandlePtr ReduceScatterChunks(const std::vector<void*>& chunks, int64_t count,
-                                    ElementType type, ReduceOp op) override;
+  CommHandlePtr ReduceScatter(void* buffer, int64_t count, DType type, ReduceOp op) override;
+  CommHandlePtr ReduceScatterChunks(const std::vector<void*>& chunks, int64_t count, DType type,
+                                    ReduceOp op) override;
   bool SupportsSeparateChunks() const override { return inner_->SupportsSeparateChunks(); }
-  CommHandlePtr AllGather(void* buffer, int64_t count, ElementType type) override;
-  CommHandlePtr AllReduce(void* buffer, int64_t count, ElementType type, ReduceOp op) override;
-  CommHandlePtr Broadcast(void* buffer, int64_t count, ElementType type, int root) override;
+  CommHandlePtr AllGather(void* buffer, int64_t count, DType type) override;
+  CommHandlePtr AllReduce(void* buffer, int64_t count, DType type, ReduceOp op) override;
+  CommHandlePtr Broadcast(void* buffer, int64_t count, DType type, int root) override;
   CommHandlePtr Barrier() override;
   void Abort(const absl::Status& reason) override { inner_->Abort(reason); }
   ByteCounters counters() const override { return inner_->counters(); }
@@ -128,4 +128,4 @@ class FlightRecordingCommunicator final : public Communicator {
 
 }  // namespace shardopt
 
-#endif  // SHARDOPT_CLIENT_FLIGHT_RECORDER_H_
+#endif  // SHARDOPT_CLIENT_COMM_FLIGHT_RECORDER_H_

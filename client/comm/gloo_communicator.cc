@@ -190,11 +190,11 @@ absl::Status GlooCommunicator::WaitSend(Registered& buffer) {
 // (r-s-2) mod N from its left one, reducing it into its own copy; a segment is
 // forwarded as soon as it has been reduced. After N-1 steps chunk r is complete.
 absl::Status GlooCommunicator::RingReduceScatter(const std::vector<char*>& chunk_ptr,
-                                                 int64_t chunk_bytes, ElementType type, ReduceOp op,
+                                                 int64_t chunk_bytes, DType type, ReduceOp op,
                                                  CollectiveKind kind) {
   const int n = world_size(), r = rank();
   if (n == 1 || chunk_bytes == 0) return absl::OkStatus();
-  const int elem = ElementSize(type);
+  const int elem = DTypeSize(type);
   const int64_t seg = std::max<int64_t>(elem, options_.segment_bytes / elem * elem);
   const int64_t nseg = (chunk_bytes + seg - 1) / seg;
   auto seg_len = [&](int64_t k) { return std::min(seg, chunk_bytes - k * seg); };
@@ -311,7 +311,7 @@ absl::Status GlooCommunicator::RingAllGather(char* buffer, int64_t chunk_bytes,
 }
 
 absl::Status GlooCommunicator::RunReduceScatter(const std::vector<char*>& chunks, int64_t count,
-                                                ElementType type, ReduceOp op) {
+                                                DType type, ReduceOp op) {
   return ReduceScatterFromHalf(chunks, count, type, op, rank(), world_size(),
                                [&](const std::vector<char*>& b, int64_t chunk) {
                                  return RingReduceScatter(b, chunk, type, op,
@@ -319,13 +319,12 @@ absl::Status GlooCommunicator::RunReduceScatter(const std::vector<char*>& chunks
                                });
 }
 
-absl::Status GlooCommunicator::RunAllGather(void* buffer, int64_t count, ElementType type) {
-  return RingAllGather(static_cast<char*>(buffer), count * ElementSize(type),
+absl::Status GlooCommunicator::RunAllGather(void* buffer, int64_t count, DType type) {
+  return RingAllGather(static_cast<char*>(buffer), count * DTypeSize(type),
                        CollectiveKind::kAllGather);
 }
 
-absl::Status GlooCommunicator::RunAllReduce(void* buffer, int64_t count, ElementType type,
-                                            ReduceOp op) {
+absl::Status GlooCommunicator::RunAllReduce(void* buffer, int64_t count, DType type, ReduceOp op) {
   return AllReduceFromHalves(
       buffer, count, type, op, rank(), world_size(),
       [&](const std::vector<char*>& b, int64_t chunk) {
@@ -337,10 +336,9 @@ absl::Status GlooCommunicator::RunAllReduce(void* buffer, int64_t count, Element
 
 // Pipelined chain root -> root+1 -> ... -> root-1, forwarding each segment as
 // it arrives.
-absl::Status GlooCommunicator::RunBroadcast(void* buffer, int64_t count, ElementType type,
-                                            int root) {
+absl::Status GlooCommunicator::RunBroadcast(void* buffer, int64_t count, DType type, int root) {
   const int n = world_size(), r = rank();
-  const int64_t bytes = count * ElementSize(type);
+  const int64_t bytes = count * DTypeSize(type);
   if (n == 1 || bytes == 0) return absl::OkStatus();
   const int64_t seg = std::max<int64_t>(1, options_.segment_bytes);
   const int64_t nseg = (bytes + seg - 1) / seg;
@@ -380,7 +378,7 @@ absl::Status GlooCommunicator::RunBarrier() {
   return BarrierFromHalves(
       world_size(),
       [&](const std::vector<char*>& b, int64_t chunk) {
-        return RingReduceScatter(b, chunk, ElementType::kFloat32, ReduceOp::kSum,
+        return RingReduceScatter(b, chunk, DType::kFloat32, ReduceOp::kSum,
                                  CollectiveKind::kBarrier);
       },
       [&](char* b, int64_t chunk) { return RingAllGather(b, chunk, CollectiveKind::kBarrier); },

@@ -3,8 +3,8 @@
 // Gloo's point-to-point pairs (PyTorch 1.13's Gloo process group has no
 // reduce-scatter; Gloo's ReduceScatterHalvingDoubling was 1.76x slower than
 // its all-reduce on 176 MB in our probe).
-#ifndef SHARDOPT_CLIENT_GLOO_COMMUNICATOR_H_
-#define SHARDOPT_CLIENT_GLOO_COMMUNICATOR_H_
+#ifndef SHARDOPT_CLIENT_COMM_GLOO_COMMUNICATOR_H_
+#define SHARDOPT_CLIENT_COMM_GLOO_COMMUNICATOR_H_
 
 #include <memory>
 #include <set>
@@ -47,11 +47,11 @@ class GlooCommunicator : public QueuedCommunicator {
   ~GlooCommunicator() override;
 
  protected:
-  absl::Status RunReduceScatter(const std::vector<char*>& chunks, int64_t count, ElementType type,
+  absl::Status RunReduceScatter(const std::vector<char*>& chunks, int64_t count, DType type,
                                 ReduceOp op) override;
-  absl::Status RunAllGather(void* buffer, int64_t count, ElementType type) override;
-  absl::Status RunAllReduce(void* buffer, int64_t count, ElementType type, ReduceOp op) override;
-  absl::Status RunBroadcast(void* buffer, int64_t count, ElementType type, int root) override;
+  absl::Status RunAllGather(void* buffer, int64_t count, DType type) override;
+  absl::Status RunAllReduce(void* buffer, int64_t count, DType type, ReduceOp op) override;
+  absl::Status RunBroadcast(void* buffer, int64_t count, DType type, int root) override;
   absl::Status RunBarrier() override;
   void Interrupt() override;
 
@@ -65,8 +65,8 @@ class GlooCommunicator : public QueuedCommunicator {
   absl::Status WaitFailure(const char* what, absl::Duration waited, const char* error) const;
   absl::Status WaitRecv(Registered& buffer);
   absl::Status WaitSend(Registered& buffer);
-  absl::Status RingReduceScatter(const std::vector<char*>& chunks, int64_t chunk_bytes,
-                                 ElementType type, ReduceOp op, CollectiveKind kind);
+  absl::Status RingReduceScatter(const std::vector<char*>& chunks, int64_t chunk_bytes, DType type,
+                                 ReduceOp op, CollectiveKind kind);
   absl::Status RingAllGather(char* buffer, int64_t chunk_bytes, CollectiveKind kind);
   uint64_t NextSlotBase();
 
@@ -84,4 +84,4 @@ class GlooCommunicator : public QueuedCommunicator {
 
 }  // namespace shardopt
 
-#endif  // SHARDOPT_CLIENT_GLOO_COMMUNICATOR_H_
+#endif  // SHARDOPT_CLIENT_COMM_GLOO_COMMUNICATOR_H_

@@ -1,7 +1,7 @@
 // The CPU communicator a trainer should use: shared memory when every rank is
 // on one host, Gloo over TCP otherwise (or either, on request).
-#ifndef SHARDOPT_CLIENT_HOST_COMMUNICATOR_H_
-#define SHARDOPT_CLIENT_HOST_COMMUNICATOR_H_
+#ifndef SHARDOPT_CLIENT_COMM_HOST_COMMUNICATOR_H_
+#define SHARDOPT_CLIENT_COMM_HOST_COMMUNICATOR_H_
 
 #include <memory>
 #include <string>
@@ -52,4 +52,4 @@ absl::StatusOr<CpuComm> CreateCpuCommunicator(KeyValueStore* store, int rank, in
 
 }  // namespace shardopt
 
-#endif  // SHARDOPT_CLIENT_HOST_COMMUNICATOR_H_
+#endif  // SHARDOPT_CLIENT_COMM_HOST_COMMUNICATOR_H_

@@ -19,21 +19,21 @@ class InProcessCommunicator : public QueuedCommunicator {
   }
 
  protected:
-  absl::Status RunReduceScatter(const std::vector<char*>& chunks, int64_t count, ElementType t,
+  absl::Status RunReduceScatter(const std::vector<char*>& chunks, int64_t count, DType t,
                                 ReduceOp op) override {
     return Run({CollectiveKind::kReduceScatter, chunks[0], count, t, op, 0, chunks});
   }
-  absl::Status RunAllGather(void* b, int64_t count, ElementType t) override {
+  absl::Status RunAllGather(void* b, int64_t count, DType t) override {
     return Run({CollectiveKind::kAllGather, b, count, t, ReduceOp::kSum, 0});
   }
-  absl::Status RunAllReduce(void* b, int64_t count, ElementType t, ReduceOp op) override {
+  absl::Status RunAllReduce(void* b, int64_t count, DType t, ReduceOp op) override {
     return Run({CollectiveKind::kAllReduce, b, count, t, op, 0});
   }
-  absl::Status RunBroadcast(void* b, int64_t count, ElementType t, int root) override {
+  absl::Status RunBroadcast(void* b, int64_t count, DType t, int root) override {
     return Run({CollectiveKind::kBroadcast, b, count, t, ReduceOp::kSum, root});
   }
   absl::Status RunBarrier() override {
-    return Run({CollectiveKind::kBarrier, nullptr, 0, ElementType::kByte, ReduceOp::kSum, 0});
+    return Run({CollectiveKind::kBarrier, nullptr, 0, DType::kByte, ReduceOp::kSum, 0});
   }
   void Interrupt() override {
     interrupted_ = true;
@@ -62,7 +62,7 @@ class InProcessCommunicator : public QueuedCommunicator {
   void Count(const InProcessWorld::Arrival& c) {
     // What a ring implementation would move.
     const int n = world_size();
-    const int64_t bytes = c.count * ElementSize(c.type);
+    const int64_t bytes = c.count * DTypeSize(c.type);
     switch (c.kind) {
       case CollectiveKind::kReduceScatter:
       case CollectiveKind::kAllGather:
@@ -145,14 +145,14 @@ absl::Status InProcessWorld::Compute(Pending& p) {
     const Arrival& b = p.calls[r];
     if (b.kind != a.kind || b.count != a.count || b.type != a.type || b.op != a.op ||
         b.root != a.root) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "collective mismatch: rank 0 called ", CollectiveKindName(a.kind), "(", a.count, " x ",
-          ElementTypeName(a.type), ") but rank ", r, " called ", CollectiveKindName(b.kind), "(",
-          b.count, " x ", ElementTypeName(b.type), ")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("collective mismatch: rank 0 called ", CollectiveKindName(a.kind), "(",
+                       a.count, " x ", DTypeName(a.type), ") but rank ", r, " called ",
+                       CollectiveKindName(b.kind), "(", b.count, " x ", DTypeName(b.type), ")"));
     }
   }
   const int n = world_size_;
-  const int elem = ElementSize(a.type);
+  const int elem = DTypeSize(a.type);
   const int64_t bytes = a.count * elem;
   switch (a.kind) {
     case CollectiveKind::kReduceScatter: {

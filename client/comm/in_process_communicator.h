@@ -1,8 +1,8 @@
 // Communicators for ranks that are threads of one process, for tests: the
 // same semantics as GlooCommunicator, computed directly in shared memory, with
 // injectable delays, failures and stalls.
-#ifndef SHARDOPT_CLIENT_IN_PROCESS_COMMUNICATOR_H_
-#define SHARDOPT_CLIENT_IN_PROCESS_COMMUNICATOR_H_
+#ifndef SHARDOPT_CLIENT_COMM_IN_PROCESS_COMMUNICATOR_H_
+#define SHARDOPT_CLIENT_COMM_IN_PROCESS_COMMUNICATOR_H_
 
 #include <atomic>
 #include <map>
@@ -39,7 +39,7 @@ class InProcessWorld {
     CollectiveKind kind;
     void* buffer;
     int64_t count;
-    ElementType type;
+    DType type;
     ReduceOp op;
     int root;
     std::vector<char*> chunks;  // reduce-scatter: each rank's chunk
@@ -68,4 +68,4 @@ class InProcessWorld {
 
 }  // namespace shardopt
 
-#endif  // SHARDOPT_CLIENT_IN_PROCESS_COMMUNICATOR_H_
+#endif  // SHARDOPT_CLIENT_COMM_IN_PROCESS_COMMUNICATOR_H_

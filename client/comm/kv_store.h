@@ -1,7 +1,7 @@
 // Key-value stores for rendezvous (Gloo's address exchange, later NCCL's
 // unique id). The coordinator serves one over gRPC; tests use these.
-#ifndef SHARDOPT_CLIENT_KV_STORE_H_
-#define SHARDOPT_CLIENT_KV_STORE_H_
+#ifndef SHARDOPT_CLIENT_COMM_KV_STORE_H_
+#define SHARDOPT_CLIENT_COMM_KV_STORE_H_
 
 #include <map>
 #include <string>
@@ -79,4 +79,4 @@ class PrefixKeyValueStore : public KeyValueStore {
 
 }  // namespace shardopt
 
-#endif  // SHARDOPT_CLIENT_KV_STORE_H_
+#endif  // SHARDOPT_CLIENT_COMM_KV_STORE_H_

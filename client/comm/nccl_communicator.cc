@@ -36,11 +36,12 @@ struct NcclCommunicator::State {
 
 namespace {
 
-ncclDataType_t NcclType(ElementType t) {
+ncclDataType_t NcclType(DType t) {
   switch (t) {
-    case ElementType::kFloat32: return ncclFloat32;
-    case ElementType::kBFloat16: return ncclBfloat16;
-    case ElementType::kByte: return ncclUint8;
+    case DType::kFloat32: return ncclFloat32;
+    case DType::kBFloat16: return ncclBfloat16;
+    case DType::kFloat16: return ncclFloat16;
+    case DType::kByte: return ncclUint8;
   }
   return ncclUint8;
 }
@@ -325,11 +326,11 @@ void NcclCommunicator::Abort(const absl::Status& reason) {
   }
 }
 
-CommHandlePtr NcclCommunicator::ReduceScatter(void* buffer, int64_t count, ElementType type,
+CommHandlePtr NcclCommunicator::ReduceScatter(void* buffer, int64_t count, DType type,
                                               ReduceOp op) {
   if (absl::Status s = CheckCollectiveArgs(buffer, count, type, /*reduces=*/true); !s.ok())
     return Done(s);
-  const int64_t bytes = count * ElementSize(type);
+  const int64_t bytes = count * DTypeSize(type);
   return Submit(CollectiveKind::kReduceScatter, (world_ - 1) * bytes, buffer, world_ * bytes,
                 [&](void* buf, cudaStream_t s) {
                   char* base = static_cast<char*>(buf);
@@ -338,10 +339,10 @@ CommHandlePtr NcclCommunicator::ReduceScatter(void* buffer, int64_t count, Eleme
                 });
 }
 
-CommHandlePtr NcclCommunicator::AllGather(void* buffer, int64_t count, ElementType type) {
+CommHandlePtr NcclCommunicator::AllGather(void* buffer, int64_t count, DType type) {
   if (absl::Status s = CheckCollectiveArgs(buffer, count, type, /*reduces=*/false); !s.ok())
     return Done(s);
-  const int64_t bytes = count * ElementSize(type);
+  const int64_t bytes = count * DTypeSize(type);
   return Submit(CollectiveKind::kAllGather, (world_ - 1) * bytes, buffer, world_ * bytes,
                 [&](void* buf, cudaStream_t s) {
                   char* base = static_cast<char*>(buf);
@@ -350,11 +351,10 @@ CommHandlePtr NcclCommunicator::AllGather(void* buffer, int64_t count, ElementTy
                 });
 }
 
-CommHandlePtr NcclCommunicator::AllReduce(void* buffer, int64_t count, ElementType type,
-                                          ReduceOp op) {
+CommHandlePtr NcclCommunicator::AllReduce(void* buffer, int64_t count, DType type, ReduceOp op) {
   if (absl::Status s = CheckCollectiveArgs(buffer, count, type, /*reduces=*/true); !s.ok())
     return Done(s);
-  const int64_t bytes = count * ElementSize(type);
+  const int64_t bytes = count * DTypeSize(type);
   return Submit(CollectiveKind::kAllReduce, 2 * (world_ - 1) * bytes / world_, buffer, bytes,
                 [&](void* buf, cudaStream_t s) {
                   return ncclAllReduce(buf, buf, count, NcclType(type), NcclOp(op), state_->comm,
@@ -362,11 +362,11 @@ CommHandlePtr NcclCommunicator::AllReduce(void* buffer, int64_t count, ElementTy
                 });
 }
 
-CommHandlePtr NcclCommunicator::Broadcast(void* buffer, int64_t count, ElementType type, int root) {
+CommHandlePtr NcclCommunicator::Broadcast(void* buffer, int64_t count, DType type, int root) {
   absl::Status err = CheckCollectiveArgs(buffer, count, type, /*reduces=*/false);
   if (err.ok()) err = CheckRoot(root, world_);
   if (!err.ok()) return Done(err);
-  const int64_t bytes = count * ElementSize(type);
+  const int64_t bytes = count * DTypeSize(type);
   return Submit(CollectiveKind::kBroadcast, rank_ == root ? bytes : 0, buffer, bytes,
                 [&](void* buf, cudaStream_t s) {
                   return ncclBroadcast(buf, buf, count, NcclType(type), root, state_->comm, s);

@@ -12,8 +12,8 @@
 // memory and pinned host memory, so callers need not know which backend runs.
 //
 // Tested on one H200 (world size 1) by tools/gpu_check.sh; see docs/gpu.md.
-#ifndef SHARDOPT_CLIENT_NCCL_COMMUNICATOR_H_
-#define SHARDOPT_CLIENT_NCCL_COMMUNICATOR_H_
+#ifndef SHARDOPT_CLIENT_COMM_NCCL_COMMUNICATOR_H_
+#define SHARDOPT_CLIENT_COMM_NCCL_COMMUNICATOR_H_
 
 #include <deque>
 #include <memory>
@@ -44,10 +44,10 @@ class NcclCommunicator : public Communicator {
 
   int rank() const override { return rank_; }
   int world_size() const override { return world_; }
-  CommHandlePtr ReduceScatter(void* buffer, int64_t count, ElementType type, ReduceOp op) override;
-  CommHandlePtr AllGather(void* buffer, int64_t count, ElementType type) override;
-  CommHandlePtr AllReduce(void* buffer, int64_t count, ElementType type, ReduceOp op) override;
-  CommHandlePtr Broadcast(void* buffer, int64_t count, ElementType type, int root) override;
+  CommHandlePtr ReduceScatter(void* buffer, int64_t count, DType type, ReduceOp op) override;
+  CommHandlePtr AllGather(void* buffer, int64_t count, DType type) override;
+  CommHandlePtr AllReduce(void* buffer, int64_t count, DType type, ReduceOp op) override;
+  CommHandlePtr Broadcast(void* buffer, int64_t count, DType type, int root) override;
   CommHandlePtr Barrier() override;
   void Abort(const absl::Status& reason) override;
   ByteCounters counters() const override;
@@ -78,4 +78,4 @@ class NcclCommunicator : public Communicator {
 
 }  // namespace shardopt
 
-#endif  // SHARDOPT_CLIENT_NCCL_COMMUNICATOR_H_
+#endif  // SHARDOPT_CLIENT_COMM_NCCL_COMMUNICATOR_H_

@@ -3,13 +3,13 @@
 #include <algorithm>
 #include <cstring>
 
-#include "server/kernels/update_slice.h"
+#include "common/bf16.h"
 
 namespace shardopt {
 
-void ReduceInto(void* dst, const void* src, int64_t count, ElementType type, ReduceOp op) {
+void ReduceInto(void* dst, const void* src, int64_t count, DType type, ReduceOp op) {
   const bool max = op == ReduceOp::kMax;
-  if (type == ElementType::kFloat32) {
+  if (type == DType::kFloat32) {
     float* __restrict d = static_cast<float*>(dst);
     const float* __restrict s = static_cast<const float*>(src);
     if (max) {
@@ -27,8 +27,8 @@ void ReduceInto(void* dst, const void* src, int64_t count, ElementType type, Red
   }
 }
 
-void Scale(void* buffer, int64_t count, ElementType type, float factor) {
-  if (type == ElementType::kFloat32) {
+void Scale(void* buffer, int64_t count, DType type, float factor) {
+  if (type == DType::kFloat32) {
     float* b = static_cast<float*>(buffer);
     for (int64_t i = 0; i < count; ++i) b[i] *= factor;
     return;
@@ -43,10 +43,10 @@ std::vector<char*> AdjacentChunks(void* buffer, int world_size, int64_t chunk_by
   return chunks;
 }
 
-absl::Status ReduceScatterFromHalf(const std::vector<char*>& chunks, int64_t count,
-                                   ElementType type, ReduceOp op, int rank, int world_size,
+absl::Status ReduceScatterFromHalf(const std::vector<char*>& chunks, int64_t count, DType type,
+                                   ReduceOp op, int rank, int world_size,
                                    const RingReduceHalf& reduce_scatter) {
-  absl::Status s = reduce_scatter(chunks, count * ElementSize(type));
+  absl::Status s = reduce_scatter(chunks, count * DTypeSize(type));
   if (!s.ok()) return s;
   if (op == ReduceOp::kAverage && world_size > 1) {
     Scale(chunks[rank], count, type, 1.0f / world_size);
@@ -54,12 +54,12 @@ absl::Status ReduceScatterFromHalf(const std::vector<char*>& chunks, int64_t cou
   return absl::OkStatus();
 }
 
-absl::Status AllReduceFromHalves(void* buffer, int64_t count, ElementType type, ReduceOp op,
-                                 int rank, int world_size, const RingReduceHalf& reduce_scatter,
+absl::Status AllReduceFromHalves(void* buffer, int64_t count, DType type, ReduceOp op, int rank,
+                                 int world_size, const RingReduceHalf& reduce_scatter,
                                  const RingHalf& all_gather,
                                  std::vector<std::unique_ptr<std::vector<char>>>* keep_on_failure) {
   const int n = world_size;
-  const int elem = ElementSize(type);
+  const int elem = DTypeSize(type);
   if (n == 1 || count == 0) return absl::OkStatus();
   const int64_t per_rank = count / n;
   char* base = static_cast<char*>(buffer);

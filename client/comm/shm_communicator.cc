@@ -418,7 +418,7 @@ std::string ShmCommunicator::Describe(uint32_t code, uint32_t type_op, uint64_t 
 }
 
 ShmCommunicator::OpDesc ShmCommunicator::NextDesc(CollectiveKind kind, int phase, int root,
-                                                  ElementType type, ReduceOp op, int64_t bytes) {
+                                                  DType type, ReduceOp op, int64_t bytes) {
   return OpDesc{op_seq_, sub_++, Code(kind, phase, root),
                 (static_cast<uint32_t>(type) << 4) | static_cast<uint32_t>(op),
                 static_cast<uint64_t>(bytes)};
@@ -426,12 +426,12 @@ ShmCommunicator::OpDesc ShmCommunicator::NextDesc(CollectiveKind kind, int phase
 
 absl::Status ShmCommunicator::Exchange(const OpDesc& desc, std::deque<Send> sends,
                                        int64_t num_recvs, const std::function<Recv(int64_t)>& recv,
-                                       ElementType type, ReduceOp op) {
+                                       DType type, ReduceOp op) {
   Header* in = own_->h();
   Header* out = right_region_->h();
   Header* back = (left_region_ != nullptr ? left_region_ : right_region_)->h();
   const uint64_t slots = static_cast<uint64_t>(options_.slots);
-  const int elem = ElementSize(type);
+  const int elem = DTypeSize(type);
   int64_t next = 0;
   absl::Time last_progress = absl::Now();
   bool rechecked = false;
@@ -530,11 +530,11 @@ absl::Status ShmCommunicator::Exchange(const OpDesc& desc, std::deque<Send> send
 // (r-1) mod N; the s-th incoming chunk, (r-s-2) mod N, is reduced into place
 // straight from the slot and forwarded while s < N-2. Chunk r ends complete.
 absl::Status ShmCommunicator::RingReduceScatter(const std::vector<char*>& chunks,
-                                                int64_t chunk_bytes, ElementType type, ReduceOp op,
+                                                int64_t chunk_bytes, DType type, ReduceOp op,
                                                 CollectiveKind kind) {
   const int n = world_size(), r = rank();
   if (n == 1 || chunk_bytes == 0) return absl::OkStatus();
-  const int elem = ElementSize(type);
+  const int elem = DTypeSize(type);
   const int64_t seg = std::max<int64_t>(elem, options_.slot_bytes / elem * elem);
   const int64_t nseg = (chunk_bytes + seg - 1) / seg;
   auto seg_len = [&](int64_t k) { return std::min(seg, chunk_bytes - k * seg); };
@@ -556,7 +556,7 @@ absl::Status ShmCommunicator::RingReduceScatter(const std::vector<char*>& chunks
 
 // Ring all-gather: this rank sends its chunk; the s-th incoming chunk,
 // (r-s-1) mod N, is copied into place and forwarded while s < N-2.
-absl::Status ShmCommunicator::RingAllGather(char* buffer, int64_t chunk_bytes, ElementType type,
+absl::Status ShmCommunicator::RingAllGather(char* buffer, int64_t chunk_bytes, DType type,
                                             CollectiveKind kind) {
   const int n = world_size(), r = rank();
   if (n == 1 || chunk_bytes == 0) return absl::OkStatus();
@@ -575,11 +575,11 @@ absl::Status ShmCommunicator::RingAllGather(char* buffer, int64_t chunk_bytes, E
         const int c = ((r - s - 1) % n + 2 * n) % n;
         return Recv{buffer + c * chunk_bytes + k * seg, seg_len(k), false, s + 1 < n - 1};
       },
-      ElementType::kByte, ReduceOp::kSum);
+      DType::kByte, ReduceOp::kSum);
 }
 
 absl::Status ShmCommunicator::RunReduceScatter(const std::vector<char*>& chunks, int64_t count,
-                                               ElementType type, ReduceOp op) {
+                                               DType type, ReduceOp op) {
   BeginCollective();
   return ReduceScatterFromHalf(chunks, count, type, op, rank(), world_size(),
                                [&](const std::vector<char*>& b, int64_t chunk) {
@@ -588,14 +588,13 @@ absl::Status ShmCommunicator::RunReduceScatter(const std::vector<char*>& chunks,
                                });
 }
 
-absl::Status ShmCommunicator::RunAllGather(void* buffer, int64_t count, ElementType type) {
+absl::Status ShmCommunicator::RunAllGather(void* buffer, int64_t count, DType type) {
   BeginCollective();
-  return RingAllGather(static_cast<char*>(buffer), count * ElementSize(type), type,
+  return RingAllGather(static_cast<char*>(buffer), count * DTypeSize(type), type,
                        CollectiveKind::kAllGather);
 }
 
-absl::Status ShmCommunicator::RunAllReduce(void* buffer, int64_t count, ElementType type,
-                                           ReduceOp op) {
+absl::Status ShmCommunicator::RunAllReduce(void* buffer, int64_t count, DType type, ReduceOp op) {
   BeginCollective();
   return AllReduceFromHalves(
       buffer, count, type, op, rank(), world_size(),
@@ -610,11 +609,10 @@ absl::Status ShmCommunicator::RunAllReduce(void* buffer, int64_t count, ElementT
 
 // A chain root -> root+1 -> ... -> root-1 around the ring, every segment
 // forwarded as it arrives.
-absl::Status ShmCommunicator::RunBroadcast(void* buffer, int64_t count, ElementType type,
-                                           int root) {
+absl::Status ShmCommunicator::RunBroadcast(void* buffer, int64_t count, DType type, int root) {
   BeginCollective();
   const int n = world_size(), r = rank();
-  const int64_t bytes = count * ElementSize(type);
+  const int64_t bytes = count * DTypeSize(type);
   if (n == 1 || bytes == 0) return absl::OkStatus();
   const int64_t seg = options_.slot_bytes;
   const int64_t nseg = (bytes + seg - 1) / seg;
@@ -631,7 +629,7 @@ absl::Status ShmCommunicator::RunBroadcast(void* buffer, int64_t count, ElementT
       [&](int64_t k) {
         return Recv{buf + k * seg, seg_len(k), false, pos < n - 1};
       },
-      ElementType::kByte, ReduceOp::kSum);
+      DType::kByte, ReduceOp::kSum);
 }
 
 absl::Status ShmCommunicator::RunBarrier() {
@@ -639,11 +637,11 @@ absl::Status ShmCommunicator::RunBarrier() {
   return BarrierFromHalves(
       world_size(),
       [&](const std::vector<char*>& b, int64_t chunk) {
-        return RingReduceScatter(b, chunk, ElementType::kFloat32, ReduceOp::kSum,
+        return RingReduceScatter(b, chunk, DType::kFloat32, ReduceOp::kSum,
                                  CollectiveKind::kBarrier);
       },
       [&](char* b, int64_t chunk) {
-        return RingAllGather(b, chunk, ElementType::kFloat32, CollectiveKind::kBarrier);
+        return RingAllGather(b, chunk, DType::kFloat32, CollectiveKind::kBarrier);
       },
       &scratch_);
 }

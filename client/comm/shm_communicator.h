@@ -20,8 +20,8 @@
 // neighbour that aborted its communicator (its reason is passed on). Every wait
 // is bounded by `timeout` without progress (DeadlineExceeded, naming the rank
 // waited for). Abort() wakes the worker at once.
-#ifndef SHARDOPT_CLIENT_SHM_COMMUNICATOR_H_
-#define SHARDOPT_CLIENT_SHM_COMMUNICATOR_H_
+#ifndef SHARDOPT_CLIENT_COMM_SHM_COMMUNICATOR_H_
+#define SHARDOPT_CLIENT_COMM_SHM_COMMUNICATOR_H_
 
 #include <cstdint>
 #include <deque>
@@ -70,11 +70,11 @@ class ShmCommunicator : public QueuedCommunicator {
   struct Region;  // a mapped channel region (shm_communicator.cc)
 
  protected:
-  absl::Status RunReduceScatter(const std::vector<char*>& chunks, int64_t count, ElementType type,
+  absl::Status RunReduceScatter(const std::vector<char*>& chunks, int64_t count, DType type,
                                 ReduceOp op) override;
-  absl::Status RunAllGather(void* buffer, int64_t count, ElementType type) override;
-  absl::Status RunAllReduce(void* buffer, int64_t count, ElementType type, ReduceOp op) override;
-  absl::Status RunBroadcast(void* buffer, int64_t count, ElementType type, int root) override;
+  absl::Status RunAllGather(void* buffer, int64_t count, DType type) override;
+  absl::Status RunAllReduce(void* buffer, int64_t count, DType type, ReduceOp op) override;
+  absl::Status RunBroadcast(void* buffer, int64_t count, DType type, int root) override;
   absl::Status RunBarrier() override;
   void Interrupt() override;
 
@@ -101,18 +101,16 @@ class ShmCommunicator : public QueuedCommunicator {
     uint32_t type_op;  // element type and reduce op
     uint64_t bytes;    // chunk size
   };
-  OpDesc NextDesc(CollectiveKind kind, int phase, int root, ElementType type, ReduceOp op,
-                  int64_t bytes);
+  OpDesc NextDesc(CollectiveKind kind, int phase, int root, DType type, ReduceOp op, int64_t bytes);
   void BeginCollective() {
     ++op_seq_;
     sub_ = 0;
   }
   absl::Status Exchange(const OpDesc& desc, std::deque<Send> sends, int64_t num_recvs,
-                        const std::function<Recv(int64_t)>& recv, ElementType type, ReduceOp op);
-  absl::Status RingReduceScatter(const std::vector<char*>& chunks, int64_t chunk_bytes,
-                                 ElementType type, ReduceOp op, CollectiveKind kind);
-  absl::Status RingAllGather(char* buffer, int64_t chunk_bytes, ElementType type,
-                             CollectiveKind kind);
+                        const std::function<Recv(int64_t)>& recv, DType type, ReduceOp op);
+  absl::Status RingReduceScatter(const std::vector<char*>& chunks, int64_t chunk_bytes, DType type,
+                                 ReduceOp op, CollectiveKind kind);
+  absl::Status RingAllGather(char* buffer, int64_t chunk_bytes, DType type, CollectiveKind kind);
   absl::Status Fail(absl::Status status);
   // Why a wait cannot succeed (a neighbour exited or aborted), or OK. For a
   // neighbour that aborted, *origin gets the reason it passed on.
@@ -142,4 +140,4 @@ class ShmCommunicator : public QueuedCommunicator {
 
 }  // namespace shardopt
 
-#endif  // SHARDOPT_CLIENT_SHM_COMMUNICATOR_H_
+#endif  // SHARDOPT_CLIENT_COMM_SHM_COMMUNICATOR_H_

@@ -13,7 +13,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
-#include "server/kernels/optimizer_config.h"
+#include "common/optimizer_config.h"
 #include "server/kernels/update_slice.h"
 
 namespace shardopt {
@@ -58,9 +58,8 @@ class KernelBackend {
   virtual std::unique_ptr<Fence> RecordFence();
 };
 
-// The SIMD CPU kernels (server/kernels/cpu/cpu_kernels.h) on `num_threads`
-// threads (0 = all hardware threads).
-std::unique_ptr<KernelBackend> MakeCpuKernelBackend(int num_threads);
+// The CPU implementation: server/kernels/cpu/cpu_backend.h; the CUDA one:
+// server/kernels/cuda/cuda_backend.h.
 
 }  // namespace shardopt
 

@@ -2,14 +2,14 @@
 // fast path (SIMD, CUDA) is tested against. Plain loops, one element at a
 // time, compiled without floating-point contraction so the operation order is
 // exactly the one written, which is PyTorch's.
-#ifndef SHARDOPT_SERVER_REFERENCE_OPTIMIZER_H_
-#define SHARDOPT_SERVER_REFERENCE_OPTIMIZER_H_
+#ifndef SHARDOPT_SERVER_KERNELS_REFERENCE_OPTIMIZER_H_
+#define SHARDOPT_SERVER_KERNELS_REFERENCE_OPTIMIZER_H_
 
 #include <cstdint>
 
 #include "absl/status/status.h"
 #include "absl/types/span.h"
-#include "server/kernels/optimizer_config.h"
+#include "common/optimizer_config.h"
 #include "server/kernels/update_slice.h"
 
 namespace shardopt {
@@ -23,4 +23,4 @@ absl::Status ReferenceSgdStep(const SgdConfig& config, int64_t step,
 
 }  // namespace shardopt
 
-#endif  // SHARDOPT_SERVER_REFERENCE_OPTIMIZER_H_
+#endif  // SHARDOPT_SERVER_KERNELS_REFERENCE_OPTIMIZER_H_

@@ -1,15 +1,16 @@
 // The unit of work of every optimizer kernel: one contiguous slice of owned
 // parameters with its gradient and optimizer state, plus the per-step scalars
 // derived from a config, shared by the reference and the fast kernels.
-#ifndef SHARDOPT_SERVER_UPDATE_SLICE_H_
-#define SHARDOPT_SERVER_UPDATE_SLICE_H_
+#ifndef SHARDOPT_SERVER_KERNELS_UPDATE_SLICE_H_
+#define SHARDOPT_SERVER_KERNELS_UPDATE_SLICE_H_
 
 #include <cstdint>
 
 #include "absl/status/status.h"
 #include "absl/types/span.h"
+#include "common/bf16.h"  // (users rely on it)
+#include "common/optimizer_config.h"
 #include "server/kernels/optimizer_math.h"
-#include "server/kernels/optimizer_config.h"
 
 namespace shardopt {
 
@@ -44,22 +45,6 @@ absl::Status ValidateStep(int64_t step);
 absl::Status ValidateSlices(absl::Span<const UpdateSlice> slices, bool needs_state0,
                             bool needs_state1);
 
-// bf16 <-> fp32. bf16 is the upper half of an fp32; rounding is to nearest
-// even, NaN stays NaN (quiet).
-inline float Bf16ToFloat(uint16_t h) {
-  uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float f;
-  __builtin_memcpy(&f, &bits, 4);
-  return f;
-}
-inline uint16_t FloatToBf16(float f) {
-  uint32_t bits;
-  __builtin_memcpy(&bits, &f, 4);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
-}
-
 }  // namespace shardopt
 
-#endif  // SHARDOPT_SERVER_UPDATE_SLICE_H_
+#endif  // SHARDOPT_SERVER_KERNELS_UPDATE_SLICE_H_

@@ -16,7 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "client/checkpoint/checkpoint.h"
 #include "client/comm/in_process_communicator.h"
-#include "client/models.h"
+#include "tools/models/models.h"
 #include "common/file_system.h"
 #include "common/malloc_tuning.h"
 #include "nlohmann/json.hpp"

@@ -152,12 +152,10 @@ int RunRank(int rank, const Flags& flags, const std::string& dir) {
       for (auto& [seg, comm] : comms) {
         barrier();
         t0 = std::chrono::steady_clock::now();
-        absl::Status s =
-            comm->ReduceScatter(buf.data(), count / 2, ElementType::kFloat32, ReduceOp::kSum)
-                ->Wait(absl::Seconds(120));
+        absl::Status s = comm->ReduceScatter(buf.data(), count / 2, DType::kFloat32, ReduceOp::kSum)
+                             ->Wait(absl::Seconds(120));
         if (s.ok())
-          s = comm->AllGather(buf.data(), count / 2, ElementType::kFloat32)
-                  ->Wait(absl::Seconds(120));
+          s = comm->AllGather(buf.data(), count / 2, DType::kFloat32)->Wait(absl::Seconds(120));
         if (!s.ok()) {
           std::fprintf(stderr, "rank %d: %s\n", rank, s.ToString().c_str());
           return 1;
@@ -167,14 +165,11 @@ int RunRank(int rank, const Flags& flags, const std::string& dir) {
       }
       barrier();
       t0 = std::chrono::steady_clock::now();
-      absl::Status s =
-          (*shm)
-              ->ReduceScatter(buf.data(), count / 2, ElementType::kFloat32, ReduceOp::kSum)
-              ->Wait(absl::Seconds(120));
+      absl::Status s = (*shm)
+                           ->ReduceScatter(buf.data(), count / 2, DType::kFloat32, ReduceOp::kSum)
+                           ->Wait(absl::Seconds(120));
       if (s.ok())
-        s = (*shm)
-                ->AllGather(buf.data(), count / 2, ElementType::kFloat32)
-                ->Wait(absl::Seconds(120));
+        s = (*shm)->AllGather(buf.data(), count / 2, DType::kFloat32)->Wait(absl::Seconds(120));
       if (!s.ok()) {
         std::fprintf(stderr, "rank %d: shm: %s\n", rank, s.ToString().c_str());
         return 1;

@@ -33,7 +33,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/join_request.h"
-#include "common/model_shapes.h"
+#include "tools/models/model_shapes.h"
 #include "common/planner.h"
 #include "nlohmann/json.hpp"
 #include "proto/shardopt.grpc.pb.h"

@@ -33,7 +33,7 @@
 #include "client/comm/kv_store.h"
 #include "client/comm/nccl_communicator.h"
 #include "client/sharded_optimizer.h"
-#include "common/model_shapes.h"
+#include "tools/models/model_shapes.h"
 #include "server/kernels/cuda/cuda_backend.h"
 #include "server/kernels/cuda/cuda_kernels.h"
 

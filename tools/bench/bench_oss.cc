@@ -65,7 +65,7 @@
 #include "client/comm/flight_recorder.h"
 #include "client/comm/host_communicator.h"
 #include "client/comm/kv_store.h"
-#include "client/models.h"
+#include "tools/models/models.h"
 #include "client/host_allocator.h"
 #include "client/sharded_optimizer.h"
 #include "common/malloc_tuning.h"
@@ -147,7 +147,7 @@ class DdpGradients {
   void Launch(int b) {
     const Bucket& bk = layout_.buckets()[b];
     handles_[b] = comm_->AllReduce(grads_.data_ptr<float>() + bk.flat_offset, bk.num_elements,
-                                   ElementType::kFloat32, ReduceOp::kAverage);
+                                   DType::kFloat32, ReduceOp::kAverage);
   }
   Communicator* comm_;
   Layout layout_;
@@ -330,7 +330,7 @@ int RunWorker(const Flags& f) {
     // Every rank starts from rank 0's weights, as DDP does.
     for (auto& p : params) {
       (void)(*comm)
-          ->Broadcast(p.data_ptr(), p.numel(), ElementType::kFloat32, 0)
+          ->Broadcast(p.data_ptr(), p.numel(), DType::kFloat32, 0)
           ->Wait(absl::Seconds(300));
     }
     ddp = std::make_unique<DdpGradients>(named, comm->get(), 25 * 1024 * 1024 / 4);
@@ -449,7 +449,7 @@ int RunWorker(const Flags& f) {
         std::vector<CommHandlePtr> hs;
         for (int r = 0; r < world; ++r) {
           hs.push_back((*comm)->Broadcast(oss_flat.data_ptr<float>() + oss_region[r].first,
-                                          oss_region[r].second, ElementType::kFloat32, r));
+                                          oss_region[r].second, DType::kFloat32, r));
         }
         for (auto& h : hs) (void)h->Wait(absl::Seconds(300));
         t.comm += Since(t2);

@@ -80,11 +80,11 @@ float FromBf16(uint16_t h) {
   std::memcpy(&f, &bits, 4);
   return f;
 }
-uint16_t To16(float f, ParamType t) {
-  return t == ParamType::kBFloat16 ? ToBf16(f) : __half_as_ushort(__float2half_rn(f));
+uint16_t To16(float f, DType t) {
+  return t == DType::kBFloat16 ? ToBf16(f) : __half_as_ushort(__float2half_rn(f));
 }
-float From16(uint16_t h, ParamType t) {
-  return t == ParamType::kBFloat16 ? FromBf16(h) : __half2float(__ushort_as_half(h));
+float From16(uint16_t h, DType t) {
+  return t == DType::kBFloat16 ? FromBf16(h) : __half2float(__ushort_as_half(h));
 }
 
 // The reference, element by element: server/kernels/optimizer_math.h's
@@ -120,8 +120,8 @@ enum class Opt { kAdam, kAdamW, kSgd, kSgdNesterov };
 // call per step), `steps` steps; gradients in `grad_type`; a model copy in
 // `model_type` unless `with_model` is false; `offset` elements shift every
 // device array off 16-byte alignment (the scalar path). Compares bitwise.
-Result CheckCase(const std::vector<int64_t>& sizes, Opt opt, ParamType grad_type, bool with_model,
-                 ParamType model_type, int steps, int offset = 0) {
+Result CheckCase(const std::vector<int64_t>& sizes, Opt opt, DType grad_type, bool with_model,
+                 DType model_type, int steps, int offset = 0) {
   std::vector<std::vector<float>> p, g, m, v;
   std::vector<DeviceSlice> dev;
   std::vector<void*> allocs;
@@ -131,11 +131,11 @@ Result CheckCase(const std::vector<int64_t>& sizes, Opt opt, ParamType grad_type
     g.emplace_back(n);
     m.emplace_back(n, 0.0f);
     v.emplace_back(n, 0.0f);
-    std::vector<uint16_t> g16(grad_type == ParamType::kFloat32 ? 0 : n);
+    std::vector<uint16_t> g16(grad_type == DType::kFloat32 ? 0 : n);
     for (int64_t i = 0; i < n; ++i) {
       p.back()[i] = rng.Next();
       float gi = 0.1f * rng.Next();
-      if (grad_type != ParamType::kFloat32) {
+      if (grad_type != DType::kFloat32) {
         g16[i] = To16(gi, grad_type);
         gi = From16(g16[i], grad_type);
       }
@@ -152,14 +152,14 @@ Result CheckCase(const std::vector<int64_t>& sizes, Opt opt, ParamType grad_type
     DeviceSlice s;
     s.master = reinterpret_cast<float*>(dp) + offset;
     s.grad_type = grad_type;
-    s.grad = dg + offset * (grad_type == ParamType::kFloat32 ? 4 : 2);
+    s.grad = dg + offset * (grad_type == DType::kFloat32 ? 4 : 2);
     s.state0 = reinterpret_cast<float*>(dm) + offset;
     s.state1 = reinterpret_cast<float*>(dv) + offset;
-    s.model = with_model ? dmodel + offset * (model_type == ParamType::kFloat32 ? 4 : 2) : nullptr;
+    s.model = with_model ? dmodel + offset * (model_type == DType::kFloat32 ? 4 : 2) : nullptr;
     s.model_type = model_type;
     s.size = n;
     CHECK_CUDA(cudaMemcpy(s.master, p.back().data(), n * 4, cudaMemcpyHostToDevice));
-    if (grad_type == ParamType::kFloat32) {
+    if (grad_type == DType::kFloat32) {
       CHECK_CUDA(
           cudaMemcpy(const_cast<void*>(s.grad), g.back().data(), n * 4, cudaMemcpyHostToDevice));
     } else {
@@ -207,7 +207,7 @@ Result CheckCase(const std::vector<int64_t>& sizes, Opt opt, ParamType grad_type
       detail = "first state differs at size " + std::to_string(n);
     }
     if (!with_model || !ok) continue;
-    if (model_type == ParamType::kFloat32) {
+    if (model_type == DType::kFloat32) {
       CHECK_CUDA(cudaMemcpy(got.data(), dev[i].model, n * 4, cudaMemcpyDeviceToHost));
       if (n > 0 && std::memcmp(got.data(), p[i].data(), n * 4) != 0) {
         ok = false;
@@ -277,8 +277,7 @@ int main(int argc, char** argv) {
     std::fflush(stdout);
     results.push_back(r);
   };
-  const ParamType kF32 = ParamType::kFloat32, kBf16 = ParamType::kBFloat16,
-                  kF16 = ParamType::kFloat16;
+  const DType kF32 = DType::kFloat32, kBf16 = DType::kBFloat16, kF16 = DType::kFloat16;
   add("adam_fp32", CheckCase(sizes, Opt::kAdam, kF32, false, kF32, 5));
   add("adamw_fp32", CheckCase(sizes, Opt::kAdamW, kF32, false, kF32, 5));
   add("adam_fp32_model_copy", CheckCase(sizes, Opt::kAdam, kF32, true, kF32, 3));
@@ -355,7 +354,7 @@ int main(int argc, char** argv) {
   CHECK_CUDA(cudaMalloc(&model16, bench_n * 2));
   DeviceSlice sm = s;
   sm.model = model16;
-  sm.model_type = ParamType::kBFloat16;
+  sm.model_type = DType::kBFloat16;
   const std::vector<DeviceSlice> mixed = {sm};
   void *src, *dst;
   const size_t copy_bytes =

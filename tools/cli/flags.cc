@@ -1,6 +1,5 @@
 #include "tools/cli/flags.h"
 
-#include <cfloat>
 #include <cmath>
 #include <cstdlib>
 
@@ -145,14 +144,17 @@ absl::StatusOr<double> Flags::Double(const std::string& name, double def, double
   return v;
 }
 
-absl::StatusOr<double> Flags::PositiveFloat(const std::string& name, double def) const {
+absl::StatusOr<double> Flags::HyperParam(const std::string& name, HyperParameter p,
+                                         double def) const {
   auto it = values_.find(name);
   if (it == values_.end()) return def;
   double v;
-  if (!ParseDouble(it->second, &v) || !std::isfinite(v) || v < FLT_MIN || v > FLT_MAX) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--", name, " must be a positive number that a float holds, in [",
-                     Num(FLT_MIN), ", ", Num(FLT_MAX), "], ", Got(it->second)));
+  if (!ParseDouble(it->second, &v)) {
+    return absl::InvalidArgumentError(absl::StrCat("--", name, " must be a number ",
+                                                   HyperParameterRange(p), ", ", Got(it->second)));
+  }
+  if (absl::Status s = ValidateHyperParameter(p, v); !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("--", name, ": ", s.message()));
   }
   return v;
 }

@@ -8,8 +8,8 @@
 //   --log-every must be an integer in [1, 100000000], got '0'
 // Programs check every accessor's status and exit 2 with that message; no
 // value is ever silently replaced by its default.
-#ifndef SHARDOPT_TOOLS_FLAGS_H_
-#define SHARDOPT_TOOLS_FLAGS_H_
+#ifndef SHARDOPT_TOOLS_CLI_FLAGS_H_
+#define SHARDOPT_TOOLS_CLI_FLAGS_H_
 
 #include <cstdint>
 #include <map>
@@ -20,6 +20,7 @@
 #include "absl/strings/numbers.h"  // (users rely on these two)
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
+#include "common/hyper_params.h"
 
 namespace shardopt {
 
@@ -47,9 +48,9 @@ class Flags {
   // when absent. nan and inf are refused.
   absl::StatusOr<double> Double(const std::string& name, double def, double min, double max,
                                 bool min_exclusive = false) const;
-  // A finite number > 0 that stays finite and > 0 as a float (the kernels
-  // compute in float): (0, 3.4e38], and not so small that it rounds to 0.
-  absl::StatusOr<double> PositiveFloat(const std::string& name, double def) const;
+  // A value of hyper-parameter `p` (common/hyper_params.h: the rule every
+  // path shares), or `def` when absent.
+  absl::StatusOr<double> HyperParam(const std::string& name, HyperParameter p, double def) const;
   // A TCP port in [0, 65535] (0: chosen by the OS).
   absl::StatusOr<int> Port(const std::string& name, int def) const;
   // A finite number of seconds in [min, max] ((min, max] when min_exclusive).
@@ -80,4 +81,4 @@ absl::StatusOr<std::string> ReadTokenFile(const std::string& path);
 
 }  // namespace shardopt
 
-#endif  // SHARDOPT_TOOLS_FLAGS_H_
+#endif  // SHARDOPT_TOOLS_CLI_FLAGS_H_

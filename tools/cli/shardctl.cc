@@ -7,12 +7,9 @@
 #include <unistd.h>
 
 #include <cerrno>
-#include <cfloat>
-#include <condition_variable>
 #include <csignal>
 #include <cstring>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <thread>
 #include <cmath>
@@ -24,6 +21,7 @@
 #include <string>
 
 #include "absl/strings/numbers.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -70,8 +68,8 @@ commands:
                           --params=MODEL.pt (the model's state_dict), a combined
                           {"model": ..., "optimizer": ...} file, or shardopt's own torch
                           export; PyTorch does not record Adam vs AdamW: say it with
-                          --optimizer=adam|adamw|sgd. One param_group is supported (the
-                          optimizer applies one set of hyper-parameters)
+                          --optimizer=adam|adamw|sgd. Every param_group is kept (membership,
+                          order, hyper-parameters) when the file names its parameters
 (shardopt_train --resume also takes a consolidated .safetensors or a .pt file directly.)
   load          query status, layout and memory in turn at --rate per second for
                 --duration seconds; prints latency percentiles (load testing)
@@ -497,19 +495,16 @@ class TopPoller {
   // running (the caller then exits without joining).
   bool Stop(absl::Duration grace) {
     {
-      std::lock_guard<std::mutex> l(mu_);
+      absl::MutexLock l(&mu_);
       stop_ = true;
+      if (!mu_.AwaitWithTimeout(absl::Condition(&done_), grace)) return false;
     }
-    cv_.notify_all();
-    std::unique_lock<std::mutex> l(mu_);
-    if (!cv_.wait_for(l, absl::ToChronoNanoseconds(grace), [this] { return done_; })) return false;
-    l.unlock();
     thread_.join();
     return true;
   }
   void Detach() { thread_.detach(); }
   Snapshot Get() {
-    std::lock_guard<std::mutex> l(mu_);
+    absl::MutexLock l(&mu_);
     return snap_;
   }
 
@@ -518,12 +513,12 @@ class TopPoller {
     // An unreachable coordinator fails fast; a silent one costs at most the
     // deadline (q does not wait for it).
     const absl::Duration deadline = std::clamp(interval_, absl::Seconds(1), absl::Seconds(5));
-    std::unique_lock<std::mutex> l(mu_);
+    absl::MutexLock l(&mu_);
     while (!stop_) {
-      l.unlock();
+      mu_.Unlock();
       absl::StatusOr<v1::GetJobResponse> job = client_->GetJob(deadline);
       const absl::Time now = absl::Now();
-      l.lock();
+      mu_.Lock();
       ++snap_.fetches;
       snap_.error = job.status();
       if (job.ok()) {
@@ -531,19 +526,17 @@ class TopPoller {
         snap_.job_time = now;
       }
       TopWake();
-      cv_.wait_for(l, absl::ToChronoNanoseconds(interval_), [this] { return stop_; });
+      mu_.AwaitWithTimeout(absl::Condition(&stop_), interval_);
     }
     done_ = true;
-    cv_.notify_all();
   }
 
   CoordinatorClient* const client_;
   const absl::Duration interval_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool stop_ = false;
-  bool done_ = false;
-  Snapshot snap_;
+  absl::Mutex mu_;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  bool done_ ABSL_GUARDED_BY(mu_) = false;
+  Snapshot snap_ ABSL_GUARDED_BY(mu_);
   std::thread thread_;
 };
 
@@ -844,15 +837,15 @@ int Main(int argc, char** argv) {
   if (cmd == "set-lr") {
     if (flags->positional().size() != 2) return Fail("usage: shardctl set-lr VALUE");
     double lr = 0;
-    if (!absl::SimpleAtod(flags->positional()[1], &lr) || !std::isfinite(lr) || lr < FLT_MIN ||
-        lr > FLT_MAX) {
-      return Fail(absl::StrCat(
-          "set-lr: the learning rate must be a positive number that a float holds, in [",
-          absl::StrFormat("%g, %g", FLT_MIN, FLT_MAX), "], got '", flags->positional()[1], "'"));
+    if (!absl::SimpleAtod(flags->positional()[1], &lr)) {
+      return Fail(absl::StrCat("set-lr: '", flags->positional()[1], "' is not a number"));
+    }
+    if (absl::Status s = ValidateLearningRateChange(lr); !s.ok()) {
+      return Fail(absl::StrCat("set-lr: ", s.message()));
     }
     auto v = client.SetLearningRate(lr);
     if (!v.ok() && v.status().code() == absl::StatusCode::kInvalidArgument) {
-      // Refused by the coordinator (not finite and > 0 as a float, ...).
+      // Refused by the coordinator (the same rule, checked there too).
       return Fail(absl::StrCat(v.status().message(), "; the job's learning rate is unchanged"));
     }
     if (!v.ok()) return unreachable(v.status());

@@ -20,7 +20,7 @@
 #include "client/comm/flight_recorder.h"
 #include "client/comm/host_communicator.h"
 #include "client/coordinator_client.h"
-#include "client/models.h"
+#include "tools/models/models.h"
 #include "client/rank_agent.h"
 #include "client/sharded_optimizer.h"
 #include "client/host_allocator.h"
@@ -117,7 +117,6 @@ constexpr int64_t kMaxThreads = 256;
 constexpr int64_t kMaxBucketCap = 2147483647;
 constexpr int64_t kMaxCkptKeep = 1000000;
 constexpr int64_t kMaxWorldSize = 1 << 20;
-constexpr double kMaxClip = 1e30;
 constexpr double kMaxTimeoutSeconds = 86400;
 
 // Set by SIGTERM/SIGINT; the rank agent's heartbeat thread turns it into an
@@ -178,12 +177,12 @@ absl::Status ReadConfig(const Flags& flags, Config* c) {
   c->rank = static_cast<int>(Take(EnvInt("RANK", 0, 0, std::max(0, c->world - 1)), &bad));
   c->model_name = Take(flags.Choice("model", "tiny", {"tiny", "small", "mlp", "resnet101"}), &bad);
   c->steps = Take(flags.Int("steps", 20, 1, kMaxSteps), &bad);
-  c->lr = Take(flags.PositiveFloat("lr", 1e-4), &bad);
+  c->lr = Take(flags.HyperParam("lr", HyperParameter::kLearningRate, 1e-4), &bad);
   c->has_lr = flags.Has("lr");
   c->kind = Take(flags.Choice("optimizer", "adam", {"adam", "adamw", "sgd"}), &bad);
   c->batch_flag = Take(flags.Int("batch", 0, 1, kMaxBatch), &bad);
   c->has_batch = flags.Has("batch");
-  c->clip = Take(flags.Double("clip", 0, 0, kMaxClip), &bad);
+  c->clip = Take(flags.HyperParam("clip", HyperParameter::kMaxGradNorm, 0), &bad);
   c->shard_gradients = Take(flags.Choice("shard-gradients", "off", {"on", "off"}), &bad) == "on";
   c->bucket_cap =
       Take(flags.Int("bucket-cap", c->shard_gradients ? 2 * 1024 * 1024 : 25 * 1024 * 1024 / 4, 1,
@@ -363,7 +362,7 @@ absl::StatusOr<int64_t> Resume(const Config& c, ShardedOptimizer* o) {
   if (!m.ok()) return m.status();
   std::string lr_note = absl::StrFormat("lr %g as saved", m->optimizer.lr);
   if (c.has_lr && c.lr != m->optimizer.lr) {
-    o->SetLearningRate(c.lr);
+    if (absl::Status s = o->SetLearningRate(c.lr); !s.ok()) return s;
     lr_note = absl::StrFormat("lr %g from --lr (the checkpoint saved %g)", c.lr, m->optimizer.lr);
   }
   if (c.rank == 0) {

@@ -16,8 +16,8 @@
 // when no rank reports window times) carries a '*' in the first column and the
 // note "slowest", and with `highlight` its line is drawn in reverse video;
 // ranks the coordinator names slow carry '!' and "SLOW: <reason>".
-#ifndef SHARDOPT_TOOLS_TOP_VIEW_H_
-#define SHARDOPT_TOOLS_TOP_VIEW_H_
+#ifndef SHARDOPT_TOOLS_CLI_TOP_VIEW_H_
+#define SHARDOPT_TOOLS_CLI_TOP_VIEW_H_
 
 #include <string>
 #include <vector>
@@ -60,4 +60,4 @@ std::string TopDuration(double seconds);  // "12s", "5m03s", "1h02m03s", "3d04h"
 
 }  // namespace shardopt
 
-#endif  // SHARDOPT_TOOLS_TOP_VIEW_H_
+#endif  // SHARDOPT_TOOLS_CLI_TOP_VIEW_H_

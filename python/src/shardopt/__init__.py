@@ -33,7 +33,6 @@ __all__ = ["init", "Context", "ShardedOptimizer", "StepStats", "install_host_all
            "host_allocator_stats"]
 
 _KINDS = ("adam", "adamw", "sgd")
-_FLT_MAX = 3.4028234663852886e38
 
 
 _FUSED = {torch.optim.AdamW: "adamw", torch.optim.Adam: "adam", torch.optim.SGD: "sgd"}
@@ -497,13 +496,21 @@ class ShardedOptimizer(Optimizer):
             nesterov = explicit.get("nesterov", False)
         if weight_decay is None:
             weight_decay = 1e-2 if optimizer == "adamw" else 0.0
-        for name, v in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay),
-                        ("momentum", momentum), ("max_grad_norm", max_grad_norm)):
+        if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+            raise ValueError(f"invalid betas {betas!r}: must be two numbers")
+        for name, v in (("lr", lr), ("betas[0]", betas[0]), ("betas[1]", betas[1]), ("eps", eps),
+                        ("weight_decay", weight_decay), ("momentum", momentum),
+                        ("dampening", dampening), ("max_grad_norm", max_grad_norm)):
             if isinstance(v, torch.Tensor) and v.numel() == 1:
                 v = v.item()
-            if not isinstance(v, (int, float)) or not 0 <= v <= _FLT_MAX:
-                raise ValueError(f"invalid {name} {v!r}: must be >= 0 and at most "
-                                 f"{_FLT_MAX:.8g} (the kernels compute in float32)")
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise ValueError(f"invalid {name} {v!r}: must be a number")
+            # The one rule every path shares (common/hyper_params.h).
+            try:
+                fv = float(v)
+            except OverflowError:  # an int past float64
+                fv = float("inf")
+            _C.validate_hyper_parameter(name, fv)
         if not isinstance(batch_size, int) or batch_size < 0:
             raise ValueError(f"batch_size must be an int >= 0 (samples per rank per step), "
                              f"got {batch_size!r}")
@@ -516,8 +523,6 @@ class ShardedOptimizer(Optimizer):
         if broadcast_buffers and module is None:
             raise ValueError("broadcast_buffers needs module= (the model whose buffers rank 0 "
                              "broadcasts before each forward, as DistributedDataParallel does)")
-        if not (len(betas) == 2 and all(0.0 <= b < 1.0 for b in betas)):
-            raise ValueError(f"invalid betas {betas!r}: each must be in [0, 1)")
         if not isinstance(shard_gradients, bool):
             raise ValueError(f"shard_gradients must be True or False, not {shard_gradients!r}")
         if bucket_cap_mb is None:

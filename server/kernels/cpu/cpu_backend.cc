@@ -1,9 +1,9 @@
-// The CPU KernelBackend: the ISA-dispatched kernels of cpu_kernels.h.
+#include "server/kernels/cpu/cpu_backend.h"
+
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
 #include "server/kernels/cpu/cpu_kernels.h"
-#include "server/kernels/kernel_backend.h"
 
 namespace shardopt {
 namespace {
@@ -62,26 +62,6 @@ class CpuKernelBackend : public KernelBackend {
 };
 
 }  // namespace
-
-absl::Status KernelBackend::SquaredNormTo(absl::Span<const UpdateSlice> slices, double* out) {
-  absl::StatusOr<double> sum = SquaredNorm(slices);
-  if (!sum.ok()) return sum.status();
-  *out = *sum;
-  return absl::OkStatus();
-}
-
-namespace {
-// Host work is done when it returns.
-class ReadyFence : public KernelBackend::Fence {
- public:
-  bool Ready() override { return true; }
-  absl::Status Wait(absl::Duration) override { return absl::OkStatus(); }
-};
-}  // namespace
-
-std::unique_ptr<KernelBackend::Fence> KernelBackend::RecordFence() {
-  return std::make_unique<ReadyFence>();
-}
 
 std::unique_ptr<KernelBackend> MakeCpuKernelBackend(int num_threads) {
   return std::make_unique<CpuKernelBackend>(num_threads);

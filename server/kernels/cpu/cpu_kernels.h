@@ -7,14 +7,14 @@
 // compiled without floating-point contraction, and sqrt/div are correctly
 // rounded in every SIMD width. Thread-safe as long as concurrent calls touch
 // disjoint slices.
-#ifndef SHARDOPT_SERVER_CPU_KERNELS_H_
-#define SHARDOPT_SERVER_CPU_KERNELS_H_
+#ifndef SHARDOPT_SERVER_KERNELS_CPU_CPU_KERNELS_H_
+#define SHARDOPT_SERVER_KERNELS_CPU_CPU_KERNELS_H_
 
 #include <cstdint>
 
 #include "absl/status/status.h"
 #include "absl/types/span.h"
-#include "server/kernels/optimizer_config.h"
+#include "common/optimizer_config.h"
 #include "server/kernels/update_slice.h"
 
 namespace shardopt {
@@ -50,4 +50,4 @@ absl::Status SameTrafficStep(absl::Span<const UpdateSlice> slices,
 
 }  // namespace shardopt
 
-#endif  // SHARDOPT_SERVER_CPU_KERNELS_H_
+#endif  // SHARDOPT_SERVER_KERNELS_CPU_CPU_KERNELS_H_

@@ -1,8 +1,8 @@
 // Internal: per-instruction-set kernel entry points. The same source
 // (cpu_kernels_isa.inc) is compiled once per instruction set, as ATen does
 // with its CPU_CAPABILITY builds; cpu_kernels.cc picks one at run time.
-#ifndef SHARDOPT_SERVER_CPU_KERNELS_ISA_H_
-#define SHARDOPT_SERVER_CPU_KERNELS_ISA_H_
+#ifndef SHARDOPT_SERVER_KERNELS_CPU_CPU_KERNELS_ISA_H_
+#define SHARDOPT_SERVER_KERNELS_CPU_CPU_KERNELS_ISA_H_
 
 #include <cstdint>
 
@@ -32,4 +32,4 @@ SHARDOPT_DECLARE_TABLE(avx512)
 }  // namespace internal
 }  // namespace shardopt
 
-#endif  // SHARDOPT_SERVER_CPU_KERNELS_ISA_H_
+#endif  // SHARDOPT_SERVER_KERNELS_CPU_CPU_KERNELS_ISA_H_

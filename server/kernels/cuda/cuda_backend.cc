@@ -15,11 +15,11 @@ cuda::DeviceSlice ToDevice(const UpdateSlice& s) {
   cuda::DeviceSlice d;
   d.master = s.param;
   d.grad = s.grad != nullptr ? static_cast<const void*>(s.grad) : s.grad_bf16;
-  d.grad_type = s.grad != nullptr ? cuda::ParamType::kFloat32 : cuda::ParamType::kBFloat16;
+  d.grad_type = s.grad != nullptr ? DType::kFloat32 : DType::kBFloat16;
   d.state0 = s.state0;
   d.state1 = s.state1;
   d.model = s.param_bf16;
-  d.model_type = cuda::ParamType::kBFloat16;
+  d.model_type = DType::kBFloat16;
   d.size = s.size;
   return d;
 }

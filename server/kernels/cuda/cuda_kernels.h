@@ -7,8 +7,8 @@
 // No CUDA types in this header: streams are passed as void* (cudaStream_t),
 // so CPU-only targets can include it. Every function returns a Status with
 // CUDA's message on failure; when no device is present, DeviceCount() is 0.
-#ifndef SHARDOPT_SERVER_CUDA_CUDA_KERNELS_H_
-#define SHARDOPT_SERVER_CUDA_CUDA_KERNELS_H_
+#ifndef SHARDOPT_SERVER_KERNELS_CUDA_CUDA_KERNELS_H_
+#define SHARDOPT_SERVER_KERNELS_CUDA_CUDA_KERNELS_H_
 
 #include <cstdint>
 #include <vector>
@@ -43,4 +43,4 @@ absl::Status SameTraffic(const std::vector<DeviceSlice>& slices, void* stream);
 }  // namespace cuda
 }  // namespace shardopt
 
-#endif  // SHARDOPT_SERVER_CUDA_CUDA_KERNELS_H_
+#endif  // SHARDOPT_SERVER_KERNELS_CUDA_CUDA_KERNELS_H_

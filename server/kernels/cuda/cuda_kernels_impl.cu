@@ -58,19 +58,19 @@ __device__ __forceinline__ void ForEachChunk(const Batch& b, Op&& op) {
 
 __device__ __forceinline__ float Bf16Bits(uint32_t hi16) { return __uint_as_float(hi16); }
 
-__device__ __forceinline__ float LoadGrad(const void* g, ParamType t, int64_t i) {
+__device__ __forceinline__ float LoadGrad(const void* g, DType t, int64_t i) {
   switch (t) {
-    case ParamType::kBFloat16:
+    case DType::kBFloat16:
       return Bf16Bits(static_cast<uint32_t>(static_cast<const uint16_t*>(g)[i]) << 16);
-    case ParamType::kFloat16: return __half2float(static_cast<const __half*>(g)[i]);
+    case DType::kFloat16: return __half2float(static_cast<const __half*>(g)[i]);
     default: return static_cast<const float*>(g)[i];
   }
 }
 
 // Four gradients from element i (aligned: see Batch::vec_mask).
-__device__ __forceinline__ void LoadGrad4(const void* g, ParamType t, int64_t i, float out[4]) {
+__device__ __forceinline__ void LoadGrad4(const void* g, DType t, int64_t i, float out[4]) {
   switch (t) {
-    case ParamType::kBFloat16: {
+    case DType::kBFloat16: {
       const uint2 u = *reinterpret_cast<const uint2*>(static_cast<const uint16_t*>(g) + i);
       out[0] = Bf16Bits(u.x << 16);
       out[1] = Bf16Bits(u.x & 0xffff0000u);
@@ -78,7 +78,7 @@ __device__ __forceinline__ void LoadGrad4(const void* g, ParamType t, int64_t i,
       out[3] = Bf16Bits(u.y & 0xffff0000u);
       break;
     }
-    case ParamType::kFloat16: {
+    case DType::kFloat16: {
       const uint2 u = *reinterpret_cast<const uint2*>(static_cast<const __half*>(g) + i);
       const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&u.x));
       const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&u.y));
@@ -106,22 +106,22 @@ __device__ __forceinline__ uint16_t ToBf16(float f) {
   return static_cast<uint16_t>(bits >> 16);
 }
 
-__device__ __forceinline__ uint16_t To16(float v, ParamType t) {
-  return t == ParamType::kBFloat16 ? ToBf16(v) : __half_as_ushort(__float2half_rn(v));
+__device__ __forceinline__ uint16_t To16(float v, DType t) {
+  return t == DType::kBFloat16 ? ToBf16(v) : __half_as_ushort(__float2half_rn(v));
 }
 
-__device__ __forceinline__ void StoreModel(void* m, ParamType t, int64_t i, float v) {
+__device__ __forceinline__ void StoreModel(void* m, DType t, int64_t i, float v) {
   if (m == nullptr) return;
-  if (t == ParamType::kFloat32) {
+  if (t == DType::kFloat32) {
     static_cast<float*>(m)[i] = v;
   } else {
     static_cast<uint16_t*>(m)[i] = To16(v, t);
   }
 }
 
-__device__ __forceinline__ void StoreModel4(void* m, ParamType t, int64_t i, const float4& v) {
+__device__ __forceinline__ void StoreModel4(void* m, DType t, int64_t i, const float4& v) {
   if (m == nullptr) return;
-  if (t == ParamType::kFloat32) {
+  if (t == DType::kFloat32) {
     *reinterpret_cast<float4*>(static_cast<float*>(m) + i) = v;
   } else {
     uint2 u;
@@ -259,7 +259,7 @@ int Fail(cudaError_t e, const char* what, char* err, int errlen) {
 
 bool Aligned(const void* p, uintptr_t a) { return (reinterpret_cast<uintptr_t>(p) % a) == 0; }
 
-int Bytes(ParamType t) { return t == ParamType::kFloat32 ? 4 : 2; }
+int Bytes(DType t) { return t == DType::kFloat32 ? 4 : 2; }
 
 // Whether every array of `s` allows 4-wide accesses at multiples of 4.
 bool Vectorizable(const DeviceSlice& s) {

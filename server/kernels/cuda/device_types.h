@@ -1,25 +1,24 @@
 // Plain types shared by the CUDA translation unit (compiled by nvcc, which
 // sees no Abseil) and its C++ wrapper.
-#ifndef SHARDOPT_SERVER_CUDA_DEVICE_TYPES_H_
-#define SHARDOPT_SERVER_CUDA_DEVICE_TYPES_H_
+#ifndef SHARDOPT_SERVER_KERNELS_CUDA_DEVICE_TYPES_H_
+#define SHARDOPT_SERVER_KERNELS_CUDA_DEVICE_TYPES_H_
 
 #include <cstdint>
 
+#include "common/dtype.h"
 #include "server/kernels/optimizer_math.h"
 
 namespace shardopt {
 namespace cuda {
 
-enum class ParamType : int32_t { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
-
 struct DeviceSlice {
   float* master = nullptr;
   const void* grad = nullptr;
-  ParamType grad_type = ParamType::kFloat32;
+  DType grad_type = DType::kFloat32;
   float* state0 = nullptr;
   float* state1 = nullptr;
   void* model = nullptr;
-  ParamType model_type = ParamType::kFloat32;
+  DType model_type = DType::kFloat32;
   int64_t size = 0;
 };
 
@@ -40,4 +39,4 @@ int SameTraffic(const DeviceSlice* slices, int n, void* stream, char* err, int e
 }  // namespace cuda
 }  // namespace shardopt
 
-#endif  // SHARDOPT_SERVER_CUDA_DEVICE_TYPES_H_
+#endif  // SHARDOPT_SERVER_KERNELS_CUDA_DEVICE_TYPES_H_

@@ -73,7 +73,7 @@ class MisuseTest(unittest.TestCase):
     def test_lr_beyond_float32(self):
         for res in run_case("lr_float32"):
             self.assertError(res["ctor"], "ValueError", "float32")
-            self.assertError(res["edit"], "ValueError", "learning rate")
+            self.assertError(res["edit"], "ValueError", "invalid lr")
 
     def test_params_in_a_set_refused(self):
         for res in run_case("params_set"):

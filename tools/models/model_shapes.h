@@ -1,7 +1,7 @@
 // Loads the parameter-shape fixtures (tests/fixtures/*.json) used by planner
 // tests and benchmarks: names and shapes in registration order.
-#ifndef SHARDOPT_COMMON_MODEL_SHAPES_H_
-#define SHARDOPT_COMMON_MODEL_SHAPES_H_
+#ifndef SHARDOPT_TOOLS_MODELS_MODEL_SHAPES_H_
+#define SHARDOPT_TOOLS_MODELS_MODEL_SHAPES_H_
 
 #include <string>
 #include <vector>
@@ -23,4 +23,4 @@ absl::StatusOr<ModelShapes> LoadModelShapes(const std::string& path);
 
 }  // namespace shardopt
 
-#endif  // SHARDOPT_COMMON_MODEL_SHAPES_H_
+#endif  // SHARDOPT_TOOLS_MODELS_MODEL_SHAPES_H_

@@ -1,6 +1,6 @@
 // The models of docs/performance.md and the tests, and their seeded synthetic data.
-#ifndef SHARDOPT_CLIENT_MODELS_H_
-#define SHARDOPT_CLIENT_MODELS_H_
+#ifndef SHARDOPT_TOOLS_MODELS_MODELS_H_
+#define SHARDOPT_TOOLS_MODELS_MODELS_H_
 
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/sequential.h>
@@ -54,4 +54,4 @@ absl::StatusOr<std::unique_ptr<TrainModel>> MakeModel(const std::string& name, u
 
 }  // namespace shardopt
 
-#endif  // SHARDOPT_CLIENT_MODELS_H_
+#endif  // SHARDOPT_TOOLS_MODELS_MODELS_H_

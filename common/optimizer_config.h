@@ -1,7 +1,7 @@
 // Hyper-parameters of the optimizers shardopt implements. The semantics are
 // those of torch.optim of the same name (PyTorch 1.13), including defaults.
-#ifndef SHARDOPT_SERVER_OPTIMIZER_CONFIG_H_
-#define SHARDOPT_SERVER_OPTIMIZER_CONFIG_H_
+#ifndef SHARDOPT_COMMON_OPTIMIZER_CONFIG_H_
+#define SHARDOPT_COMMON_OPTIMIZER_CONFIG_H_
 
 #include <cstdint>
 
@@ -45,11 +45,11 @@ struct SgdConfig {
   bool maximize = false;
 };
 
-// InvalidArgument with the offending field when a value is outside what
-// torch.optim accepts (negative lr, betas outside [0, 1), ...).
+// InvalidArgument naming the first field outside its range
+// (common/hyper_params.h: the one rule per hyper-parameter).
 absl::Status ValidateAdamConfig(const AdamConfig& config);
 absl::Status ValidateSgdConfig(const SgdConfig& config);
 
 }  // namespace shardopt
 
-#endif  // SHARDOPT_SERVER_OPTIMIZER_CONFIG_H_
+#endif  // SHARDOPT_COMMON_OPTIMIZER_CONFIG_H_

@@ -1,4 +1,4 @@
-#include "common/model_shapes.h"
+#include "tools/models/model_shapes.h"
 
 #include <fstream>
 #include <sstream>

@@ -1,4 +1,4 @@
-#include "client/models.h"
+#include "tools/models/models.h"
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Builds everything with clang's thread-safety analysis as errors
+# (`bazel build --config=tsa //...`, see .bazelrc): every mutex-guarded member
+# is annotated (ABSL_GUARDED_BY, ABSL_EXCLUSIVE_LOCKS_REQUIRED), and an access
+# without its lock fails the build. Runs in an output base of its own
+# ($SHARDOPT_TSA_OUTPUT_BASE, default ~/.cache/shardopt-tsa) so that switching
+# compilers does not invalidate the normal (gcc) build; the disk cache of
+# .bazelrc is shared, so a second run only recompiles what changed. Counted as
+# a test by tools/test.sh. Exit status: bazel's.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+if ! command -v clang >/dev/null; then
+  echo "tsa_check: clang is not installed (tools/setup.sh installs it)"
+  exit 1
+fi
+base=${SHARDOPT_TSA_OUTPUT_BASE:-$HOME/.cache/shardopt-tsa}
+start=$(date +%s)
+bazel --output_base="$base" build --config=tsa //... "$@" 2>&1 | tail -n 30
+rc=${PIPESTATUS[0]}
+echo "tsa_check: bazel build --config=tsa //... exit $rc ($(($(date +%s) - start)) s)"
+exit "$rc"
