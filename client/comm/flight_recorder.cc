@@ -15,7 +15,8 @@ const char* FlightStateName(FlightState state) {
   return "unknown";
 }
 
-FlightRecorder::FlightRecorder(int capacity) : ring_(static_cast<size_t>(std::max(1, capacity))) {}
+FlightRecorder::FlightRecorder(int capacity)
+    : capacity_(std::max(1, capacity)), ring_(static_cast<size_t>(capacity_)) {}
 
 int64_t FlightRecorder::Begin(CollectiveKind op, int bucket, int64_t bytes) {
   const int64_t now = absl::GetCurrentTimeNanos();

@@ -66,7 +66,7 @@ class FlightRecorder final : public CommObserver {
   int64_t stalls() const { return stalls_.load(std::memory_order_relaxed); }
   // Collectives recorded so far (the last sequence number).
   int64_t recorded() const;
-  int capacity() const { return static_cast<int>(ring_.size()); }
+  int capacity() const { return capacity_; }
 
   // The ring, oldest first (at most capacity() entries).
   std::vector<FlightEntry> Snapshot() const;
@@ -78,8 +78,9 @@ class FlightRecorder final : public CommObserver {
   void OnWaitTimeout(int64_t id) override { WaitTimedOut(id); }
 
  private:
+  const int capacity_;
   mutable absl::Mutex mu_;
-  std::vector<FlightEntry> ring_ ABSL_GUARDED_BY(mu_);  // slot seq % capacity
+  std::vector<FlightEntry> ring_ ABSL_GUARDED_BY(mu_);  // slot seq % capacity_
   int64_t last_seq_ ABSL_GUARDED_BY(mu_) = 0;
   std::atomic<int64_t> step_{0};
   std::atomic<int64_t> stalls_{0};

@@ -31,6 +31,7 @@
 #include "common/file_system.h"
 #include "nlohmann/json.hpp"
 #include "tools/cli/flags.h"
+#include "tools/cli/top_live.h"
 #include "tools/cli/top_view.h"
 
 namespace shardopt {
@@ -340,339 +341,12 @@ int CheckpointCommand(const std::vector<std::string>& args, const Flags& flags) 
   return 0;
 }
 
-// ---- shardctl top: a live view of a running job (the frame: tools/cli/top_view.h) ----
-//
-// The terminal is put in cbreak mode (no echo, no line buffering; Ctrl-C still
-// signals) on the alternate screen with the cursor hidden, and restored on
-// every way out: q, Ctrl-C / SIGTERM / SIGHUP (exit 128 + signal), an error,
-// and a crash (SIGSEGV, SIGABRT, ...: restored, then the signal's default
-// action). Ctrl-Z restores it before stopping and re-enters on SIGCONT. A
-// background thread fetches the job every --interval, so q answers at once
-// even while an RPC waits for an unreachable coordinator.
-
-constexpr char kTopEnter[] = "\x1b[?1049h\x1b[?25l";  // alternate screen, hide the cursor
-constexpr char kTopLeave[] = "\x1b[?25h\x1b[?1049l";  // show the cursor, main screen
-
-struct termios g_top_saved;
-volatile sig_atomic_t g_top_raw = 0;     // the terminal is ours to restore
-volatile sig_atomic_t g_top_signal = 0;  // SIGINT, SIGTERM, SIGHUP or SIGQUIT received
-volatile sig_atomic_t g_top_winch = 0;
-volatile sig_atomic_t g_top_tstp = 0;
-int g_top_wake[2] = {-1, -1};  // self-pipe: signals and new data wake the loop
-
-void TopWake() {
-  if (g_top_wake[1] >= 0) {
-    const int saved = errno;
-    (void)!write(g_top_wake[1], "x", 1);
-    errno = saved;
-  }
-}
-
-// Async-signal-safe.
-void TopRestoreTerminal() {
-  if (!g_top_raw) return;
-  g_top_raw = 0;
-  tcsetattr(STDIN_FILENO, TCSANOW, &g_top_saved);
-  (void)!write(STDOUT_FILENO, kTopLeave, sizeof(kTopLeave) - 1);
-}
-
-void TopOnQuitSignal(int sig) {
-  g_top_signal = sig;
-  TopWake();
-}
-void TopOnWinch(int) {
-  g_top_winch = 1;
-  TopWake();
-}
-void TopOnTstp(int) {
-  g_top_tstp = 1;
-  TopWake();
-}
-void TopOnFatal(int sig) {  // installed with SA_RESETHAND: the re-raise kills
-  TopRestoreTerminal();
-  raise(sig);
-}
-
-bool TopWriteAll(const std::string& s) {
-  size_t done = 0;
-  while (done < s.size()) {
-    const ssize_t n = write(STDOUT_FILENO, s.data() + done, s.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return false;
-    done += static_cast<size_t>(n);
-  }
-  return true;
-}
-
-// Owns the terminal mode and the signal handlers while `top` runs; the
-// destructor puts everything back.
-class TopTerminal {
- public:
-  TopTerminal() = default;
-  TopTerminal(const TopTerminal&) = delete;
-  TopTerminal& operator=(const TopTerminal&) = delete;
-  ~TopTerminal() {
-    TopRestoreTerminal();
-    for (auto& [sig, old] : old_actions_) sigaction(sig, &old, nullptr);
-    for (int& fd : g_top_wake) {
-      if (fd >= 0) close(fd);
-      fd = -1;
-    }
-  }
-
-  absl::Status Start() {
-    if (pipe2(g_top_wake, O_CLOEXEC | O_NONBLOCK) != 0) {
-      return absl::InternalError(absl::StrCat("top: pipe: ", strerror(errno)));
-    }
-    Handle(SIGINT, TopOnQuitSignal, 0);
-    Handle(SIGTERM, TopOnQuitSignal, 0);
-    Handle(SIGHUP, TopOnQuitSignal, 0);
-    Handle(SIGQUIT, TopOnQuitSignal, 0);
-    Handle(SIGWINCH, TopOnWinch, SA_RESTART);
-    Handle(SIGTSTP, TopOnTstp, SA_RESTART);
-    for (int sig : {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT})
-      Handle(sig, TopOnFatal, SA_RESETHAND);
-    return EnterRaw();
-  }
-
-  absl::Status EnterRaw() {
-    if (tcgetattr(STDIN_FILENO, &g_top_saved) != 0) {
-      return absl::FailedPreconditionError(absl::StrCat("top: the terminal: ", strerror(errno)));
-    }
-    struct termios raw = g_top_saved;
-    raw.c_lflag &= ~(ICANON | ECHO);  // ISIG stays: Ctrl-C and Ctrl-Z signal
-    raw.c_cc[VMIN] = 1;
-    raw.c_cc[VTIME] = 0;
-    if (tcsetattr(STDIN_FILENO, TCSANOW, &raw) != 0) {
-      return absl::FailedPreconditionError(absl::StrCat("top: the terminal: ", strerror(errno)));
-    }
-    g_top_raw = 1;
-    TopWriteAll(kTopEnter);
-    return absl::OkStatus();
-  }
-
-  // Ctrl-Z: give the terminal back, stop, take it again when continued.
-  absl::Status Suspend() {
-    TopRestoreTerminal();
-    struct sigaction dfl = {}, mine = {};
-    dfl.sa_handler = SIG_DFL;
-    sigaction(SIGTSTP, &dfl, &mine);
-    raise(SIGTSTP);  // stops here until SIGCONT
-    sigaction(SIGTSTP, &mine, nullptr);
-    return EnterRaw();
-  }
-
- private:
-  void Handle(int sig, void (*fn)(int), int flags) {
-    struct sigaction sa = {}, old = {};
-    sa.sa_handler = fn;
-    sa.sa_flags = flags;
-    sigemptyset(&sa.sa_mask);
-    if (sigaction(sig, &sa, &old) == 0) old_actions_.push_back({sig, old});
-  }
-  std::vector<std::pair<int, struct sigaction>> old_actions_;
-};
-
-// Fetches the job every `interval` on its own thread; the loop reads the
-// latest answer.
-class TopPoller {
- public:
-  struct Snapshot {
-    std::optional<v1::GetJobResponse> job;  // the last answer
-    absl::Time job_time;                    // when it came
-    absl::Status error;                     // of the last fetch (ok when it answered)
-    int64_t fetches = 0;
-  };
-
-  TopPoller(CoordinatorClient* client, absl::Duration interval)
-      : client_(client), interval_(interval) {
-    thread_ = std::thread([this] { Run(); });
-  }
-  ~TopPoller() {
-    if (thread_.joinable() && !Stop(absl::Seconds(30))) thread_.detach();
-  }
-  // Waits at most `grace` for a fetch in flight; returns false if it is still
-  // running (the caller then exits without joining).
-  bool Stop(absl::Duration grace) {
-    {
-      absl::MutexLock l(&mu_);
-      stop_ = true;
-      if (!mu_.AwaitWithTimeout(absl::Condition(&done_), grace)) return false;
-    }
-    thread_.join();
-    return true;
-  }
-  void Detach() { thread_.detach(); }
-  Snapshot Get() {
-    absl::MutexLock l(&mu_);
-    return snap_;
-  }
-
- private:
-  void Run() {
-    // An unreachable coordinator fails fast; a silent one costs at most the
-    // deadline (q does not wait for it).
-    const absl::Duration deadline = std::clamp(interval_, absl::Seconds(1), absl::Seconds(5));
-    absl::MutexLock l(&mu_);
-    while (!stop_) {
-      mu_.Unlock();
-      absl::StatusOr<v1::GetJobResponse> job = client_->GetJob(deadline);
-      const absl::Time now = absl::Now();
-      mu_.Lock();
-      ++snap_.fetches;
-      snap_.error = job.status();
-      if (job.ok()) {
-        snap_.job = std::move(*job);
-        snap_.job_time = now;
-      }
-      TopWake();
-      mu_.AwaitWithTimeout(absl::Condition(&stop_), interval_);
-    }
-    done_ = true;
-  }
-
-  CoordinatorClient* const client_;
-  const absl::Duration interval_;
-  absl::Mutex mu_;
-  bool stop_ ABSL_GUARDED_BY(mu_) = false;
-  bool done_ ABSL_GUARDED_BY(mu_) = false;
-  Snapshot snap_ ABSL_GUARDED_BY(mu_);
-  std::thread thread_;
-};
-
-// The status line of a live frame: "" while the coordinator answers. What
-// matters comes first (the line is cut to the width): who, that it retries,
-// how old the data on screen is, then the error itself.
-std::string TopStatusLine(const TopPoller::Snapshot& s, const std::string& address,
-                          absl::Duration interval) {
-  if (s.fetches == 0) return absl::StrCat("connecting to the coordinator at ", address, " ...");
-  if (s.error.ok()) return "";
-  std::string line = absl::StrFormat("error from %s, retrying every %gs", address,
-                                     absl::ToDoubleSeconds(interval));
-  if (s.job) {
-    absl::StrAppend(&line, absl::StrFormat(" (data from %.0fs ago)",
-                                           absl::ToDoubleSeconds(absl::Now() - s.job_time)));
-  }
-  return absl::StrCat(line, ": ", s.error.message());
-}
-
-// One write per frame: each row is cleared, then drawn (clearing after the
-// text would erase the last column's character); rows below the frame are
-// blanked. Nothing is written past the last row (that would scroll).
-std::string TopScreen(const std::vector<std::string>& lines, int height) {
-  std::string out;
-  for (size_t i = 0; i < lines.size(); ++i)
-    absl::StrAppend(&out, "\x1b[", i + 1, ";1H\x1b[2K", lines[i]);
-  if (static_cast<int>(lines.size()) < height)
-    absl::StrAppend(&out, "\x1b[", lines.size() + 1, ";1H\x1b[J");
-  return out;
-}
-
-void TopTerminalSize(int* width, int* height) {
-  struct winsize ws = {};
-  *width = 80;
-  *height = 24;
-  if (ioctl(STDOUT_FILENO, TIOCGWINSZ, &ws) == 0 && ws.ws_col > 0 && ws.ws_row > 0) {
-    *width = ws.ws_col;
-    *height = ws.ws_row;
-  }
-}
-
-int TopLive(CoordinatorClient* client, const std::string& address, absl::Duration interval) {
-  if (!isatty(STDIN_FILENO) || !isatty(STDOUT_FILENO)) {
-    return Fail("top: needs a terminal on stdin and stdout (use top --once in scripts)");
-  }
-  const char* no_color = std::getenv("NO_COLOR");
-  const char* term_name = std::getenv("TERM");
-  const bool highlight =
-      !(no_color && *no_color) && !(term_name && std::string(term_name) == "dumb");
-  int code = 0;
-  bool joined = true;
-  std::string error;  // printed once the terminal is back
-  {
-    TopTerminal term;
-    if (absl::Status s = term.Start(); !s.ok()) return Fail(std::string(s.message()));
-    auto poller = std::make_unique<TopPoller>(client, interval);
-    bool redraw = true;
-    while (true) {
-      if (g_top_signal) {
-        code = 128 + g_top_signal;
-        break;
-      }
-      if (g_top_tstp) {
-        g_top_tstp = 0;
-        if (absl::Status s = term.Suspend(); !s.ok()) {
-          error = std::string(s.message());
-          break;
-        }
-        redraw = true;
-      }
-      if (g_top_winch) {
-        g_top_winch = 0;
-        redraw = true;
-      }
-      if (redraw) {
-        redraw = false;
-        int width, height;
-        TopTerminalSize(&width, &height);
-        const TopPoller::Snapshot snap = poller->Get();
-        TopViewOptions o;
-        o.width = width;
-        o.height = height;
-        o.highlight = highlight;
-        o.status = TopStatusLine(snap, address, interval);
-        TopWriteAll(TopScreen(RenderTopView(snap.job ? &*snap.job : nullptr, o), height));
-      }
-      struct pollfd fds[2] = {{STDIN_FILENO, POLLIN, 0}, {g_top_wake[0], POLLIN, 0}};
-      const int n = poll(fds, 2, -1);
-      if (n < 0 && errno != EINTR) {
-        error = absl::StrCat("top: poll: ", strerror(errno));
-        break;
-      }
-      if (n <= 0) continue;
-      if (fds[1].revents & POLLIN) {
-        char buf[64];
-        while (read(g_top_wake[0], buf, sizeof(buf)) > 0) {
-        }
-        redraw = true;  // new data (or a signal, handled above)
-      }
-      if (fds[0].revents & (POLLIN | POLLHUP | POLLERR)) {
-        char keys[64];
-        const ssize_t k = read(STDIN_FILENO, keys, sizeof(keys));
-        if (k == 0 || (k < 0 && errno != EINTR && errno != EAGAIN)) break;  // the terminal is gone
-        bool quit = false;
-        for (ssize_t i = 0; i < k; ++i) quit |= keys[i] == 'q' || keys[i] == 'Q';
-        if (quit) break;
-      }
-    }
-    // Give the terminal back at once; then wait briefly for a fetch in flight.
-    TopRestoreTerminal();
-    if (!error.empty()) code = Fail(error);
-    joined = poller->Stop(absl::Milliseconds(300));
-    if (!joined) {
-      poller->Detach();
-      (void)poller.release();  // its thread still uses it; the process ends below
-    }
-  }
-  if (!joined) {
-    // A fetch still waits for its deadline: do not wait for it.
-    std::fflush(stdout);
-    std::fflush(stderr);
-    std::_Exit(code);
-  }
-  return code;
-}
-
 int TopCommand(CoordinatorClient* client, const std::string& address, const Flags& flags) {
-  if (flags.positional().size() != 1) {
-    return Fail(
-        absl::StrCat("top takes no argument, got '", flags.positional()[1], "' (see --help)"));
-  }
   if (*flags.Bool("json", false))
     return Fail("top has no --json output (use shardctl status --json)");
   const absl::Duration interval =
       *flags.Seconds("interval", 1, kMinTopInterval, kMaxTopInterval);  // checked
-  if (!*flags.Bool("once", false)) return TopLive(client, address, interval);
+  if (!*flags.Bool("once", false)) return RunTopLive(client, address, interval);
   // One frame, plain text, no terminal control: for scripts.
   auto job = client->GetJob();
   if (!job.ok()) return Fail(absl::StrCat(job.status().message(), " [", address, "]"));
@@ -681,6 +355,259 @@ int TopCommand(CoordinatorClient* client, const std::string& address, const Flag
   o.height = 0;
   for (const std::string& line : RenderTopView(&*job, o)) std::printf("%s\n", line.c_str());
   return job->state() == "failed" ? 1 : 0;
+}
+
+// What a command run against a job's coordinator gets.
+struct JobContext {
+  CoordinatorClient& client;
+  const Flags& flags;
+  const std::string& address;
+  bool json;
+  // A failed RPC: the message and the address, exit status 2.
+  int Unreachable(const absl::Status& s) const {
+    return Fail(absl::StrCat(s.message(), " [", address, "]"));
+  }
+};
+
+int StatusCommand(const JobContext& ctx) {
+  auto wait = ctx.flags.Double("wait", 0);
+  if (!wait.ok()) return Fail(std::string(wait.status().message()));
+  const absl::Time deadline = absl::Now() + absl::Seconds(*wait);
+  absl::StatusOr<v1::GetJobResponse> job;
+  while (true) {
+    job = ctx.client.GetJob();
+    const bool settled = job.ok() && job->state() != "starting";
+    if (settled || absl::Now() >= deadline) break;
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+  if (!job.ok()) return ctx.Unreachable(job.status());
+  if (ctx.json) return PrintJson(*job);
+  // The ranks' learning rate; a requested one they have not applied yet
+  // (compared as the float they train with) is shown beside it.
+  std::string lr = absl::StrFormat("%g", job->learning_rate());
+  if (job->requested_learning_rate() > 0 && static_cast<float>(job->requested_learning_rate()) !=
+                                                static_cast<float>(job->learning_rate())) {
+    lr += absl::StrFormat(" (%g requested)", job->requested_learning_rate());
+  }
+  std::printf("job %s: %s, %d ranks, step %lld, lr %s, layout %016llx\n", job->job_id().c_str(),
+              job->state().c_str(), job->world_size(), static_cast<long long>(job->step()),
+              lr.c_str(), static_cast<unsigned long long>(job->layout_hash()));
+  if (!job->failure().empty()) std::printf("failure: %s\n", job->failure().c_str());
+  std::printf("%5s  %-22s %8s %10s %14s %12s\n", "rank", "shard owner", "step", "loss", "samples/s",
+              "heartbeat");
+  for (const auto& r : job->ranks()) {
+    std::printf(
+        "%5d  %-22s %8lld %10.5f %14.1f %12s\n", r.rank(),
+        r.address().empty() ? "(not joined)" : r.address().c_str(),
+        static_cast<long long>(r.step()), r.loss(), r.samples_per_s(),
+        r.seconds_since_heartbeat() < 0
+            ? "-"
+            : absl::StrFormat("%.1fs ago%s", r.seconds_since_heartbeat(), r.alive() ? "" : " DEAD")
+                  .c_str());
+  }
+  return job->state() == "failed" ? 1 : 0;
+}
+
+int LayoutCommand(const JobContext& ctx) {
+  auto l = ctx.client.GetLayout();
+  if (!l.ok()) return ctx.Unreachable(l.status());
+  if (ctx.json) return PrintJson(*l);
+  std::printf(
+      "layout %016llx: %d ranks, %zu buckets, %lld elements, padding %lld, imbalance "
+      "%.5f, %d cut tensors\n",
+      static_cast<unsigned long long>(l->layout_hash()), l->world_size(),
+      static_cast<size_t>(l->bucket_capacity_size()), static_cast<long long>(l->num_elements()),
+      static_cast<long long>(l->padding_elements()), l->imbalance(), l->cut_tensors());
+  std::printf("%6s %5s %12s %12s  %s\n", "bucket", "rank", "elements", "capacity", "parameters");
+  for (const auto& row : l->ranges()) {
+    std::string params = absl::StrJoin(row.params(), ", ");
+    if (params.size() > 90) params = params.substr(0, 87) + "...";
+    std::printf("%6d %5d %12lld %12lld  %s\n", row.bucket(), row.rank(),
+                static_cast<long long>(row.elements()),
+                static_cast<long long>(l->bucket_capacity(row.bucket())), params.c_str());
+  }
+  std::printf("owned per rank:");
+  for (int r = 0; r < l->owned_elements_size(); ++r) {
+    std::printf(" %d:%lld", r, static_cast<long long>(l->owned_elements(r)));
+  }
+  std::printf("\n");
+  return 0;
+}
+
+int MemoryCommand(const JobContext& ctx) {
+  auto m = ctx.client.GetMemory();
+  if (!m.ok()) return ctx.Unreachable(m.status());
+  if (ctx.json) return PrintJson(*m);
+  std::printf("%5s %12s %12s %12s %12s %12s\n", "rank", "master", "opt state", "gradients",
+              "parameters", "RSS");
+  v1::RankMemory total;
+  for (const auto& r : m->ranks()) {
+    if (!r.error().empty()) {
+      std::printf("%5d  %s\n", r.rank(), r.error().c_str());
+      continue;
+    }
+    std::printf("%5d %12s %12s %12s %12s %12s\n", r.rank(), Bytes(r.master_bytes()).c_str(),
+                Bytes(r.state_bytes()).c_str(), Bytes(r.grad_bytes()).c_str(),
+                Bytes(r.param_bytes()).c_str(), Bytes(r.rss_bytes()).c_str());
+    total.set_master_bytes(total.master_bytes() + r.master_bytes());
+    total.set_state_bytes(total.state_bytes() + r.state_bytes());
+    total.set_grad_bytes(total.grad_bytes() + r.grad_bytes());
+    total.set_param_bytes(total.param_bytes() + r.param_bytes());
+    total.set_rss_bytes(total.rss_bytes() + r.rss_bytes());
+  }
+  std::printf("%5s %12s %12s %12s %12s %12s\n", "total", Bytes(total.master_bytes()).c_str(),
+              Bytes(total.state_bytes()).c_str(), Bytes(total.grad_bytes()).c_str(),
+              Bytes(total.param_bytes()).c_str(), Bytes(total.rss_bytes()).c_str());
+  return 0;
+}
+
+int HealthCommand(const JobContext& ctx) {
+  auto h = ctx.client.Health();
+  if (!h.ok()) return ctx.Unreachable(h.status());
+  std::printf("%s\n", ctx.json ? absl::StrCat("{\"status\": \"", *h, "\"}").c_str() : h->c_str());
+  return *h == "SERVING" ? 0 : 1;
+}
+
+int SetLrCommand(const JobContext& ctx) {
+  if (ctx.flags.positional().size() != 2)
+    return Fail("usage: shardctl set-lr VALUE");  // (no value)
+  double lr = 0;
+  if (!absl::SimpleAtod(ctx.flags.positional()[1], &lr)) {
+    return Fail(absl::StrCat("set-lr: '", ctx.flags.positional()[1], "' is not a number"));
+  }
+  if (absl::Status s = ValidateLearningRateChange(lr); !s.ok()) {
+    return Fail(absl::StrCat("set-lr: ", s.message()));
+  }
+  auto v = ctx.client.SetLearningRate(lr);
+  if (!v.ok() && v.status().code() == absl::StatusCode::kInvalidArgument) {
+    // Refused by the coordinator (the same rule, checked there too).
+    return Fail(absl::StrCat(v.status().message(), "; the job's learning rate is unchanged"));
+  }
+  if (!v.ok()) return ctx.Unreachable(v.status());
+  std::printf("learning rate %g requested (version %lld); ranks apply it at their next step\n", lr,
+              static_cast<long long>(*v));
+  return 0;
+}
+
+int CheckpointRequestCommand(const JobContext& ctx) {
+  auto r = ctx.client.RequestCheckpoint();
+  if (!r.ok()) return ctx.Unreachable(r.status());
+  std::printf(
+      "checkpoint requested (request %lld); every rank saves at the same next step "
+      "boundary\n",
+      static_cast<long long>(*r));
+  return 0;
+}
+
+int AbortCommand(const JobContext& ctx) {
+  const std::string reason = ctx.flags.positional().size() > 1 ? ctx.flags.positional()[1] : "";
+  absl::Status s = ctx.client.Abort(reason.empty() ? "aborted with shardctl" : reason, -1);
+  if (!s.ok()) return ctx.Unreachable(s);
+  std::printf("job aborted\n");
+  return 0;
+}
+
+int FlightRecorderJobCommand(const JobContext& ctx) {
+  return FlightRecorderCommand(ctx.client, ctx.json, *ctx.flags.Int("rank", -1, 0, (1 << 20) - 1),
+                               [&ctx](const absl::Status& s) { return ctx.Unreachable(s); });
+}
+
+int LoadCommand(const JobContext& ctx) {
+  auto rate = ctx.flags.Double("rate", 50);
+  auto duration = ctx.flags.Double("duration", 10);
+  if (!rate.ok() || !duration.ok() || *rate <= 0 || *duration <= 0) {
+    return Fail("load needs --rate > 0 and --duration > 0");
+  }
+  std::vector<double> ms;
+  int errors = 0, consecutive = 0;
+  const absl::Time start = absl::Now();
+  const absl::Duration period = absl::Seconds(1.0 / *rate);
+  for (int64_t i = 0;; ++i) {
+    const absl::Time due = start + i * period;
+    if (due - start > absl::Seconds(*duration)) break;
+    const absl::Time now = absl::Now();
+    if (due > now) absl::SleepFor(due - now);
+    const absl::Time t0 = absl::Now();
+    absl::Status s = i % 3 == 0   ? ctx.client.GetJob().status()
+                     : i % 3 == 1 ? ctx.client.GetLayout().status()
+                                  : ctx.client.GetMemory().status();
+    if (!s.ok()) {
+      ++errors;
+      if (++consecutive == 5) break;  // the job is gone
+      continue;
+    }
+    consecutive = 0;
+    ms.push_back(absl::ToDoubleMilliseconds(absl::Now() - t0));
+  }
+  std::sort(ms.begin(), ms.end());
+  auto pct = [&](double p) {
+    return ms.empty() ? 0 : ms[static_cast<size_t>(p * (ms.size() - 1))];
+  };
+  std::printf(
+      "%zu answered queries in %.1f s (%d errors): latency p50 %.2f ms, p90 %.2f ms, p99 %.2f "
+      "ms, "
+      "max %.2f ms\n",
+      ms.size(), absl::ToDoubleSeconds(absl::Now() - start), errors, pct(0.5), pct(0.9), pct(0.99),
+      ms.empty() ? 0 : ms.back());
+  return ms.empty() ? 1 : 0;
+}
+
+int TopJobCommand(const JobContext& ctx) { return TopCommand(&ctx.client, ctx.address, ctx.flags); }
+
+// The commands that talk to a job, and how many arguments each takes.
+struct JobCommand {
+  const char* name;
+  int min_args, max_args;  // after the command's name
+  int (*run)(const JobContext&);
+};
+constexpr JobCommand kJobCommands[] = {
+    {"status", 0, 0, StatusCommand},
+    {"layout", 0, 0, LayoutCommand},
+    {"memory", 0, 0, MemoryCommand},
+    {"health", 0, 0, HealthCommand},
+    {"set-lr", 0, 1, SetLrCommand},  // (its own usage line when the value is missing)
+    {"checkpoint", 0, 0, CheckpointRequestCommand},
+    {"abort", 0, 1, AbortCommand},
+    {"flight-recorder", 0, 0, FlightRecorderJobCommand},
+    {"load", 0, 0, LoadCommand},
+    {"top", 0, 0, TopJobCommand},
+};
+
+// The client of the coordinator the flags and environment name.
+absl::StatusOr<std::unique_ptr<CoordinatorClient>> ConnectFromFlags(const Flags& flags,
+                                                                    std::string* address) {
+  auto env_or = [](const char* name) {
+    const char* v = std::getenv(name);
+    return std::string(v ? v : "");
+  };
+  *address = flags.Str("coordinator", env_or("SHARDOPT_COORDINATOR"));
+  if (address->empty()) {
+    return absl::InvalidArgumentError("no coordinator address: pass --coordinator=HOST:PORT");
+  }
+  std::string token;
+  const std::string token_file = flags.Str("token-file", env_or("SHARDOPT_TOKEN_FILE"));
+  if (!token_file.empty()) {
+    auto t = ReadTokenFile(token_file);
+    if (!t.ok()) return t.status();
+    token = *t;
+  }
+  ClientTls tls{flags.Str("tls-ca", env_or("SHARDOPT_TLS_CA")),
+                flags.Str("tls-cert", env_or("SHARDOPT_TLS_CERT")),
+                flags.Str("tls-key", env_or("SHARDOPT_TLS_KEY"))};
+  auto creds = MakeChannelCredentials(tls);
+  if (!creds.ok()) return creds.status();
+  return std::make_unique<CoordinatorClient>(*address, token, *creds);
+}
+
+// Checks the command's arity; the message when it is wrong ("" when right).
+std::string ArityError(const JobCommand& c, const std::vector<std::string>& positional) {
+  const int n = static_cast<int>(positional.size()) - 1;
+  if (n >= c.min_args && n <= c.max_args) return "";
+  const std::string cmd = c.name;
+  if (cmd == "abort")
+    return "usage: shardctl abort REASON (one argument: quote a reason with spaces)";
+  if (cmd == "set-lr") return "usage: shardctl set-lr VALUE";
+  return absl::StrCat(cmd, " takes no argument, got '", positional[1], "' (see --help)");
 }
 
 int Main(int argc, char** argv) {
@@ -697,221 +624,18 @@ int Main(int argc, char** argv) {
     std::printf("%s", kUsage);
     return flags->Has("help") ? 0 : 2;
   }
-  const std::string& first = flags->positional()[0];
-  if (first == "checkpoints" || first == "inspect" || first == "consolidate" || first == "import") {
-    return CheckpointCommand(flags->positional(), *flags);
+  const std::string& cmd = flags->positional()[0];
+  if (cmd == "checkpoints" || cmd == "inspect" || cmd == "consolidate" || cmd == "import") {
+    return CheckpointCommand(flags->positional(), *flags);  // offline: no coordinator
   }
-  const char* env = std::getenv("SHARDOPT_COORDINATOR");
-  const std::string address = flags->Str("coordinator", env ? env : "");
-  if (address.empty()) return Fail("no coordinator address: pass --coordinator=HOST:PORT");
-  std::string token;
-  const char* tenv = std::getenv("SHARDOPT_TOKEN_FILE");
-  const std::string token_file = flags->Str("token-file", tenv ? tenv : "");
-  if (!token_file.empty()) {
-    auto t = ReadTokenFile(token_file);
-    if (!t.ok()) return Fail(std::string(t.status().message()));
-    token = *t;
-  }
-  const bool json = *flags->Bool("json", false);  // checked by CheckFlags
-  auto env_or = [](const char* name) {
-    const char* v = std::getenv(name);
-    return std::string(v ? v : "");
-  };
-  ClientTls tls{flags->Str("tls-ca", env_or("SHARDOPT_TLS_CA")),
-                flags->Str("tls-cert", env_or("SHARDOPT_TLS_CERT")),
-                flags->Str("tls-key", env_or("SHARDOPT_TLS_KEY"))};
-  auto creds = MakeChannelCredentials(tls);
-  if (!creds.ok()) return Fail(std::string(creds.status().message()));
-  CoordinatorClient client(address, token, *creds);
-  const std::string cmd = flags->positional()[0];
-  const size_t nargs = flags->positional().size();
-  if ((cmd == "status" || cmd == "layout" || cmd == "memory" || cmd == "health" ||
-       cmd == "checkpoint" || cmd == "load") &&
-      nargs != 1) {
-    return Fail(
-        absl::StrCat(cmd, " takes no argument, got '", flags->positional()[1], "' (see --help)"));
-  }
-  if (cmd == "top") return TopCommand(&client, address, *flags);
-  if (cmd == "abort" && nargs > 2) {
-    return Fail("usage: shardctl abort REASON (one argument: quote a reason with spaces)");
-  }
-  auto unreachable = [&](const absl::Status& s) {
-    return Fail(absl::StrCat(s.message(), " [", address, "]"));
-  };
-
-  if (cmd == "status") {
-    auto wait = flags->Double("wait", 0);
-    if (!wait.ok()) return Fail(std::string(wait.status().message()));
-    const absl::Time deadline = absl::Now() + absl::Seconds(*wait);
-    absl::StatusOr<v1::GetJobResponse> job;
-    while (true) {
-      job = client.GetJob();
-      const bool settled = job.ok() && job->state() != "starting";
-      if (settled || absl::Now() >= deadline) break;
-      absl::SleepFor(absl::Milliseconds(100));
-    }
-    if (!job.ok()) return unreachable(job.status());
-    if (json) return PrintJson(*job);
-    // The ranks' learning rate; a requested one they have not applied yet
-    // (compared as the float they train with) is shown beside it.
-    std::string lr = absl::StrFormat("%g", job->learning_rate());
-    if (job->requested_learning_rate() > 0 && static_cast<float>(job->requested_learning_rate()) !=
-                                                  static_cast<float>(job->learning_rate())) {
-      lr += absl::StrFormat(" (%g requested)", job->requested_learning_rate());
-    }
-    std::printf("job %s: %s, %d ranks, step %lld, lr %s, layout %016llx\n", job->job_id().c_str(),
-                job->state().c_str(), job->world_size(), static_cast<long long>(job->step()),
-                lr.c_str(), static_cast<unsigned long long>(job->layout_hash()));
-    if (!job->failure().empty()) std::printf("failure: %s\n", job->failure().c_str());
-    std::printf("%5s  %-22s %8s %10s %14s %12s\n", "rank", "shard owner", "step", "loss",
-                "samples/s", "heartbeat");
-    for (const auto& r : job->ranks()) {
-      std::printf("%5d  %-22s %8lld %10.5f %14.1f %12s\n", r.rank(),
-                  r.address().empty() ? "(not joined)" : r.address().c_str(),
-                  static_cast<long long>(r.step()), r.loss(), r.samples_per_s(),
-                  r.seconds_since_heartbeat() < 0
-                      ? "-"
-                      : absl::StrFormat("%.1fs ago%s", r.seconds_since_heartbeat(),
-                                        r.alive() ? "" : " DEAD")
-                            .c_str());
-    }
-    return job->state() == "failed" ? 1 : 0;
-  }
-  if (cmd == "layout") {
-    auto l = client.GetLayout();
-    if (!l.ok()) return unreachable(l.status());
-    if (json) return PrintJson(*l);
-    std::printf(
-        "layout %016llx: %d ranks, %zu buckets, %lld elements, padding %lld, imbalance "
-        "%.5f, %d cut tensors\n",
-        static_cast<unsigned long long>(l->layout_hash()), l->world_size(),
-        static_cast<size_t>(l->bucket_capacity_size()), static_cast<long long>(l->num_elements()),
-        static_cast<long long>(l->padding_elements()), l->imbalance(), l->cut_tensors());
-    std::printf("%6s %5s %12s %12s  %s\n", "bucket", "rank", "elements", "capacity", "parameters");
-    for (const auto& row : l->ranges()) {
-      std::string params = absl::StrJoin(row.params(), ", ");
-      if (params.size() > 90) params = params.substr(0, 87) + "...";
-      std::printf("%6d %5d %12lld %12lld  %s\n", row.bucket(), row.rank(),
-                  static_cast<long long>(row.elements()),
-                  static_cast<long long>(l->bucket_capacity(row.bucket())), params.c_str());
-    }
-    std::printf("owned per rank:");
-    for (int r = 0; r < l->owned_elements_size(); ++r) {
-      std::printf(" %d:%lld", r, static_cast<long long>(l->owned_elements(r)));
-    }
-    std::printf("\n");
-    return 0;
-  }
-  if (cmd == "memory") {
-    auto m = client.GetMemory();
-    if (!m.ok()) return unreachable(m.status());
-    if (json) return PrintJson(*m);
-    std::printf("%5s %12s %12s %12s %12s %12s\n", "rank", "master", "opt state", "gradients",
-                "parameters", "RSS");
-    v1::RankMemory total;
-    for (const auto& r : m->ranks()) {
-      if (!r.error().empty()) {
-        std::printf("%5d  %s\n", r.rank(), r.error().c_str());
-        continue;
-      }
-      std::printf("%5d %12s %12s %12s %12s %12s\n", r.rank(), Bytes(r.master_bytes()).c_str(),
-                  Bytes(r.state_bytes()).c_str(), Bytes(r.grad_bytes()).c_str(),
-                  Bytes(r.param_bytes()).c_str(), Bytes(r.rss_bytes()).c_str());
-      total.set_master_bytes(total.master_bytes() + r.master_bytes());
-      total.set_state_bytes(total.state_bytes() + r.state_bytes());
-      total.set_grad_bytes(total.grad_bytes() + r.grad_bytes());
-      total.set_param_bytes(total.param_bytes() + r.param_bytes());
-      total.set_rss_bytes(total.rss_bytes() + r.rss_bytes());
-    }
-    std::printf("%5s %12s %12s %12s %12s %12s\n", "total", Bytes(total.master_bytes()).c_str(),
-                Bytes(total.state_bytes()).c_str(), Bytes(total.grad_bytes()).c_str(),
-                Bytes(total.param_bytes()).c_str(), Bytes(total.rss_bytes()).c_str());
-    return 0;
-  }
-  if (cmd == "health") {
-    auto h = client.Health();
-    if (!h.ok()) return unreachable(h.status());
-    std::printf("%s\n", json ? absl::StrCat("{\"status\": \"", *h, "\"}").c_str() : h->c_str());
-    return *h == "SERVING" ? 0 : 1;
-  }
-  if (cmd == "set-lr") {
-    if (flags->positional().size() != 2) return Fail("usage: shardctl set-lr VALUE");
-    double lr = 0;
-    if (!absl::SimpleAtod(flags->positional()[1], &lr)) {
-      return Fail(absl::StrCat("set-lr: '", flags->positional()[1], "' is not a number"));
-    }
-    if (absl::Status s = ValidateLearningRateChange(lr); !s.ok()) {
-      return Fail(absl::StrCat("set-lr: ", s.message()));
-    }
-    auto v = client.SetLearningRate(lr);
-    if (!v.ok() && v.status().code() == absl::StatusCode::kInvalidArgument) {
-      // Refused by the coordinator (the same rule, checked there too).
-      return Fail(absl::StrCat(v.status().message(), "; the job's learning rate is unchanged"));
-    }
-    if (!v.ok()) return unreachable(v.status());
-    std::printf("learning rate %g requested (version %lld); ranks apply it at their next step\n",
-                lr, static_cast<long long>(*v));
-    return 0;
-  }
-  if (cmd == "checkpoint") {
-    auto r = client.RequestCheckpoint();
-    if (!r.ok()) return unreachable(r.status());
-    std::printf(
-        "checkpoint requested (request %lld); every rank saves at the same next step "
-        "boundary\n",
-        static_cast<long long>(*r));
-    return 0;
-  }
-  if (cmd == "abort") {
-    const std::string reason = flags->positional().size() > 1 ? flags->positional()[1] : "";
-    absl::Status s = client.Abort(reason.empty() ? "aborted with shardctl" : reason, -1);
-    if (!s.ok()) return unreachable(s);
-    std::printf("job aborted\n");
-    return 0;
-  }
-  if (cmd == "flight-recorder") {
-    if (nargs != 1) return Fail("flight-recorder takes no argument (see --help)");
-    return FlightRecorderCommand(client, json, *flags->Int("rank", -1, 0, (1 << 20) - 1),
-                                 unreachable);
-  }
-  if (cmd == "load") {
-    auto rate = flags->Double("rate", 50);
-    auto duration = flags->Double("duration", 10);
-    if (!rate.ok() || !duration.ok() || *rate <= 0 || *duration <= 0) {
-      return Fail("load needs --rate > 0 and --duration > 0");
-    }
-    std::vector<double> ms;
-    int errors = 0, consecutive = 0;
-    const absl::Time start = absl::Now();
-    const absl::Duration period = absl::Seconds(1.0 / *rate);
-    for (int64_t i = 0;; ++i) {
-      const absl::Time due = start + i * period;
-      if (due - start > absl::Seconds(*duration)) break;
-      const absl::Time now = absl::Now();
-      if (due > now) absl::SleepFor(due - now);
-      const absl::Time t0 = absl::Now();
-      absl::Status s = i % 3 == 0   ? client.GetJob().status()
-                       : i % 3 == 1 ? client.GetLayout().status()
-                                    : client.GetMemory().status();
-      if (!s.ok()) {
-        ++errors;
-        if (++consecutive == 5) break;  // the job is gone
-        continue;
-      }
-      consecutive = 0;
-      ms.push_back(absl::ToDoubleMilliseconds(absl::Now() - t0));
-    }
-    std::sort(ms.begin(), ms.end());
-    auto pct = [&](double p) {
-      return ms.empty() ? 0 : ms[static_cast<size_t>(p * (ms.size() - 1))];
-    };
-    std::printf(
-        "%zu answered queries in %.1f s (%d errors): latency p50 %.2f ms, p90 %.2f ms, p99 %.2f "
-        "ms, "
-        "max %.2f ms\n",
-        ms.size(), absl::ToDoubleSeconds(absl::Now() - start), errors, pct(0.5), pct(0.9),
-        pct(0.99), ms.empty() ? 0 : ms.back());
-    return ms.empty() ? 1 : 0;
+  std::string address;
+  auto client = ConnectFromFlags(*flags, &address);
+  if (!client.ok()) return Fail(std::string(client.status().message()));
+  for (const JobCommand& c : kJobCommands) {
+    if (cmd != c.name) continue;
+    if (std::string e = ArityError(c, flags->positional()); !e.empty()) return Fail(e);
+    const JobContext ctx{**client, *flags, address, *flags->Bool("json", false)};
+    return c.run(ctx);
   }
   return Fail(absl::StrCat("unknown command '", cmd, "' (see --help)"));
 }
