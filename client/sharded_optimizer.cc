@@ -1440,8 +1440,7 @@ void ShardedOptimizer::PrepareShardedGradients() {
   const int nb = static_cast<int>(layout_.buckets().size());
   gaps_.assign(nb, {});
   chunks_.assign(nb, {});
-  region_.assign(nb, Region());
-  placed_.clear();
+  arena_.Reset(nb);
   pieces_.clear();
   overflow_buf_.assign(nb, torch::Tensor());
   in_accum_.assign(nb, false);
@@ -1481,10 +1480,10 @@ void ShardedOptimizer::PrepareShardedGradients() {
   for (int i = 0; i < options_.grad_staging_buffers && i < static_cast<int>(stages.size()); ++i) {
     largest_k += stages[i];
   }
-  staging_elements_ =
+  arena_.set_size(
       stages.empty()
           ? 0
-          : std::max(stages[0], std::min(largest_k, options_.grad_staging_buffers * cap_stage));
+          : std::max(stages[0], std::min(largest_k, options_.grad_staging_buffers * cap_stage)));
   UpdateGradBytesLocked();
 }
 
@@ -1517,10 +1516,9 @@ void ShardedOptimizer::SizeStagingAfterSecondStepLocked() {
   if (arena_sized_ || !options_.shard_gradients) return;
   arena_sized_ = true;
   // Called between steps: nothing is placed or in flight.
-  if (overflow_shortfall_ == 0 || !placed_.empty() || overflow_bytes_ > 0) return;
-  staging_elements_ += overflow_shortfall_;
-  staging_ =
-      torch::empty({staging_elements_}, param_flat_.options().dtype(ScalarTypeOf(comm_type_)));
+  if (overflow_shortfall_ == 0 || !arena_.held().empty() || overflow_bytes_ > 0) return;
+  arena_.set_size(arena_.size() + overflow_shortfall_);
+  staging_ = torch::empty({arena_.size()}, param_flat_.options().dtype(ScalarTypeOf(comm_type_)));
   overflow_peak_bytes_ = 0;
   UpdateGradBytesLocked();
 }
@@ -1623,22 +1621,16 @@ void ShardedOptimizer::ReclaimOldestLocked() {
   if (!s.ok() && hook_error_.ok()) hook_error_ = s;
 }
 
+std::vector<ShardedOptimizer::Region> ShardedOptimizer::PieceRegionsLocked() const {
+  std::vector<Region> regions;
+  for (const StagedPiece& p : pieces_) regions.push_back(p.region);
+  return regions;
+}
+
 bool ShardedOptimizer::PlaceLocked(int64_t length, int64_t* begin) const {
-  std::vector<Region> live;  // a few: the buckets filling or in flight
-  for (int b : placed_) live.push_back(region_[b]);
-  for (const StagedPiece& p : pieces_) {
-    if (p.region.length > 0) live.push_back(p.region);
-  }
-  std::sort(live.begin(), live.end(),
-            [](const Region& a, const Region& b) { return a.begin < b.begin; });
-  int64_t at = 0;
-  for (const Region& r : live) {
-    if (r.begin - at >= length) break;
-    at = std::max(at, r.begin + r.length);
-  }
-  if (staging_elements_ - at < length) return false;
-  *begin = at;
-  return true;
+  const std::optional<int64_t> at = arena_.Place(length, PieceRegionsLocked());
+  if (at) *begin = *at;
+  return at.has_value();
 }
 
 // Gives bucket `b` the chunks its reduce-scatter will use (this rank's is
@@ -1662,10 +1654,7 @@ void ShardedOptimizer::AcquireStagingLocked(int b) {
       // a buffer of its own (counted): waiting for the arena, or growing it
       // to fit, would undo what pieces save.
       buf = StageLocked(length, &region, &overflow_buf_[b], /*in_arena=*/!PiecewiseLocked(b));
-      if (region.length > 0) {
-        region_[b] = region;
-        placed_.push_back(b);
-      }
+      arena_.Hold(b, region);  // (nothing when it got a buffer of its own)
     }
     in_accum_[b] = false;
     chunks = StagedChunks(b, buf);
@@ -1690,13 +1679,13 @@ torch::Tensor ShardedOptimizer::StageLocked(int64_t length, Region* region,
     }
     placed = PlaceLocked(length, &begin);
   }
-  if (in_arena && !placed && staging_.defined() && !placed_.empty() && hook_error_.ok()) {
+  if (in_arena && !placed && staging_.defined() && !arena_.held().empty() && hook_error_.ok()) {
     CompactStagingLocked();
     placed = PlaceLocked(length, &begin);
   }
   if (placed) {
     if (!staging_.defined()) {
-      staging_ = torch::empty({staging_elements_}, opts);
+      staging_ = torch::empty({arena_.size()}, opts);
       UpdateGradBytesLocked();
     }
     *region = Region{begin, length};
@@ -1705,10 +1694,8 @@ torch::Tensor ShardedOptimizer::StageLocked(int64_t length, Region* region,
   // Buckets backward reached early but cannot reduce yet (they go in launch
   // order) hold the arena: a buffer of its own, counted.
   if (in_arena) {
-    int64_t end = 0;
-    for (int p : placed_) end = std::max(end, region_[p].begin + region_[p].length);
-    for (const StagedPiece& p : pieces_) end = std::max(end, p.region.begin + p.region.length);
-    overflow_shortfall_ = std::max(overflow_shortfall_, length - (staging_elements_ - end));
+    const int64_t end = arena_.End(PieceRegionsLocked());
+    overflow_shortfall_ = std::max(overflow_shortfall_, length - (arena_.size() - end));
   }
   *own_buffer = torch::empty({length}, opts);
   overflow_bytes_ += length * DTypeSize(comm_type_);
@@ -1742,21 +1729,11 @@ std::vector<torch::Tensor> ShardedOptimizer::StagedChunks(int b, const torch::Te
 // With nothing in flight, every placed bucket is one backward is still
 // filling: moves them to the arena's start, so the free room is one region.
 void ShardedOptimizer::CompactStagingLocked() {
-  std::vector<int> order = placed_;
-  std::vector<int64_t> begin(region_.size());
-  for (size_t b = 0; b < region_.size(); ++b) begin[b] = region_[b].begin;
-  std::sort(order.begin(), order.end(), [&begin](int a, int b) { return begin[a] < begin[b]; });
-  int64_t at = 0;
   at::NoGradGuard no_grad;
-  for (int b : order) {
-    Region& r = region_[b];
-    if (r.begin != at) {
-      torch::Tensor moved = staging_.narrow(0, r.begin, r.length).clone();
-      staging_.narrow(0, at, r.length).copy_(moved);
-      r.begin = at;
-      chunks_[b] = StagedChunks(b, staging_.narrow(0, r.begin, r.length));
-    }
-    at += r.length;
+  for (const StagingArena::Move& m : arena_.Compact()) {
+    torch::Tensor moved = staging_.narrow(0, m.from, m.length).clone();
+    staging_.narrow(0, m.to, m.length).copy_(moved);
+    chunks_[m.bucket] = StagedChunks(m.bucket, staging_.narrow(0, m.to, m.length));
   }
 }
 
@@ -1875,8 +1852,7 @@ void ShardedOptimizer::LaunchPieceLocked(const std::vector<void*>& chunks, int64
 }
 
 void ShardedOptimizer::FreeStagingLocked(int b) {
-  if (region_[b].length > 0) placed_.erase(std::find(placed_.begin(), placed_.end(), b));
-  region_[b] = Region();
+  arena_.Free(b);
   ReleaseOwnBufferLocked(&overflow_buf_[b]);
   chunks_[b].clear();
 }
@@ -1891,8 +1867,7 @@ absl::Status ShardedOptimizer::FailStagingLocked(const absl::Status& s) {
   comm_->Abort(s);
   if (staging_.defined()) abandoned_.push_back(staging_);
   staging_ = torch::Tensor();
-  std::fill(region_.begin(), region_.end(), Region());
-  placed_.clear();
+  arena_.Clear();
   for (StagedPiece& p : pieces_) {
     if (p.own.defined()) abandoned_.push_back(p.own);
     ReleaseOwnBufferLocked(&p.own);

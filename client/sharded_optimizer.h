@@ -36,6 +36,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "client/comm/communicator.h"
+#include "client/staging_arena.h"
 #include "common/layout.h"
 #include "server/kernels/kernel_backend.h"
 #include "common/optimizer_config.h"
@@ -297,10 +298,7 @@ class ShardedOptimizer {
   void AssertHookLockHeld() const ABSL_ASSERT_EXCLUSIVE_LOCK(hook_state_->mu) {
     hook_state_->mu.AssertHeld();
   }
-  struct Region {  // of the shard_gradients staging arena
-    int64_t begin = 0;
-    int64_t length = 0;  // 0: none
-  };
+  using Region = StagingArena::Region;  // of the shard_gradients staging arena
   ShardedOptimizer(ShardedOptimizerOptions options, Communicator* comm, Layout layout);
   absl::Status Init(const std::vector<std::pair<std::string, torch::Tensor>>& params);
   absl::Status CheckSameModelOnAllRanks();
@@ -328,6 +326,7 @@ class ShardedOptimizer {
   int64_t StageLength(int bucket) const;
   bool PlaceLocked(int64_t length, int64_t* begin) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(hook_state_->mu);
+  std::vector<Region> PieceRegionsLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(hook_state_->mu);
   void FreeStagingLocked(int bucket) ABSL_EXCLUSIVE_LOCKS_REQUIRED(hook_state_->mu);
   // Calls fn(chunk slice, offset into the range, length) for each chunk that
   // elements [offset, offset + length) of bucket `b` span.
@@ -482,9 +481,7 @@ class ShardedOptimizer {
   bool split_own_ = false;  // this rank's chunk reduced in place in owned_grad_flat_
   torch::Tensor staging_
       ABSL_GUARDED_BY(hook_state_->mu);  // the arena, in comm_type_ (allocated at first use)
-  int64_t staging_elements_ ABSL_GUARDED_BY(hook_state_->mu) = 0;
-  std::vector<Region> region_ ABSL_GUARDED_BY(hook_state_->mu);  // per bucket: its part of staging_
-  std::vector<int> placed_ ABSL_GUARDED_BY(hook_state_->mu);     // buckets holding a region
+  StagingArena arena_ ABSL_GUARDED_BY(hook_state_->mu);  // the regions of staging_
   // A bucket of one tensor whose reduce-scatter does not fit a staging piece
   // is reduced in pieces of piece_elements_ of every rank's chunk, staged in
   // the arena while backward waits (PiecewiseLocked); pieces_ are those

@@ -2,9 +2,6 @@
 
 #include <ATen/ATen.h>
 #include <c10/core/Storage.h>
-#include <c10/util/Exception.h>
-#include <caffe2/serialize/inline_container.h>
-#include <caffe2/serialize/read_adapter_interface.h>
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -15,17 +12,16 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
-#include <tuple>
+#include <optional>
 #include <unordered_map>
 #include <unordered_set>
 
 #include "absl/status/status.h"
 #include "absl/strings/ascii.h"
-#include "absl/strings/escaping.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/match.h"
 #include "absl/strings/str_join.h"
+#include "client/checkpoint/zip_reader.h"
 
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
               "torch.save writes little-endian storages, which this reader uses as they are");
@@ -146,30 +142,6 @@ std::string PyValue::Describe() const {
 namespace {
 
 using Kind = PyValue::Kind;
-
-// A string from the file, for an error message: escaped and cut short.
-std::string Quote(absl::string_view s) {
-  constexpr size_t kMax = 80;
-  std::string out = absl::StrCat("'", absl::CHexEscape(s.substr(0, kMax)));
-  if (s.size() > kMax) absl::StrAppend(&out, "...");
-  absl::StrAppend(&out, "'");
-  return out;
-}
-
-// An exception's message on one line, without LibTorch's backtrace.
-std::string ExceptionText(const std::exception& e) {
-  std::string text;
-  if (const auto* c10_error = dynamic_cast<const c10::Error*>(&e)) {
-    text = c10_error->what_without_backtrace();
-  } else {
-    text = e.what();
-  }
-  if (text.size() > 300) text = text.substr(0, 300) + "...";
-  for (char& c : text) {
-    if (c == '\n' || c == '\r' || c == '\t') c = ' ';
-  }
-  return text;
-}
 
 uint64_t LoadLE(const char* p, int n) {
   uint64_t v = 0;
@@ -836,7 +808,7 @@ class Unpickler {
         if (op_ == 'L' && !text.empty() && text.back() == 'L') text.remove_suffix(1);
         int64_t i;
         if (!absl::SimpleAtoi(text, &i))
-          return Corrupt(absl::StrCat("bad or too large integer ", Quote(text)));
+          return Corrupt(absl::StrCat("bad or too large integer ", QuoteForError(text)));
         return PushInt(i);
       }
       case 'G': {  // BINFLOAT: big-endian
@@ -1137,7 +1109,7 @@ class Unpickler {
       c.fn = Fn::kBytes;
     } else if ((module == "builtins" || module == "__builtin__") &&
                (name == "set" || name == "frozenset")) {
-      return Unsupported(absl::StrCat("global ", Quote(full), ": sets are not supported"));
+      return Unsupported(absl::StrCat("global ", QuoteForError(full), ": sets are not supported"));
     } else {
       bool found = false;
       if (module == "torch") {
@@ -1364,7 +1336,7 @@ class Unpickler {
           return absl::ascii_isalnum(ch) || ch == '_' || ch == '.' || ch == '-';
         })) {
       return Unsupported(absl::StrCat("bad storage key ", IsPlain(t[2], Kind::kString)
-                                                              ? Quote(t[2]->s)
+                                                              ? QuoteForError(t[2]->s)
                                                               : DescribeNode(t[2].get())));
     }
     if (!IsPlain(t[3], Kind::kString)) return Unsupported("storage location is not a string");
@@ -1377,9 +1349,9 @@ class Unpickler {
     if (auto it = storages_by_key_.find(key); it != storages_by_key_.end()) {
       const at::Tensor& have = it->second->tensor;
       if (have.scalar_type() != dtype || have.numel() != numel) {
-        return Corrupt(absl::StrCat("storage ", Quote(key), " is referenced as ", DtypeName(dtype),
-                                    " x ", numel, " and as ", DtypeName(have.scalar_type()), " x ",
-                                    have.numel()));
+        return Corrupt(absl::StrCat("storage ", QuoteForError(key), " is referenced as ",
+                                    DtypeName(dtype), " x ", numel, " and as ",
+                                    DtypeName(have.scalar_type()), " x ", have.numel()));
       }
       return it->second;
     }
@@ -1395,7 +1367,7 @@ class Unpickler {
       PyValue got;
       got.kind = Kind::kTensor;
       got.tensor = s;
-      return Corrupt(absl::StrCat("storage ", Quote(key), " loaded as a ", got.Describe(),
+      return Corrupt(absl::StrCat("storage ", QuoteForError(key), " loaded as a ", got.Describe(),
                                   ", not as ", DtypeName(dtype), " x ", numel));
     }
     if (basis_grows_) {
@@ -1537,272 +1509,6 @@ class Unpickler {
   std::unordered_map<const PyValue*, int64_t> height_;
 };
 
-// ---------------------------------------------------------------------------
-// The zip container
-
-// Reads from memory or a file; never past the end (what is missing reads as
-// zeros and the short count tells miniz).
-class BoundedReadAdapter final : public caffe2::serialize::ReadAdapterInterface {
- public:
-  BoundedReadAdapter(const char* data, uint64_t size) : data_(data), size_(size) {}
-  BoundedReadAdapter(int fd, uint64_t size) : fd_(fd), size_(size) {}
-  ~BoundedReadAdapter() override {
-    if (fd_ >= 0) close(fd_);
-  }
-  BoundedReadAdapter(const BoundedReadAdapter&) = delete;
-  BoundedReadAdapter& operator=(const BoundedReadAdapter&) = delete;
-
-  size_t size() const override { return size_; }
-
-  size_t read(uint64_t pos, void* buf, size_t n, const char* /*what*/ = "") const override {
-    char* out = static_cast<char*>(buf);
-    size_t got = 0;
-    if (pos < size_) {
-      const size_t want = static_cast<size_t>(std::min<uint64_t>(n, size_ - pos));
-      if (data_ != nullptr) {
-        std::memcpy(out, data_ + pos, want);
-        got = want;
-      } else {
-        while (got < want) {
-          const ssize_t r = pread(fd_, out + got, want - got, static_cast<off_t>(pos + got));
-          if (r < 0 && errno == EINTR) continue;
-          if (r <= 0) break;
-          got += static_cast<size_t>(r);
-        }
-      }
-    }
-    if (got < n) std::memset(out + got, 0, n - got);
-    return got;
-  }
-
- private:
-  const char* data_ = nullptr;
-  int fd_ = -1;
-  uint64_t size_;
-};
-
-// Zip record sizes: end of central directory, zip64 locator, zip64 end of
-// central directory, central directory entry.
-constexpr uint64_t kZipEocd = 22, kZipLocator = 20, kZipEocd64 = 56, kZipCentral = 46;
-
-absl::Status ZipCorrupt(const std::string& name, absl::string_view what) {
-  return absl::DataLossError(absl::StrCat(name, ": ", what));
-}
-
-// Where the central directory is and how many entries it has, from the end
-// of central directory record (zip64's when there is one).
-struct ZipDirectory {
-  uint64_t entries;
-  uint64_t size;
-  uint64_t offset;
-};
-
-absl::StatusOr<ZipDirectory> FindZipDirectory(const BoundedReadAdapter& in,
-                                              const std::string& name) {
-  const uint64_t size = in.size();
-  if (size < kZipEocd) return ZipCorrupt(name, "too short for a zip archive (truncated?)");
-  const uint64_t tail_len = std::min<uint64_t>(size, kZipEocd + 65535);
-  std::string tail(tail_len, '\0');
-  in.read(size - tail_len, tail.data(), tail_len);
-  int64_t at = -1;
-  for (int64_t k = static_cast<int64_t>(tail_len - kZipEocd); k >= 0; --k) {
-    if (LoadLE(tail.data() + k, 4) == 0x06054b50) {
-      at = k;
-      break;
-    }
-  }
-  if (at < 0) {
-    return ZipCorrupt(name,
-                      "no zip end-of-central-directory record (truncated, or not a zip archive)");
-  }
-  const uint64_t eocd = size - tail_len + static_cast<uint64_t>(at);
-  const char* e = tail.data() + at;
-  ZipDirectory dir{LoadLE(e + 10, 2), LoadLE(e + 12, 4), LoadLE(e + 16, 4)};
-  if (eocd >= kZipLocator + kZipEocd64) {  // zip64, as miniz finds it
-    char locator[kZipLocator];
-    in.read(eocd - kZipLocator, locator, kZipLocator);
-    if (LoadLE(locator, 4) == 0x07064b50) {
-      const uint64_t z_ofs = LoadLE(locator + 8, 8);
-      if (z_ofs > size - kZipEocd64) {
-        return ZipCorrupt(name, "bad zip64 end-of-central-directory locator");
-      }
-      char z[kZipEocd64];
-      in.read(z_ofs, z, kZipEocd64);
-      if (LoadLE(z, 4) == 0x06064b50) {
-        dir.entries = LoadLE(z + 32, 8);
-        dir.size = LoadLE(z + 40, 8);
-        dir.offset = LoadLE(z + 48, 8);
-      }
-    }
-  }
-  if (dir.offset > size || dir.size > size - dir.offset) {
-    return ZipCorrupt(name, "the zip central directory lies outside the file");
-  }
-  if (dir.entries > dir.size / kZipCentral) {
-    return ZipCorrupt(name, "the zip central directory is too small for its entries");
-  }
-  return dir;
-}
-
-// Replaces each of *uncomp, *comp and *local that is 0xFFFFFFFF by its value
-// in the zip64 extra field of record `record`.
-absl::Status ReadZip64Sizes(absl::string_view extra, const std::string& name,
-                            const std::string& record, uint64_t* uncomp, uint64_t* comp,
-                            uint64_t* local) {
-  while (extra.size() >= 4) {
-    const uint64_t id = LoadLE(extra.data(), 2), len = LoadLE(extra.data() + 2, 2);
-    if (len > extra.size() - 4) break;
-    absl::string_view field = extra.substr(4, len);
-    extra.remove_prefix(4 + len);
-    if (id != 1) continue;
-    for (uint64_t* v : {uncomp, comp, local}) {
-      if (*v != 0xFFFFFFFF) continue;
-      if (field.size() < 8) {
-        return ZipCorrupt(name, absl::StrCat("bad zip64 sizes for record ", Quote(record)));
-      }
-      *v = LoadLE(field.data(), 8);
-      field.remove_prefix(8);
-    }
-    return absl::OkStatus();
-  }
-  return ZipCorrupt(name, absl::StrCat("no zip64 sizes for record ", Quote(record)));
-}
-
-struct ZipRecord {
-  std::string name;
-  uint64_t local;  // offset of the local header
-  uint64_t size;
-};
-
-// Reads and checks the central directory entry at cd[*p] (the archive is
-// `size` bytes long) and moves *p past it.
-absl::StatusOr<ZipRecord> ReadZipEntry(absl::string_view cd, size_t* p, uint64_t size,
-                                       const std::string& name) {
-  if (cd.size() - *p < kZipCentral || LoadLE(cd.data() + *p, 4) != 0x02014b50) {
-    return ZipCorrupt(name, "bad zip central directory entry");
-  }
-  const char* h = cd.data() + *p;
-  const uint64_t flags = LoadLE(h + 8, 2), method = LoadLE(h + 10, 2), external = LoadLE(h + 38, 4);
-  uint64_t comp = LoadLE(h + 20, 4), uncomp = LoadLE(h + 24, 4), local = LoadLE(h + 42, 4);
-  const size_t name_len = LoadLE(h + 28, 2), extra_len = LoadLE(h + 30, 2),
-               comment_len = LoadLE(h + 32, 2);
-  if (cd.size() - *p - kZipCentral < name_len + extra_len + comment_len) {
-    return ZipCorrupt(name, "bad zip central directory entry");
-  }
-  const std::string record(h + kZipCentral, name_len);
-  if (uncomp == 0xFFFFFFFF || comp == 0xFFFFFFFF || local == 0xFFFFFFFF) {
-    const absl::string_view extra(h + kZipCentral + name_len, extra_len);
-    TP_RETURN_IF_ERROR(ReadZip64Sizes(extra, name, record, &uncomp, &comp, &local));
-  }
-  if (method != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(name, ": record ", Quote(record), " is compressed (zip method ", method,
-                     "); torch.save stores records uncompressed (was the file re-zipped?)"));
-  }
-  if (flags & 0x61) {  // encrypted, strongly encrypted, compressed patch data
-    return ZipCorrupt(name, absl::StrCat("record ", Quote(record), " is encrypted or patch data"));
-  }
-  if (comp != uncomp) {
-    return ZipCorrupt(name, absl::StrCat("record ", Quote(record), " has inconsistent sizes"));
-  }
-  // miniz "extracts" a directory as nothing, leaving the buffer it
-  // allocated for the declared size uninitialized.
-  if (uncomp != 0 && ((external & 0x10) || absl::EndsWith(record, "/"))) {
-    return ZipCorrupt(name, absl::StrCat("record ", Quote(record), " is marked as a directory"));
-  }
-  if (local > size || uncomp > size - local) {
-    return ZipCorrupt(name, absl::StrCat("record ", Quote(record), " (", uncomp,
-                                         " bytes) runs past the end of the file"));
-  }
-  *p += kZipCentral + name_len + extra_len + comment_len;
-  return ZipRecord{record, local, uncomp};
-}
-
-// Checks the version record as PyTorchStreamReader's constructor would once
-// miniz has opened the archive: present, and a format this LibTorch reads.
-absl::Status CheckZipVersion(const BoundedReadAdapter& in, const std::string& name,
-                             const std::vector<ZipRecord>& records,
-                             const std::unordered_map<std::string, size_t>& by_name,
-                             const std::string& prefix) {
-  const uint64_t size = in.size();
-  auto version = by_name.find(prefix + ".data/version");
-  if (version == by_name.end()) version = by_name.find(prefix + "version");
-  if (version == by_name.end()) return ZipCorrupt(name, "the zip archive has no version record");
-  const ZipRecord& v = records[version->second];
-  char local[30];
-  if (v.size > 32 || in.read(v.local, local, 30) != 30 || LoadLE(local, 4) != 0x04034b50) {
-    return ZipCorrupt(name, "bad version record");
-  }
-  const uint64_t data = v.local + 30 + LoadLE(local + 26, 2) + LoadLE(local + 28, 2);
-  std::string text(v.size, '\0');
-  if (data > size || v.size > size - data || in.read(data, text.data(), v.size) != v.size) {
-    return ZipCorrupt(name, "bad version record");
-  }
-  // As std::stoull reads it: blanks, then digits.
-  size_t k = 0;
-  while (k < text.size() && absl::ascii_isspace(text[k])) ++k;
-  if (k < text.size() && text[k] == '+') ++k;
-  uint64_t format = 0;
-  size_t digits = 0;
-  for (; k < text.size() && absl::ascii_isdigit(text[k]) && digits < 19; ++k, ++digits) {
-    format = format * 10 + (text[k] - '0');
-  }
-  if (digits == 0 || digits == 19) {
-    return ZipCorrupt(name, absl::StrCat("bad version record ", Quote(text)));
-  }
-  if (format < caffe2::serialize::kMinSupportedFileFormatVersion ||
-      format > caffe2::serialize::kMaxSupportedFileFormatVersion) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(name, ": archive format version ", format, "; this LibTorch reads versions ",
-                     caffe2::serialize::kMinSupportedFileFormatVersion, " to ",
-                     caffe2::serialize::kMaxSupportedFileFormatVersion));
-  }
-  return absl::OkStatus();
-}
-
-// The records of a checked archive: what PyTorchStreamReader calls "name" is
-// prefix + name, looked up regardless of case.
-struct ZipIndex {
-  std::string prefix;                               // lowercased, with its '/'
-  std::unordered_map<std::string, uint64_t> sizes;  // lowercased name -> bytes
-};
-
-// Checks the zip's central directory before miniz acts on it: every record
-// stored (torch.save never compresses) and inside the file, names unique.
-// miniz allocates a record's declared size before reading it; this keeps
-// that within the file, and *index lets a caller check a record's size
-// before it is read.
-absl::Status CheckZipDirectory(const BoundedReadAdapter& in, const std::string& name,
-                               ZipIndex* index) {
-  TP_ASSIGN_OR_RETURN(const ZipDirectory dir, FindZipDirectory(in, name));
-  std::string cd(dir.size, '\0');
-  if (in.read(dir.offset, cd.data(), dir.size) != dir.size) {
-    return ZipCorrupt(name, "cannot read the zip central directory");
-  }
-  std::vector<ZipRecord> records;
-  std::unordered_map<std::string, size_t> by_name;  // lowercased, as miniz looks names up
-  size_t p = 0;
-  for (uint64_t k = 0; k < dir.entries; ++k) {
-    TP_ASSIGN_OR_RETURN(ZipRecord record, ReadZipEntry(cd, &p, in.size(), name));
-    if (!by_name.emplace(absl::AsciiStrToLower(record.name), records.size()).second) {
-      return ZipCorrupt(name, absl::StrCat("record ", Quote(record.name), " appears twice"));
-    }
-    records.push_back(std::move(record));
-  }
-  // What PyTorchStreamReader's constructor checks once miniz has opened the
-  // archive, checked here first: when the constructor throws there, it leaks
-  // miniz's state.
-  if (records.empty()) return ZipCorrupt(name, "the zip archive holds no records");
-  const size_t slash = records[0].name.find('/');
-  if (slash == std::string::npos) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        name, ": a zip archive whose records are not in a folder, not a torch.save file"));
-  }
-  index->prefix = absl::AsciiStrToLower(records[0].name.substr(0, slash + 1));
-  for (const auto& [lower, k] : by_name) index->sizes.emplace(lower, records[k].size);
-  return CheckZipVersion(in, name, records, by_name, index->prefix);
-}
-
 absl::StatusOr<PyValuePtr> ParsePickleOf(absl::string_view pickle,
                                          const StorageLoader& load_storage,
                                          const std::string& name_for_errors,
@@ -1814,13 +1520,15 @@ absl::StatusOr<PyValuePtr> ParsePickleOf(absl::string_view pickle,
     return absl::ResourceExhaustedError(
         absl::StrCat(name_for_errors, ": out of memory reading data.pkl"));
   } catch (const std::exception& e) {
-    return absl::DataLossError(absl::StrCat(name_for_errors, ": data.pkl: ", ExceptionText(e)));
+    return absl::DataLossError(absl::StrCat(name_for_errors, ": data.pkl: ", ExceptionOneLine(e)));
   }
 }
 
-absl::StatusOr<PyValuePtr> ReadArchive(const std::shared_ptr<BoundedReadAdapter>& in,
-                                       const std::string& name, const TorchReadLimits& limits) {
-  const uint64_t size = in->size();
+// What ReadArchive checks before the zip directory: the file's size and
+// that it is a torch.save zip archive (not the legacy format).
+absl::Status CheckFileHead(const BoundedReadAdapter& in, const std::string& name,
+                           const TorchReadLimits& limits) {
+  const uint64_t size = in.size();
   if (size > static_cast<uint64_t>(std::max<int64_t>(limits.max_file_bytes, 0))) {
     return absl::InvalidArgumentError(absl::StrCat(
         name, ": ", size, " bytes, more than max_file_bytes (", limits.max_file_bytes, ")"));
@@ -1828,7 +1536,7 @@ absl::StatusOr<PyValuePtr> ReadArchive(const std::shared_ptr<BoundedReadAdapter>
   if (size == 0)
     return absl::InvalidArgumentError(absl::StrCat(name, ": empty file, not a torch.save file"));
   char head[14];
-  in->read(0, head, sizeof(head));
+  in.read(0, head, sizeof(head));
   // The legacy format starts with the pickled magic number 0x1950a86a20f9469cfc6c.
   static constexpr char kLegacy[14] = {'\x80', '\x02', '\x8a', '\x0a', '\x6c', '\xfc', '\x9c',
                                        '\x46', '\xf9', '\x20', '\x6a', '\xa8', '\x50', '\x19'};
@@ -1841,72 +1549,86 @@ absl::StatusOr<PyValuePtr> ReadArchive(const std::shared_ptr<BoundedReadAdapter>
   if (size < 4 || std::memcmp(head, "PK\x03\x04", 4) != 0) {
     return absl::InvalidArgumentError(
         absl::StrCat(name, ": not a torch.save file (not a zip archive; starts with ",
-                     Quote(absl::string_view(head, std::min<uint64_t>(size, 8))), ")"));
+                     QuoteForError(absl::string_view(head, std::min<uint64_t>(size, 8))), ")"));
   }
-  ZipIndex index;
-  TP_RETURN_IF_ERROR(CheckZipDirectory(*in, name, &index));
+  return absl::OkStatus();
+}
+
+// The StorageLoader of an archive: storage `key` (record "data/<key>") of
+// `numel` elements of `dtype`, read once its size in the checked zip
+// directory matches and it fits in what is left of the file besides the
+// *loaded bytes taken out of the archive so far (which it adds to).
+absl::StatusOr<at::Tensor> LoadStorageRecord(TorchZipReader& zip, uint64_t* loaded,
+                                             const std::string& key, c10::ScalarType dtype,
+                                             int64_t numel) {
+  const uint64_t size = zip.file_size();
+  const std::string record = "data/" + key;
   try {
-    caffe2::serialize::PyTorchStreamReader reader(
-        std::static_pointer_cast<caffe2::serialize::ReadAdapterInterface>(in));
-    if (reader.hasRecord("byteorder")) {
-      auto [ptr, len] = reader.getRecord("byteorder");
+    // The record's size, from the checked zip directory, before anything
+    // is allocated: a storage costs what the file holds, no more.
+    const std::optional<uint64_t> entry = zip.RecordSize(record);
+    if (!entry.has_value() || !zip.HasRecord(record)) {
+      return absl::DataLossError(absl::StrCat("no record ", record));
+    }
+    const uint64_t element = c10::elementSize(dtype);
+    const uint64_t have = *entry;
+    if (have % element != 0 || have / element != static_cast<uint64_t>(numel)) {
+      return absl::DataLossError(absl::StrCat("record ", record, " holds ", have, " bytes, not ",
+                                              numel, " ", DtypeName(dtype)));
+    }
+    const uint64_t bytes = have;
+    if (bytes > size - *loaded) {
+      return absl::DataLossError(absl::StrCat("storage ", record, " of ", numel, " ",
+                                              DtypeName(dtype),
+                                              " does not fit in what is left of the file"));
+    }
+    auto [ptr, len] = zip.GetRecord(record);
+    if (len != bytes) {
+      return absl::DataLossError(absl::StrCat("record ", record, " holds ", len, " bytes, not ",
+                                              numel, " ", DtypeName(dtype), " (", bytes,
+                                              " bytes)"));
+    }
+    *loaded += bytes;
+    if (dtype == c10::ScalarType::Bool) {  // any byte but 0/1 is undefined behaviour for a bool
+      auto* b = static_cast<uint8_t*>(ptr.get());
+      for (uint64_t k = 0; k < bytes; ++k) b[k] = b[k] != 0;
+    }
+    c10::Storage storage(c10::Storage::use_byte_size_t(), bytes, std::move(ptr), nullptr, false);
+    return at::empty({0}, at::TensorOptions().dtype(dtype)).set_(storage, 0, {numel}, {1});
+  } catch (const std::exception& e) {
+    return absl::DataLossError(absl::StrCat("reading ", record, ": ", ExceptionOneLine(e)));
+  }
+}
+
+absl::StatusOr<PyValuePtr> ReadArchive(const std::shared_ptr<BoundedReadAdapter>& in,
+                                       const std::string& name, const TorchReadLimits& limits) {
+  TP_RETURN_IF_ERROR(CheckFileHead(*in, name, limits));
+  TP_ASSIGN_OR_RETURN(std::unique_ptr<TorchZipReader> zip, TorchZipReader::Open(in, name));
+  try {
+    if (zip->HasRecord("byteorder")) {
+      auto [ptr, len] = zip->GetRecord("byteorder");
       const std::string order(static_cast<const char*>(ptr.get()), len);
       if (order != "little") {
-        return absl::InvalidArgumentError(absl::StrCat(name, ": storages are stored ", Quote(order),
+        return absl::InvalidArgumentError(absl::StrCat(name, ": storages are stored ",
+                                                       QuoteForError(order),
                                                        "-endian; only little-endian is supported"));
       }
     }
-    if (!reader.hasRecord("data.pkl")) {
+    if (!zip->HasRecord("data.pkl")) {
       return absl::InvalidArgumentError(
           absl::StrCat(name, ": a zip archive without data.pkl, not a torch.save file"));
     }
-    auto [pkl_ptr, pkl_len] = reader.getRecord("data.pkl");
+    auto [pkl_ptr, pkl_len] = zip->GetRecord("data.pkl");
     uint64_t loaded = pkl_len;  // bytes taken out of the archive so far
     StorageLoader loader = [&](const std::string& key, c10::ScalarType dtype,
                                int64_t numel) -> absl::StatusOr<at::Tensor> {
-      const std::string record = "data/" + key;
-      try {
-        // The record's size, from the checked zip directory, before anything
-        // is allocated: a storage costs what the file holds, no more.
-        const auto entry = index.sizes.find(index.prefix + absl::AsciiStrToLower(record));
-        if (entry == index.sizes.end() || !reader.hasRecord(record)) {
-          return absl::DataLossError(absl::StrCat("no record ", record));
-        }
-        const uint64_t element = c10::elementSize(dtype);
-        const uint64_t have = entry->second;
-        if (have % element != 0 || have / element != static_cast<uint64_t>(numel)) {
-          return absl::DataLossError(absl::StrCat("record ", record, " holds ", have,
-                                                  " bytes, not ", numel, " ", DtypeName(dtype)));
-        }
-        const uint64_t bytes = have;
-        if (bytes > size - loaded) {
-          return absl::DataLossError(absl::StrCat("storage ", record, " of ", numel, " ",
-                                                  DtypeName(dtype),
-                                                  " does not fit in what is left of the file"));
-        }
-        auto [ptr, len] = reader.getRecord(record);
-        if (len != bytes) {
-          return absl::DataLossError(absl::StrCat("record ", record, " holds ", len, " bytes, not ",
-                                                  numel, " ", DtypeName(dtype), " (", bytes,
-                                                  " bytes)"));
-        }
-        loaded += bytes;
-        if (dtype == c10::ScalarType::Bool) {  // any byte but 0/1 is undefined behaviour for a bool
-          auto* b = static_cast<uint8_t*>(ptr.get());
-          for (uint64_t k = 0; k < bytes; ++k) b[k] = b[k] != 0;
-        }
-        c10::Storage storage(c10::Storage::use_byte_size_t(), bytes, std::move(ptr), nullptr,
-                             false);
-        return at::empty({0}, at::TensorOptions().dtype(dtype)).set_(storage, 0, {numel}, {1});
-      } catch (const std::exception& e) {
-        return absl::DataLossError(absl::StrCat("reading ", record, ": ", ExceptionText(e)));
-      }
+      return LoadStorageRecord(*zip, &loaded, key, dtype, numel);
     };
     return ParsePickleOf(absl::string_view(static_cast<const char*>(pkl_ptr.get()), pkl_len),
-                         loader, name, limits, size);
+                         loader, name, limits, in->size());
   } catch (const std::exception& e) {
     return absl::DataLossError(
-        absl::StrCat(name, ": not a readable torch.save archive: ", ExceptionText(e)));
+        absl::StrCat(name, ": not a readable torch.save archive: ", ExceptionOneLine(e)));
   }
 }
 
@@ -1925,7 +1647,7 @@ absl::StatusOr<PyValuePtr> ReadTorchBytes(const std::string& bytes,
     return ReadArchive(std::make_shared<BoundedReadAdapter>(bytes.data(), bytes.size()),
                        name_for_errors, limits);
   } catch (const std::exception& e) {
-    return absl::DataLossError(absl::StrCat(name_for_errors, ": ", ExceptionText(e)));
+    return absl::DataLossError(absl::StrCat(name_for_errors, ": ", ExceptionOneLine(e)));
   }
 }
 
@@ -1946,7 +1668,7 @@ absl::StatusOr<PyValuePtr> ReadTorchFile(const std::string& path, const TorchRea
     return ReadArchive(std::make_shared<BoundedReadAdapter>(fd, static_cast<uint64_t>(st.st_size)),
                        path, limits);
   } catch (const std::exception& e) {
-    return absl::DataLossError(absl::StrCat(path, ": ", ExceptionText(e)));
+    return absl::DataLossError(absl::StrCat(path, ": ", ExceptionOneLine(e)));
   }
 }
 
