@@ -287,7 +287,7 @@ ShardedOptimizer::~ShardedOptimizer() {
   for (const auto& h : ag_handles_) {
     if (h) (void)h->Wait(options_.timeout);
   }
-  for (const Deferred& d : deferred_) (void)d.handle->Wait(options_.timeout);
+  deferred_.WaitAll(options_.timeout);
   if (hyper_handle_) (void)hyper_handle_->Wait(options_.timeout);
   if (norm_handle_) (void)norm_handle_->Wait(options_.timeout);
 }
@@ -1126,7 +1126,7 @@ absl::StatusOr<GradNormReading> ShardedOptimizer::LastGradNorm() {
 }
 
 std::optional<GradNormReading> ShardedOptimizer::ReadyGradNorm() {
-  if (step_ == 0 || DeferredFailed()) return std::nullopt;
+  if (step_ == 0 || deferred_.AnyFailed()) return std::nullopt;
   if (!async_ || device_.is_cpu()) {
     if (last_norm_.step != step_) return std::nullopt;  // restored since
     return last_norm_;
@@ -1148,38 +1148,19 @@ std::optional<GradNormReading> ShardedOptimizer::ReadyGradNorm() {
 
 bool ShardedOptimizer::Defer(const CommHandlePtr& handle, const char* what, int bucket) {
   if (!async_ || handle == nullptr || !comm_->OrderStreamAfter(handle, nullptr)) return false;
-  deferred_.push_back({handle, what, bucket, step_});
+  deferred_.Add({handle, what, bucket, step_});
   return true;
 }
 
-// The first failure is reported (and the communicator aborted); the entries
-// after it are dropped: they can only fail with "communicator aborted" too.
+// The first failure is reported (and the communicator aborted).
 // Time blocked here is exposed communication of the next step.
 absl::Status ShardedOptimizer::CheckDeferred(bool all) {
-  std::vector<Deferred> taken;
-  taken.swap(deferred_);
   const int64_t before = wait_ns_;
-  absl::Status first;
-  for (Deferred& d : taken) {
-    if (!first.ok()) break;
-    const bool done = d.handle->done();  // read once: the watcher may complete it meanwhile
-    if (all || done || d.step < step_ - 1) {
-      first = WaitOrAbort(d.handle, d.what, d.bucket);
-    } else {
-      deferred_.push_back(std::move(d));
-    }
-  }
+  absl::Status first = deferred_.WaitDue(all, step_, [this](const DeferredCollectives::Entry& e) {
+    return WaitOrAbort(e.handle, e.what, e.bucket);
+  });
   gather_wait_ns_ += wait_ns_ - before;
   return first;
-}
-
-// A deferred collective that has already failed (the norm it fed may be
-// garbage); reported by the next CheckDeferred.
-bool ShardedOptimizer::DeferredFailed() const {
-  for (const Deferred& d : deferred_) {
-    if (d.handle->done() && !d.handle->Wait(absl::ZeroDuration()).ok()) return true;
-  }
-  return false;
 }
 
 absl::Status ShardedOptimizer::OrderPreviousGathers() {

@@ -36,6 +36,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "client/comm/communicator.h"
+#include "client/deferred_collectives.h"
 #include "client/staging_arena.h"
 #include "common/layout.h"
 #include "server/kernels/kernel_backend.h"
@@ -260,19 +261,12 @@ class ShardedOptimizer {
   // This rank's partition: owned slices, optimizer state, hyper-parameters.
   ShardOwner& shard_owner() { return *owner_; }
   const ShardOwner& shard_owner() const { return *owner_; }
-  // For checkpoints (client/checkpoint/checkpoint.h); see ShardOwner.
   using OwnedSlice = ShardOwner::OwnedSlice;
-  OwnedSlice owned_slice(int bucket) { return owner_->owned_slice(bucket); }
   std::vector<std::string> state_names() const { return owner_->state_names(); }
-  // After owned slices were overwritten (a restore): rewrites the bf16 copy,
-  // all-gathers every bucket and sets the step count. Collective.
-  absl::Status FinishRestore(int64_t step);
   Communicator* communicator() const { return comm_; }
   // True when parameters and state live on a GPU.
   bool on_device() const { return !device_.is_cpu(); }
-  // For checkpoints of GPU-resident state (see ShardOwner::StageToHost).
-  absl::Status StageToHost() { return owner_->StageToHost(); }
-  absl::Status EndStaging(bool copy_back) { return owner_->EndStaging(copy_back); }
+  // (What checkpoints write and restore goes through OptimizerStateAccess.)
   const Layout& layout() const { return layout_; }
   const ShardedOptimizerOptions& options() const { return options_; }
   // Bytes this rank holds, by role (the owner's state plus flat buffers).
@@ -285,6 +279,14 @@ class ShardedOptimizer {
   std::vector<TraceEvent> TakeTrace();
 
  private:
+  friend class OptimizerStateAccess;
+  OwnedSlice owned_slice(int bucket) { return owner_->owned_slice(bucket); }
+  // After owned slices were overwritten (a restore): rewrites the bf16 copy,
+  // all-gathers every bucket and sets the step count. Collective.
+  absl::Status FinishRestore(int64_t step);
+  absl::Status StageToHost() { return owner_->StageToHost(); }
+  absl::Status EndStaging(bool copy_back) { return owner_->EndStaging(copy_back); }
+
   // What backward's hooks share with the optimizer: one lock for everything
   // they touch (members marked ABSL_GUARDED_BY(hook_state_->mu)), and the
   // optimizer they call while it lives (the destructor clears owner under mu,
@@ -392,7 +394,6 @@ class ShardedOptimizer {
   absl::Status GlobalNormOnDevice(double local_sq, bool clip, StepResult* result);
   absl::Status LaunchNormOnDevice(double local_sq);
   absl::Status FinishNormOnDevice(bool clip, StepResult* result);
-  bool DeferredFailed() const;
   void RecordNormReading(int64_t step, const torch::Tensor& norm, const torch::Tensor& coef,
                          StepResult* result);
   // Orders the device after `handle` (device_async_step) and remembers it,
@@ -523,13 +524,7 @@ class ShardedOptimizer {
   std::unique_ptr<KernelBackend::Fence> norm_fence_[2];
   int64_t norm_step_[2] = {0, 0};
   GradNormReading last_norm_;  // the newest reading on the host
-  struct Deferred {
-    CommHandlePtr handle;
-    const char* what;
-    int bucket;
-    int64_t step;  // step_ when it was taken
-  };
-  std::vector<Deferred> deferred_;
+  DeferredCollectives deferred_;
 
   // This step's agreement on which parameters are updated (training thread).
   std::vector<float> local_active_;  // per parameter: 1 if this rank has a gradient
@@ -539,6 +534,25 @@ class ShardedOptimizer {
 
   int64_t step_ = 0;
   int64_t wait_ns_ = 0;  // training thread only: time blocked in this Step()
+};
+
+// For checkpoint code only (client/checkpoint/): this rank's owned slices
+// (master copies and optimizer state, written in place by a restore), the
+// staging of GPU-resident state on the host around a save or restore
+// (ShardOwner::StageToHost), and the collective that ends a restore. Kept out
+// of ShardedOptimizer's public API: a trainer has no business with them.
+class OptimizerStateAccess {
+ public:
+  explicit OptimizerStateAccess(ShardedOptimizer& opt) : opt_(opt) {}
+  ShardedOptimizer::OwnedSlice owned_slice(int bucket) { return opt_.owned_slice(bucket); }
+  absl::Status StageToHost() { return opt_.StageToHost(); }
+  absl::Status EndStaging(bool copy_back) { return opt_.EndStaging(copy_back); }
+  // Rewrites the model's copy from the restored master, all-gathers every
+  // bucket and sets the step count. Collective.
+  absl::Status FinishRestore(int64_t step) { return opt_.FinishRestore(step); }
+
+ private:
+  ShardedOptimizer& opt_;
 };
 
 }  // namespace shardopt

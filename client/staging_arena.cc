@@ -9,8 +9,7 @@ void StagingArena::Reset(int num_buckets) {
   held_.clear();
 }
 
-std::optional<int64_t> StagingArena::Place(int64_t length,
-                                           absl::Span<const Region> others) const {
+std::optional<int64_t> StagingArena::Place(int64_t length, absl::Span<const Region> others) const {
   std::vector<Region> live;  // a few: the buckets filling or in flight
   live.reserve(held_.size() + others.size());
   for (int b : held_) live.push_back(regions_[b]);

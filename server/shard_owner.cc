@@ -84,7 +84,12 @@ absl::Status ShardOwner::Init(ShardOwnerOptions options, torch::Tensor param_fla
           "SGD parameter groups must all use momentum or all not use it");
     }
   }
-  groups_ = std::move(options.groups);
+  const size_t num_groups = options.groups.size();
+  const bool sgd_momentum = options.groups[0].sgd.momentum != 0.0;
+  {
+    absl::MutexLock lock(&mu_);  // (Init runs before any other thread sees it: for the analysis)
+    groups_ = std::move(options.groups);
+  }
   param_group_ = std::move(options.param_group);
   param_flat_ = std::move(param_flat);
   grad_flat_ = std::move(grad_flat);
@@ -120,14 +125,14 @@ absl::Status ShardOwner::Init(ShardOwnerOptions options, torch::Tensor param_fla
   at::NoGradGuard no_grad;
   const auto f32 = torch::TensorOptions().device(param_flat_.device()).dtype(torch::kFloat);
   const bool adam = kind_ != OptimizerKind::kSgd;
-  if (adam || groups_[0].sgd.momentum != 0.0) state0_ = torch::zeros({owned_elements_}, f32);
+  if (adam || sgd_momentum) state0_ = torch::zeros({owned_elements_}, f32);
   if (adam) state1_ = torch::zeros({owned_elements_}, f32);
   if (bf16_) {
     master_ = torch::empty({owned_elements_}, f32);
     for (int b = 0; b < nb; ++b) MasterOf(b).copy_(OwnedRange(param_flat_, b));
   }
   // The update's slices, per bucket and group (buffers never move).
-  slices_.assign(nb, std::vector<std::vector<UpdateSlice>>(groups_.size()));
+  slices_.assign(nb, std::vector<std::vector<UpdateSlice>>(num_groups));
   for (int b = 0; b < nb; ++b) {
     for (const Segment& seg : segments_[b]) {
       if (seg.size > 0) slices_[b][seg.group].push_back(SliceOf(b, seg.begin, seg.size));

@@ -133,7 +133,7 @@ class Fixture {
  private:
   void Scribble(int r) {
     for (const Piece& p : fresh_.opts[r]->layout().PiecesOfRank(r)) {
-      auto s = fresh_.opts[r]->owned_slice(p.bucket);
+      auto s = OptimizerStateAccess(*fresh_.opts[r]).owned_slice(p.bucket);
       for (float* a : {s.master, s.state0, s.state1}) {
         if (a != nullptr) std::fill(a + p.rank_offset, a + p.rank_offset + p.length, NAN);
       }

@@ -77,7 +77,7 @@ struct Job {
   std::vector<float> OwnedState(int r) {
     std::vector<float> out;
     for (const Piece& p : opts[r]->layout().PiecesOfRank(r)) {
-      auto s = opts[r]->owned_slice(p.bucket);
+      auto s = OptimizerStateAccess(*opts[r]).owned_slice(p.bucket);
       for (const float* a : {s.master, s.state0, s.state1}) {
         if (a != nullptr) out.insert(out.end(), a + p.rank_offset, a + p.rank_offset + p.length);
       }

@@ -121,7 +121,11 @@ class CollectiveTest : public ::testing::TestWithParam<Param> {};
 const std::vector<int64_t> kCounts = {0, 1, 7, 64, 65, 1000, 12345};
 
 TEST_P(CollectiveTest, ReduceScatter) {
-  const auto [impl, n, type] = GetParam();
+  // (Not a structured binding: lambdas below capture them, which C++17 and
+  // clang do not allow for bindings.)
+  const Impl impl = std::get<0>(GetParam());
+  const int n = std::get<1>(GetParam());
+  const DType type = std::get<2>(GetParam());
   Job job(impl, n);
   for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAverage, ReduceOp::kMax}) {
     for (int64_t count : kCounts) {
@@ -156,7 +160,11 @@ TEST_P(CollectiveTest, ReduceScatter) {
 // others in staging), in reverse order in memory; only this rank's chunk is
 // specified afterwards.
 TEST_P(CollectiveTest, ReduceScatterOfSeparateChunks) {
-  const auto [impl, n, type] = GetParam();
+  // (Not a structured binding: lambdas below capture them, which C++17 and
+  // clang do not allow for bindings.)
+  const Impl impl = std::get<0>(GetParam());
+  const int n = std::get<1>(GetParam());
+  const DType type = std::get<2>(GetParam());
   Job job(impl, n);
   for (int r = 0; r < n; ++r) EXPECT_TRUE(job.comms[r]->SupportsSeparateChunks());
   for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAverage}) {
@@ -204,7 +212,11 @@ TEST_P(CollectiveTest, ReduceScatterOfSeparateChunks) {
 }
 
 TEST_P(CollectiveTest, AllGather) {
-  const auto [impl, n, type] = GetParam();
+  // (Not a structured binding: lambdas below capture them, which C++17 and
+  // clang do not allow for bindings.)
+  const Impl impl = std::get<0>(GetParam());
+  const int n = std::get<1>(GetParam());
+  const DType type = std::get<2>(GetParam());
   Job job(impl, n);
   for (int64_t count : kCounts) {
     std::vector<Typed> bufs;
@@ -227,7 +239,11 @@ TEST_P(CollectiveTest, AllGather) {
 }
 
 TEST_P(CollectiveTest, AllReduceBroadcastBarrier) {
-  const auto [impl, n, type] = GetParam();
+  // (Not a structured binding: lambdas below capture them, which C++17 and
+  // clang do not allow for bindings.)
+  const Impl impl = std::get<0>(GetParam());
+  const int n = std::get<1>(GetParam());
+  const DType type = std::get<2>(GetParam());
   Job job(impl, n);
   for (int64_t count : kCounts) {
     for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kMax}) {
@@ -271,7 +287,11 @@ TEST_P(CollectiveTest, AllReduceBroadcastBarrier) {
 }
 
 TEST_P(CollectiveTest, ByteCountersMatchTheRing) {
-  const auto [impl, n, type] = GetParam();
+  // (Not a structured binding: lambdas below capture them, which C++17 and
+  // clang do not allow for bindings.)
+  const Impl impl = std::get<0>(GetParam());
+  const int n = std::get<1>(GetParam());
+  const DType type = std::get<2>(GetParam());
   Job job(impl, n);
   const int64_t count = 1000;
   std::vector<Typed> bufs;

@@ -1394,7 +1394,7 @@ TEST(DeviceAsyncStepTest, NormReadingsAfterRestoreAndNaN) {
     auto read = (*opt)->LastGradNorm();
     ASSERT_TRUE(read.ok()) << read.status();
     EXPECT_TRUE(read->clipped && std::isnan(read->grad_norm)) << async;
-    ASSERT_TRUE((*opt)->FinishRestore(7).ok());
+    ASSERT_TRUE(OptimizerStateAccess(**opt).FinishRestore(7).ok());
     EXPECT_EQ((*opt)->LastGradNorm().status().code(), absl::StatusCode::kFailedPrecondition)
         << async;
     EXPECT_FALSE((*opt)->ReadyGradNorm().has_value()) << async;

@@ -37,7 +37,7 @@ TEST(StagingArenaTest, FreedRoomIsReusedAndHolesAreFilledFirst) {
   a.Hold(1, {30, 30});
   a.Hold(2, {60, 30});
   a.Free(1);
-  EXPECT_EQ(a.Place(30), 30);   // the hole
+  EXPECT_EQ(a.Place(30), 30);            // the hole
   EXPECT_EQ(a.Place(31), std::nullopt);  // neither the hole nor the 10 at the end
   EXPECT_EQ(a.region(1).length, 0);
   EXPECT_EQ(a.held(), (std::vector<int>{0, 2}));

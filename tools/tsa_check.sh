@@ -15,7 +15,13 @@ if ! command -v clang >/dev/null; then
 fi
 base=${SHARDOPT_TSA_OUTPUT_BASE:-$HOME/.cache/shardopt-tsa}
 start=$(date +%s)
-bazel --output_base="$base" build --config=tsa //... "$@" 2>&1 | tail -n 30
-rc=${PIPESTATUS[0]}
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+bazel --output_base="$base" build --config=tsa //... "$@" >"$log" 2>&1
+rc=$?
+# The analysis' findings first (each names the file, line and mutex), then
+# how the build ended.
+grep -E "(error|warning): .*(mutex|lock|thread-safety|GUARDED|guarded)" "$log" | sort -u | head -n 100
+grep -E "^(ERROR|FAILED|INFO: Build completed)" "$log" | tail -n 10
 echo "tsa_check: bazel build --config=tsa //... exit $rc ($(($(date +%s) - start)) s)"
 exit "$rc"

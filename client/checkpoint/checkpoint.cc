@@ -185,17 +185,17 @@ class Staging {
   explicit Staging(ShardedOptimizer& opt) : opt_(opt) {}
   absl::Status Begin() {
     if (!opt_.on_device()) return absl::OkStatus();
-    SHARDOPT_RETURN_IF_ERROR(opt_.StageToHost());
+    SHARDOPT_RETURN_IF_ERROR(OptimizerStateAccess(opt_).StageToHost());
     active_ = true;
     return absl::OkStatus();
   }
   absl::Status CopyBack() {
     if (!active_) return absl::OkStatus();
     active_ = false;
-    return opt_.EndStaging(/*copy_back=*/true);
+    return OptimizerStateAccess(opt_).EndStaging(/*copy_back=*/true);
   }
   ~Staging() {
-    if (active_) (void)opt_.EndStaging(/*copy_back=*/false);
+    if (active_) (void)OptimizerStateAccess(opt_).EndStaging(/*copy_back=*/false);
   }
 
  private:
@@ -254,7 +254,7 @@ absl::StatusOr<ShardWritten> WriteShard(ShardedOptimizer& opt, FileSystem* fs,
     SHARDOPT_RETURN_IF_ERROR(append(prefix.data(), prefix.size()));
     int64_t at = static_cast<int64_t>(prefix.size());
     for (const Piece& p : pieces) {
-      ShardedOptimizer::OwnedSlice slice = opt.owned_slice(p.bucket);
+      ShardedOptimizer::OwnedSlice slice = OptimizerStateAccess(opt).owned_slice(p.bucket);
       const float* arrays[3] = {slice.master, slice.state0, slice.state1};
       ManifestPiece mp{p.param, p.param_offset, p.length, rank, {}, {}};
       for (size_t si = 0; si < states.size(); ++si) {
@@ -541,7 +541,7 @@ absl::Status ReadOwnedFromShards(ShardedOptimizer& opt, FileSystem* fs, const st
   const Layout& layout = opt.layout();
   std::vector<char> buf;
   for (const Piece& np : layout.PiecesOfRank(opt.communicator()->rank())) {
-    ShardedOptimizer::OwnedSlice slice = opt.owned_slice(np.bucket);
+    ShardedOptimizer::OwnedSlice slice = OptimizerStateAccess(opt).owned_slice(np.bucket);
     float* arrays[3] = {slice.master, slice.state0, slice.state1};
     const int64_t want_begin = np.param_offset, want_end = np.param_offset + np.length;
     for (int k : m.pieces_of_param[np.param]) {
@@ -674,7 +674,7 @@ absl::Status ReadOwnedFromConsolidated(ShardedOptimizer& opt, FileSystem* fs,
   const Layout& layout = opt.layout();
   const std::vector<std::string> states = StateNames(opt);
   for (const Piece& np : layout.PiecesOfRank(opt.communicator()->rank())) {
-    ShardedOptimizer::OwnedSlice slice = opt.owned_slice(np.bucket);
+    ShardedOptimizer::OwnedSlice slice = OptimizerStateAccess(opt).owned_slice(np.bucket);
     float* arrays[3] = {slice.master, slice.state0, slice.state1};
     for (size_t si = 0; si < states.size(); ++si) {
       const SafetensorsEntry* e =
@@ -736,7 +736,7 @@ absl::Status RestoreOwnedSlices(ShardedOptimizer& opt, const std::function<absl:
       AgreeOnSuccess(opt.communicator(), mine, "loading the checkpoint", opt.options().timeout));
   SHARDOPT_RETURN_IF_ERROR(staging.CopyBack());
   SHARDOPT_RETURN_IF_ERROR(ApplyHyperParameters(opt, info));
-  SHARDOPT_RETURN_IF_ERROR(opt.FinishRestore(info.step));
+  SHARDOPT_RETURN_IF_ERROR(OptimizerStateAccess(opt).FinishRestore(info.step));
   return ApplyParamSteps(opt, info.user_metadata, info.path);
 }
 

@@ -36,12 +36,12 @@ absl::StatusOr<FullState> GatherFullState(ShardedOptimizer& opt) {
   const std::vector<std::string> names = ArrayNames(opt);
   SHARDOPT_RETURN_IF_ERROR(opt.WaitForParameters());  // overlap_param_gather
   const bool staged = opt.on_device();
-  if (staged) SHARDOPT_RETURN_IF_ERROR(opt.StageToHost());
+  if (staged) SHARDOPT_RETURN_IF_ERROR(OptimizerStateAccess(opt).StageToHost());
   FullState out;
   out.step = opt.step_count();
   absl::Status status;
   for (const Bucket& b : layout.buckets()) {
-    ShardedOptimizer::OwnedSlice own = opt.owned_slice(b.index);
+    ShardedOptimizer::OwnedSlice own = OptimizerStateAccess(opt).owned_slice(b.index);
     for (size_t k = 0; k < names.size() && status.ok(); ++k) {
       auto buf =
           std::make_shared<std::vector<float>>(static_cast<size_t>(b.capacity_per_rank) * world);
@@ -68,7 +68,7 @@ absl::StatusOr<FullState> GatherFullState(ShardedOptimizer& opt) {
     }
     if (!status.ok()) break;
   }
-  if (staged) (void)opt.EndStaging(/*copy_back=*/false);
+  if (staged) (void)OptimizerStateAccess(opt).EndStaging(/*copy_back=*/false);
   SHARDOPT_RETURN_IF_ERROR(status);
   // Each parameter's count from a rank that owns a piece of it (the owners
   // of a cut parameter agree): every rank's counts, -1 where it owns none.
@@ -112,7 +112,7 @@ absl::Status LoadFullState(ShardedOptimizer& opt, const FullState& state) {
         return absl::InvalidArgumentError(
             absl::StrCat("the state has no entry for parameter '", spec.name, "'"));
       }
-      ShardedOptimizer::OwnedSlice own = opt.owned_slice(p.bucket);
+      ShardedOptimizer::OwnedSlice own = OptimizerStateAccess(opt).owned_slice(p.bucket);
       for (size_t k = 1; k < names.size(); ++k) {  // states only: parameters stay the model's
         auto t = it->second.find(names[k]);
         if (t == it->second.end()) {

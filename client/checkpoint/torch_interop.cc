@@ -574,7 +574,7 @@ absl::Status FillFromTorch(ShardedOptimizer& opt, const TorchCheckpoint& t,
                                     absl::StrJoin(it->second.sizes(), ","), "], this model [",
                                     absl::StrJoin(spec.shape, ","), "]"));
     }
-    ShardedOptimizer::OwnedSlice slice = opt.owned_slice(p.bucket);
+    ShardedOptimizer::OwnedSlice slice = OptimizerStateAccess(opt).owned_slice(p.bucket);
     std::memcpy(slice.master + p.rank_offset, it->second.data_ptr<float>() + p.param_offset,
                 p.length * 4);
     float* arrays[2] = {slice.state0, slice.state1};

@@ -326,6 +326,22 @@ uint64_t SaturatingAdd(uint64_t a, uint64_t b) {
   return __builtin_add_overflow(a, b, &r) ? std::numeric_limits<uint64_t>::max() : r;
 }
 
+// Whether a view of `numel` elements with these sizes and strides is
+// contiguous, as torch defines it: strides of size-1 dims don't matter.
+bool IsContiguous(const std::vector<int64_t>& sizes, const std::vector<int64_t>& strides,
+                  int64_t numel) {
+  bool contiguous = true;
+  if (numel > 0) {
+    int64_t expected = 1;
+    for (size_t d = sizes.size(); d-- > 0;) {
+      if (sizes[d] == 1) continue;
+      if (strides[d] != expected) contiguous = false;
+      expected *= sizes[d];  // <= numel: no overflow
+    }
+  }
+  return contiguous;
+}
+
 bool IsContainer(Kind kind) {
   return kind == Kind::kList || kind == Kind::kTuple || kind == Kind::kDict;
 }
@@ -1136,12 +1152,16 @@ class Unpickler {
     return v->kind == kind && !callables_.count(v.get()) && !storage_nodes_.count(v.get());
   }
 
+  // A call of `c` with arguments it does not take.
+  absl::Status BadArgs(const Callable& c, const std::vector<PyValuePtr>& args,
+                       absl::string_view why) const {
+    std::vector<std::string> kinds;
+    for (const auto& a : args) kinds.push_back(DescribeNode(a.get()));
+    return Unsupported(absl::StrCat(c.name, "(", absl::StrJoin(kinds, ", "), "): ", why));
+  }
+
   absl::StatusOr<PyValuePtr> Call(const Callable& c, const std::vector<PyValuePtr>& args) {
-    auto bad_args = [&](absl::string_view why) {
-      std::vector<std::string> kinds;
-      for (const auto& a : args) kinds.push_back(DescribeNode(a.get()));
-      return Unsupported(absl::StrCat(c.name, "(", absl::StrJoin(kinds, ", "), "): ", why));
-    };
+    auto bad_args = [&](absl::string_view why) { return BadArgs(c, args, why); };
     switch (c.fn) {
       case Fn::kOrderedDict: {
         if (!args.empty()) return bad_args("expected no arguments");
@@ -1171,42 +1191,48 @@ class Unpickler {
         if (args.size() != 1 || !IsPlain(args[0], Kind::kList))
           return bad_args("expected one list");
         return args[0];
-      case Fn::kDevice: {
-        if (args.empty() || args.size() > 2 || !IsPlain(args[0], Kind::kString) ||
-            args[0]->s.size() > 32) {
-          return bad_args("expected (type[, index])");
-        }
-        std::string device = args[0]->s;
-        if (args.size() == 2) {
-          if (IsPlain(args[1], Kind::kInt)) {
-            absl::StrAppend(&device, ":", args[1]->i);
-          } else if (!IsPlain(args[1], Kind::kNone)) {
-            return bad_args("the index is not an int");
-          }
-        }
-        return NewString(Kind::kString, device);
-      }
-      case Fn::kCodecsEncode: {  // protocol 2's bytes: _codecs.encode(str, 'latin1')
-        if (args.size() != 2 || !IsPlain(args[0], Kind::kString) ||
-            !IsPlain(args[1], Kind::kString) ||
-            (args[1]->s != "latin1" && args[1]->s != "latin-1")) {
-          return bad_args("expected (str, 'latin1')");
-        }
-        // Once per string object: a memoized string encoded again and again
-        // would otherwise cost its length each time.
-        if (auto it = encoded_.find(args[0].get()); it != encoded_.end()) return it->second;
-        std::string bytes;
-        if (!EncodeLatin1(args[0]->s, &bytes)) return bad_args("the string is not latin-1");
-        TP_ASSIGN_OR_RETURN(PyValuePtr v, NewString(Kind::kBytes, bytes));
-        TP_RETURN_IF_ERROR(Charge(kNodeBytes));
-        encoded_.emplace(args[0].get(), v);
-        return v;
-      }
+      case Fn::kDevice: return CallDevice(c, args);
+      case Fn::kCodecsEncode: return CallCodecsEncode(c, args);
       case Fn::kBytes:
         if (!args.empty()) return bad_args("expected no arguments");
         return New(Kind::kBytes);
     }
     return bad_args("not callable");
+  }
+
+  // torch.device(type[, index]): reads as the string "type[:index]".
+  absl::StatusOr<PyValuePtr> CallDevice(const Callable& c, const std::vector<PyValuePtr>& args) {
+    if (args.empty() || args.size() > 2 || !IsPlain(args[0], Kind::kString) ||
+        args[0]->s.size() > 32) {
+      return BadArgs(c, args, "expected (type[, index])");
+    }
+    std::string device = args[0]->s;
+    if (args.size() == 2) {
+      if (IsPlain(args[1], Kind::kInt)) {
+        absl::StrAppend(&device, ":", args[1]->i);
+      } else if (!IsPlain(args[1], Kind::kNone)) {
+        return BadArgs(c, args, "the index is not an int");
+      }
+    }
+    return NewString(Kind::kString, device);
+  }
+
+  // Protocol 2's bytes: _codecs.encode(str, 'latin1').
+  absl::StatusOr<PyValuePtr> CallCodecsEncode(const Callable& c,
+                                              const std::vector<PyValuePtr>& args) {
+    if (args.size() != 2 || !IsPlain(args[0], Kind::kString) || !IsPlain(args[1], Kind::kString) ||
+        (args[1]->s != "latin1" && args[1]->s != "latin-1")) {
+      return BadArgs(c, args, "expected (str, 'latin1')");
+    }
+    // Once per string object: a memoized string encoded again and again
+    // would otherwise cost its length each time.
+    if (auto it = encoded_.find(args[0].get()); it != encoded_.end()) return it->second;
+    std::string bytes;
+    if (!EncodeLatin1(args[0]->s, &bytes)) return BadArgs(c, args, "the string is not latin-1");
+    TP_ASSIGN_OR_RETURN(PyValuePtr v, NewString(Kind::kBytes, bytes));
+    TP_RETURN_IF_ERROR(Charge(kNodeBytes));
+    encoded_.emplace(args[0].get(), v);
+    return v;
   }
 
   absl::StatusOr<std::vector<int64_t>> IntTuple(const PyValuePtr& v, absl::string_view what) {
@@ -1266,6 +1292,16 @@ class Unpickler {
     }
     const std::string shape = absl::StrCat("size [", absl::StrJoin(sizes, ", "), "] stride [",
                                            absl::StrJoin(strides, ", "), "] offset ", offset);
+    TP_RETURN_IF_ERROR(CheckInStorage(c, shape, sizes, strides, offset, numel, storage_numel));
+    return NewTensorView(base, sizes, strides, offset, numel, shape);
+  }
+
+  // That the elements of the view `shape` of `numel` elements lie inside a
+  // storage of `storage_numel`.
+  absl::Status CheckInStorage(const Callable& c, const std::string& shape,
+                              const std::vector<int64_t>& sizes,
+                              const std::vector<int64_t>& strides, int64_t offset, int64_t numel,
+                              int64_t storage_numel) const {
     if (numel == 0) {
       if (offset > storage_numel) {
         return Corrupt(
@@ -1285,17 +1321,20 @@ class Unpickler {
                                     " of a storage of ", storage_numel));
       }
     }
-    bool contiguous = true;  // as torch defines it: strides of size-1 dims don't matter
-    if (numel > 0) {
-      int64_t expected = 1;
-      for (size_t d = sizes.size(); d-- > 0;) {
-        if (sizes[d] == 1) continue;
-        if (strides[d] != expected) contiguous = false;
-        expected *= sizes[d];  // <= numel: no overflow
-      }
-    }
+    return absl::OkStatus();
+  }
+
+  // The tensor of a checked view of the storage `base`: the storage itself
+  // when the view spans it, else a copy (charged, and counted against
+  // max_tensor_bytes).
+  absl::StatusOr<PyValuePtr> NewTensorView(const at::Tensor& base,
+                                           const std::vector<int64_t>& sizes,
+                                           const std::vector<int64_t>& strides, int64_t offset,
+                                           int64_t numel, const std::string& shape) {
+    const int64_t storage_numel = base.numel();
     TP_ASSIGN_OR_RETURN(PyValuePtr v, New(Kind::kTensor));
-    if (offset == 0 && numel == storage_numel && (contiguous || numel == 0)) {
+    if (offset == 0 && numel == storage_numel &&
+        (IsContiguous(sizes, strides, numel) || numel == 0)) {
       TP_RETURN_IF_ERROR(Charge(kTensorBytes));
       v->tensor = base.view(sizes);  // the whole storage: shared, like torch.load's
       return v;
@@ -1319,8 +1358,9 @@ class Unpickler {
     return v;
   }
 
-  // Persistent id ('storage', storage_type, key, location, numel).
-  absl::StatusOr<PyValuePtr> LoadStorage(const PyValue& pid) {
+  // Checks the persistent id ('storage', storage_type, key, location, numel)
+  // and returns the storage type's dtype.
+  absl::StatusOr<c10::ScalarType> CheckPersistentId(const PyValue& pid) const {
     const auto& t = pid.items;
     if (pid.kind != Kind::kTuple || t.size() != 5 || !IsPlain(t[0], Kind::kString) ||
         t[0]->s != "storage") {
@@ -1343,9 +1383,14 @@ class Unpickler {
     if (!IsPlain(t[4], Kind::kInt) || t[4]->i < 0) {
       return Unsupported(absl::StrCat("storage size is a ", DescribeNode(t[4].get())));
     }
-    const std::string& key = t[2]->s;
-    const c10::ScalarType dtype = type->second.dtype;
-    const int64_t numel = t[4]->i;
+    return type->second.dtype;
+  }
+
+  // Persistent id ('storage', storage_type, key, location, numel).
+  absl::StatusOr<PyValuePtr> LoadStorage(const PyValue& pid) {
+    TP_ASSIGN_OR_RETURN(const c10::ScalarType dtype, CheckPersistentId(pid));
+    const std::string& key = pid.items[2]->s;
+    const int64_t numel = pid.items[4]->i;
     if (auto it = storages_by_key_.find(key); it != storages_by_key_.end()) {
       const at::Tensor& have = it->second->tensor;
       if (have.scalar_type() != dtype || have.numel() != numel) {
@@ -1384,8 +1429,7 @@ class Unpickler {
   // ---- the end
 
   // The result must be acyclic, at most max_depth deep, and hold no bare
-  // globals. Iterative: neither the input nor a cycle can exhaust the C++
-  // stack. Marks what is reachable so that Dismantle keeps exactly that.
+  // globals. Marks what is reachable so that Dismantle keeps exactly that.
   absl::StatusOr<PyValuePtr> Finish() {
     TP_ASSIGN_OR_RETURN(PyValuePtr result, Pop());
     if (!stack_.empty() || !marks_.empty()) {
@@ -1394,6 +1438,15 @@ class Unpickler {
     }
     if (pos_ != data_.size())
       return Corrupt(absl::StrCat(data_.size() - pos_, " bytes follow STOP"));
+    TP_RETURN_IF_ERROR(CheckGraph(result.get()));
+    succeeded_ = true;
+    return result;
+  }
+
+  // Walks what `root` reaches, depth first: no bare global, no cycle, at most
+  // max_depth deep; records each container's height in height_. Iterative:
+  // neither the input nor a cycle can exhaust the C++ stack.
+  absl::Status CheckGraph(const PyValue* root) {
     const int64_t max_depth = std::max<int64_t>(limits_.max_depth, 1);
     // height_: finished containers -> height (a leaf's is 0); on_path:
     // containers being visited. (Both charged when the containers were made.)
@@ -1417,7 +1470,7 @@ class Unpickler {
       path.push_back({v, 0, 0});
       return absl::OkStatus();
     };
-    TP_RETURN_IF_ERROR(enter(result.get()));
+    TP_RETURN_IF_ERROR(enter(root));
     while (!path.empty()) {
       Frame& f = path.back();
       const PyValue* child = nullptr;
@@ -1449,8 +1502,7 @@ class Unpickler {
       path.pop_back();
       if (!path.empty()) path.back().height = std::max(path.back().height, h + 1);
     }
-    succeeded_ = true;
-    return result;
+    return absl::OkStatus();
   }
 
   // Cuts every node the result does not reach loose from its children, so

@@ -242,7 +242,9 @@ int main(int argc, char** argv) {
   out["malloc"] = DescribeMallocMode(MallocMode::kTuned);
   std::vector<float> copy_src(w.n, 1.0f), copy_dst(w.n, 0.0f);
 
-  for (const auto& [suffix, threads] : modes) {
+  for (const auto& mode : modes) {
+    const auto& suffix = mode.first;
+    const int threads = mode.second;  // (captured below: not a structured binding)
     at::set_num_threads(threads);
     KernelOptions ko;
     ko.num_threads = threads;
