@@ -34,8 +34,7 @@ class DeferredCollectives {
   // more). The others are kept. Stops at the first failure and returns it;
   // the entries after it are dropped (they can only fail with "communicator
   // aborted" too).
-  absl::Status WaitDue(bool all, int64_t step,
-                       absl::FunctionRef<absl::Status(const Entry&)> wait);
+  absl::Status WaitDue(bool all, int64_t step, absl::FunctionRef<absl::Status(const Entry&)> wait);
   // Whether one that has completed failed (what it fed may be garbage; the
   // next WaitDue reports it).
   bool AnyFailed() const;

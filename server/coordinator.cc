@@ -108,11 +108,6 @@ double SortedMedian(const std::vector<double>& v) {
   return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return SortedMedian(v);
-}
-
 }  // namespace
 
 const char* JobStateName(JobState state) {
@@ -126,9 +121,13 @@ const char* JobStateName(JobState state) {
 }
 
 Coordinator::Coordinator(CoordinatorOptions options)
-    : options_(std::move(options)), start_(options_.now()) {
+    : options_(std::move(options)),
+      start_(options_.now()),
+      slow_ranks_(SlowRankOptions{options_.slow_factor, options_.slow_windows, options_.slow_window,
+                                  options_.slow_min_excess}) {
   ranks_.resize(std::max(0, options_.world_size));
   windows_.resize(ranks_.size());
+  slow_ranks_.Reset(static_cast<int>(ranks_.size()));
   for (int r = 0; r < options_.world_size; ++r) ranks_[r].rank = r;
   joining_.assign(ranks_.size(), 0);
 }
@@ -564,11 +563,8 @@ absl::StatusOr<HeartbeatReply> Coordinator::Heartbeat(const HeartbeatInfo& info)
       }
       while (w.steps.size() > static_cast<size_t>(kStepWindowSteps)) w.steps.pop_front();
       w.dirty = true;
-      // One busy sample per heartbeat: its last step, less the time that
-      // step was blocked on collectives (a slow rank makes the others wait
-      // there, so their step times equal its own).
-      w.busy.push_back(std::max(0.0, m.step_seconds.back() - m.comm_wait_seconds));
-      if (w.busy.size() > 4096) w.busy.erase(w.busy.begin(), w.busy.begin() + 2048);
+      // One busy sample per heartbeat (server/slow_ranks.h).
+      slow_ranks_.AddBusy(info.rank, m.step_seconds.back(), m.comm_wait_seconds);
     }
   }
   return NoticeLocked();
@@ -599,46 +595,18 @@ int Coordinator::CheckSlowRanks() {
     const absl::Time now = options_.now();
     if (now - slow_window_start_ < options_.slow_window) return 0;
     slow_window_start_ = now;
-    // This window's median busy time of each rank that finished a step in it.
-    const int n = static_cast<int>(ranks_.size());
-    std::vector<double> p50(n, -1);
-    std::vector<double> all;
-    for (int r = 0; r < n; ++r) {
-      RankWindow& w = windows_[r];
-      if (ranks_[r].joined && !ranks_[r].finished && !w.busy.empty()) {
-        p50[r] = Median(std::move(w.busy));
-        all.push_back(p50[r]);
-      }
-      w.busy.clear();
+    std::vector<bool> eligible(ranks_.size());
+    for (size_t r = 0; r < ranks_.size(); ++r) {
+      eligible[r] = ranks_[r].joined && !ranks_[r].finished;
     }
-    if (all.size() < 2) return 0;
-    std::sort(all.begin(), all.end());
-    const double window_s = absl::ToDoubleSeconds(options_.slow_window);
-    const double min_excess = absl::ToDoubleSeconds(options_.slow_min_excess);
-    for (int r = 0; r < n; ++r) {
-      if (p50[r] < 0) continue;  // no step in this window: no verdict
-      // The median of the others: `all` without one copy of p50[r].
-      const size_t i = std::lower_bound(all.begin(), all.end(), p50[r]) - all.begin();
-      const size_t m = all.size() - 1;
-      auto other = [&](size_t j) { return j < i ? all[j] : all[j + 1]; };
-      const double median = m % 2 == 1 ? other(m / 2) : 0.5 * (other(m / 2 - 1) + other(m / 2));
-      RankState& rs = ranks_[r];
-      RankWindow& w = windows_[r];
-      rs.busy_seconds_p50 = p50[r];
-      rs.busy_ratio = median > 0 ? p50[r] / median : (p50[r] > 0 ? HUGE_VAL : 1);
-      const bool over = p50[r] > options_.slow_factor * median && p50[r] - median >= min_excess;
-      w.streak = over != rs.slow ? w.streak + 1 : 0;
-      if (w.streak < options_.slow_windows) continue;
-      w.streak = 0;
-      rs.slow = over;
-      const std::string ratio = median > 0 ? absl::StrFormat("%.1fx", p50[r] / median) : "above";
-      const std::string what = absl::StrFormat(
-          "busy time per step (step time minus waiting on collectives) p50 %.3g s, %s the median "
-          "of the others (%.3g s), %d windows of %.3g s in a row",
-          p50[r], ratio, median, options_.slow_windows, window_s);
-      rs.slow_reason = over ? what : "";
-      events.push_back(
-          absl::StrCat("rank ", r, over ? " is slow: " : " is no longer slow: ", what));
+    for (const SlowRankDetector::Verdict& v : slow_ranks_.EndWindow(eligible)) {
+      RankState& rs = ranks_[v.rank];
+      rs.busy_seconds_p50 = v.busy_p50;
+      rs.busy_ratio = v.ratio;
+      if (!v.changed) continue;
+      rs.slow = v.slow;
+      rs.slow_reason = v.reason;
+      events.push_back(v.event);
     }
   }
   if (options_.on_event) {

@@ -27,6 +27,7 @@
 #include "common/layout.h"
 #include "common/param_spec.h"
 #include "common/protocol_limits.h"
+#include "server/slow_ranks.h"
 
 namespace shardopt {
 
@@ -306,13 +307,10 @@ class Coordinator {
     JoinCallback done;
   };
 
-  // Per rank, what GetJob does not copy: recent step times and the busy
-  // times of the current slow-rank window.
+  // Per rank, what GetJob does not copy: recent step times.
   struct RankWindow {
     std::deque<std::pair<absl::Time, double>> steps;  // (received, seconds)
     bool dirty = false;                               // p50/max to recompute
-    std::vector<double> busy;                         // this slow-rank window
-    int streak = 0;  // windows in a row that argue for changing `slow`
   };
 
   absl::Status ValidateJoin(const JoinInfo& info) const;
@@ -345,6 +343,7 @@ class Coordinator {
   std::vector<RankState> ranks_ ABSL_GUARDED_BY(mu_);
   std::vector<RankWindow> windows_ ABSL_GUARDED_BY(mu_);
   absl::Time slow_window_start_ ABSL_GUARDED_BY(mu_);  // set when the job starts running
+  SlowRankDetector slow_ranks_ ABSL_GUARDED_BY(mu_);
   absl::Time last_checkpoint_time_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   int joined_ ABSL_GUARDED_BY(mu_) = 0;
   std::optional<JoinInfo> rank0_ ABSL_GUARDED_BY(mu_);

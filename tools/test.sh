@@ -35,6 +35,14 @@ else
   echo "//tools:format_check   FAILED" >>"$log"
 fi
 
+# Clang's thread-safety analysis over //... (tools/tsa_check.sh: an output
+# base of its own, -Wthread-safety as errors). Counted as a test.
+if tools/tsa_check.sh; then
+  echo "//tools:tsa_check   PASSED" >>"$log"
+else
+  echo "//tools:tsa_check   FAILED" >>"$log"
+fi
+
 # tools/gpu_check.sh builds the GPU targets without Bazel: its source lists
 # must match the BUILD files (checked with bazel query). Counted as a test.
 if tools/check_gpu_sources.sh; then
