@@ -206,54 +206,31 @@ py::dict FromHyper(OptimizerKind kind, const HyperParameters& hp) {
   return d;
 }
 
+// What the Python package builds a core optimizer with (_C.OptimizerArgs):
+// named fields instead of a dozen positional arguments.
+struct PyOptimizerArgs {
+  std::vector<int> param_group;  // per tensor: its group
+  std::string kind = "adam";     // adam | adamw | sgd (sgd for classes without kernels)
+  std::vector<py::dict> groups;  // each group's hyper-parameters
+  double max_grad_norm = 0;
+  int64_t bucket_cap_elements = 25 * 1024 * 1024 / 4;
+  bool grad_bf16 = false;
+  double timeout_s = 300;
+  int kernel_threads = 0;
+  bool overlap_param_gather = false;
+  bool shard_gradients = false;
+  py::object external_update = py::none();  // a torch.optim class's own step, or None
+  bool allow_cut = true;
+};
+
 class PyOptimizer {
  public:
   PyOptimizer(std::shared_ptr<PyCommunicator> comm, const std::vector<std::string>& names,
-              const std::vector<torch::Tensor>& tensors, const std::vector<int>& param_group,
-              const std::string& kind, const std::vector<py::dict>& groups, double max_grad_norm,
-              int64_t bucket_cap_elements, bool grad_bf16, double timeout_s, int kernel_threads,
-              bool overlap_param_gather, bool shard_gradients, py::object external_update,
-              bool allow_cut)
+              const std::vector<torch::Tensor>& tensors, const PyOptimizerArgs& args)
       : comm_(std::move(comm)) {
     if (names.size() != tensors.size()) throw py::value_error("names and tensors differ in length");
-    ShardedOptimizerOptions o;
-    o.kind = ParseKind(kind);
-    if (o.kind == OptimizerKind::kAdamW) o.adam = AdamWConfig();
-    HyperParameters base{o.adam, o.sgd};
-    for (const py::dict& g : groups) o.groups.push_back(ToHyper(g, base));
-    if (o.groups.empty()) throw py::value_error("no parameter group");
-    o.adam = o.groups[0].adam;
-    o.sgd = o.groups[0].sgd;
-    o.param_group = param_group;
-    o.max_grad_norm = max_grad_norm;
-    if (bucket_cap_elements < 1) throw py::value_error("bucket_cap_mb must be > 0");
-    o.plan.bucket_cap_elements = bucket_cap_elements;
-    o.grad_comm_type = grad_bf16 ? DType::kBFloat16 : DType::kFloat32;
-    if (!(timeout_s > 0)) throw py::value_error("timeout must be > 0 seconds");
-    o.timeout = absl::Seconds(timeout_s);
-    o.kernel_threads = kernel_threads;
-    o.overlap_param_gather = overlap_param_gather;
-    o.shard_gradients = shard_gradients;
-    o.plan.allow_cut = allow_cut;
-    if (!external_update.is_none()) {
-      // An optimizer without fused kernels: its torch.optim step runs on this
-      // rank's whole owned tensors, called back with the GIL (Step releases
-      // it). The callable is kept alive by external_ (declared before opt_,
-      // so it outlives the optimizer); the lambda holds no reference, so
-      // copies of the options may die without the GIL.
-      external_ = external_update;
-      PyObject* fn = external_.ptr();
-      o.external_update = [fn](const std::vector<uint8_t>& active) -> absl::Status {
-        py::gil_scoped_acquire gil;
-        try {
-          py::handle step_fn(fn);  // (a named handle: `py::handle(fn)(...)` declares a function)
-          step_fn(py::bytes(reinterpret_cast<const char*>(active.data()), active.size()));
-        } catch (py::error_already_set& e) {
-          return absl::InternalError(absl::StrCat("the optimizer's step raised ", e.what()));
-        }
-        return absl::OkStatus();
-      };
-    }
+    ShardedOptimizerOptions o = ToOptions(args);
+    if (!args.external_update.is_none()) SetExternalUpdate(args.external_update, &o);
     std::vector<std::pair<std::string, torch::Tensor>> named;
     for (size_t i = 0; i < names.size(); ++i) named.emplace_back(names[i], tensors[i]);
     absl::StatusOr<std::unique_ptr<ShardedOptimizer>> opt;
@@ -262,6 +239,49 @@ class PyOptimizer {
       opt = ShardedOptimizer::Create(named, o, comm_->comm.get());
     }
     opt_ = Take(std::move(opt));
+  }
+
+  static ShardedOptimizerOptions ToOptions(const PyOptimizerArgs& a) {
+    ShardedOptimizerOptions o;
+    o.kind = ParseKind(a.kind);
+    if (o.kind == OptimizerKind::kAdamW) o.adam = AdamWConfig();
+    HyperParameters base{o.adam, o.sgd};
+    for (const py::dict& g : a.groups) o.groups.push_back(ToHyper(g, base));
+    if (o.groups.empty()) throw py::value_error("no parameter group");
+    o.adam = o.groups[0].adam;
+    o.sgd = o.groups[0].sgd;
+    o.param_group = a.param_group;
+    o.max_grad_norm = a.max_grad_norm;
+    if (a.bucket_cap_elements < 1) throw py::value_error("bucket_cap_mb must be > 0");
+    o.plan.bucket_cap_elements = a.bucket_cap_elements;
+    o.grad_comm_type = a.grad_bf16 ? DType::kBFloat16 : DType::kFloat32;
+    if (!(a.timeout_s > 0)) throw py::value_error("timeout must be > 0 seconds");
+    o.timeout = absl::Seconds(a.timeout_s);
+    o.kernel_threads = a.kernel_threads;
+    o.overlap_param_gather = a.overlap_param_gather;
+    o.shard_gradients = a.shard_gradients;
+    o.plan.allow_cut = a.allow_cut;
+    return o;
+  }
+
+  // An optimizer without fused kernels: its torch.optim step runs on this
+  // rank's whole owned tensors, called back with the GIL (Step releases it).
+  // The callable is kept alive by external_ (declared before opt_, so it
+  // outlives the optimizer); the lambda holds no reference, so copies of the
+  // options may die without the GIL.
+  void SetExternalUpdate(const py::object& step, ShardedOptimizerOptions* o) {
+    external_ = step;
+    PyObject* fn = external_.ptr();
+    o->external_update = [fn](const std::vector<uint8_t>& active) -> absl::Status {
+      py::gil_scoped_acquire gil;
+      try {
+        py::handle step_fn(fn);  // (a named handle: `py::handle(fn)(...)` declares a function)
+        step_fn(py::bytes(reinterpret_cast<const char*>(active.data()), active.size()));
+      } catch (py::error_already_set& e) {
+        return absl::InternalError(absl::StrCat("the optimizer's step raised ", e.what()));
+      }
+      return absl::OkStatus();
+    };
   }
 
   // Joins the control plane (shardrun): heartbeats, shardctl, set-lr,
@@ -648,16 +668,24 @@ PYBIND11_MODULE(_C, m) {
   m.def("make_communicator", &MakeCommunicator, py::arg("rank"), py::arg("world_size"),
         py::arg("store"), py::arg("prefix"), py::arg("timeout_s"), py::arg("hostname"),
         py::arg("transport") = "auto");
+  py::class_<PyOptimizerArgs>(m, "OptimizerArgs")
+      .def(py::init<>())
+      .def_readwrite("param_group", &PyOptimizerArgs::param_group)
+      .def_readwrite("kind", &PyOptimizerArgs::kind)
+      .def_readwrite("groups", &PyOptimizerArgs::groups)
+      .def_readwrite("max_grad_norm", &PyOptimizerArgs::max_grad_norm)
+      .def_readwrite("bucket_cap_elements", &PyOptimizerArgs::bucket_cap_elements)
+      .def_readwrite("grad_bf16", &PyOptimizerArgs::grad_bf16)
+      .def_readwrite("timeout_s", &PyOptimizerArgs::timeout_s)
+      .def_readwrite("kernel_threads", &PyOptimizerArgs::kernel_threads)
+      .def_readwrite("overlap_param_gather", &PyOptimizerArgs::overlap_param_gather)
+      .def_readwrite("shard_gradients", &PyOptimizerArgs::shard_gradients)
+      .def_readwrite("external_update", &PyOptimizerArgs::external_update)
+      .def_readwrite("allow_cut", &PyOptimizerArgs::allow_cut);
   py::class_<PyOptimizer>(m, "Optimizer")
       .def(py::init<std::shared_ptr<PyCommunicator>, const std::vector<std::string>&,
-                    const std::vector<torch::Tensor>&, const std::vector<int>&, const std::string&,
-                    const std::vector<py::dict>&, double, int64_t, bool, double, int, bool, bool,
-                    py::object, bool>(),
-           py::arg("comm"), py::arg("names"), py::arg("tensors"), py::arg("param_group"),
-           py::arg("kind"), py::arg("groups"), py::arg("max_grad_norm"),
-           py::arg("bucket_cap_elements"), py::arg("grad_bf16"), py::arg("timeout_s"),
-           py::arg("kernel_threads"), py::arg("overlap_param_gather"), py::arg("shard_gradients"),
-           py::arg("external_update") = py::none(), py::arg("allow_cut") = true)
+                    const std::vector<torch::Tensor>&, const PyOptimizerArgs&>(),
+           py::arg("comm"), py::arg("names"), py::arg("tensors"), py::arg("args"))
       .def("wait_buckets", &PyOptimizer::WaitBuckets)
       .def("wait_all", &PyOptimizer::WaitAll)
       .def("buckets_of", &PyOptimizer::BucketsOf)

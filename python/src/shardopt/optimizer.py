@@ -253,13 +253,20 @@ class ShardedOptimizer(_StateMixin, Optimizer):
                                  "they must be float32 (no master copy)")
         # The core's own update: SGD's lr-only kernel (never run) for a
         # generic class, whose step the core calls back instead.
-        self._core = _C.Optimizer(
-            comm, names, tensors, param_group, "sgd" if generic_class else optimizer,
-            [self._hyper(g) for g in self.param_groups], float(max_grad_norm),
-            max(1, int(bucket_cap_mb * 1024 * 1024 / elem)), grad_dtype == torch.bfloat16,
-            float(timeout), int(kernel_threads), bool(overlap_param_gather), shard_gradients,
-            external_update=self._external_step if generic_class else None,
-            allow_cut=generic_class is None)
+        args = _C.OptimizerArgs()
+        args.param_group = param_group
+        args.kind = "sgd" if generic_class else optimizer
+        args.groups = [self._hyper(g) for g in self.param_groups]
+        args.max_grad_norm = float(max_grad_norm)
+        args.bucket_cap_elements = max(1, int(bucket_cap_mb * 1024 * 1024 / elem))
+        args.grad_bf16 = grad_dtype == torch.bfloat16
+        args.timeout_s = float(timeout)
+        args.kernel_threads = int(kernel_threads)
+        args.overlap_param_gather = bool(overlap_param_gather)
+        args.shard_gradients = shard_gradients
+        args.external_update = self._external_step if generic_class else None
+        args.allow_cut = generic_class is None
+        self._core = _C.Optimizer(comm, names, tensors, args)
         if generic_class is not None:
             self._build_local(probe_kwargs)
         self._pushed = [self._hyper(g) for g in self.param_groups]
