@@ -146,8 +146,11 @@ struct ShmCommunicator::Region {
   }
 };
 
-absl::StatusOr<std::unique_ptr<ShmCommunicator>> ShmCommunicator::Create(
-    KeyValueStore* store, int rank, int world_size, const ShmOptions& options) {
+namespace {
+
+// Create()'s checks of its arguments, before anything is set up.
+absl::Status ValidateArguments(const KeyValueStore* store, int rank, int world_size,
+                               const ShmOptions& options) {
   if (world_size < 1 || rank < 0 || rank >= world_size) {
     return absl::InvalidArgumentError(
         absl::StrCat("rank ", rank, " / world size ", world_size, " out of range"));
@@ -165,167 +168,244 @@ absl::StatusOr<std::unique_ptr<ShmCommunicator>> ShmCommunicator::Create(
     return absl::InvalidArgumentError("timeout must be positive");
   }
   if (store == nullptr) return absl::InvalidArgumentError("no rendezvous store");
+  return absl::OkStatus();
+}
+
+// Creates this rank's region in /dev/shm (a fresh name, mode 0600) into `own`,
+// allocated, mapped and with its header written. On failure `own` holds what
+// there is to undo (its destructor unlinks the name and unmaps).
+absl::Status CreateOwnRegion(int rank, const ShmOptions& options, ShmCommunicator::Region* own) {
+  std::random_device rd;
+  own->name = absl::StrCat("/shardopt-", getpid(), "-r", rank, "-",
+                           absl::Hex((static_cast<uint64_t>(rd()) << 32) | rd(), absl::kZeroPad16));
+  const int fd = shm_open(own->name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  if (fd < 0) return Errno(absl::StrCat("shm_open ", own->name));
+  own->owner = true;
+  own->linked = true;
+  own->size = RegionBytes(options);
+  // posix_fallocate: a full /dev/shm is an error here, not a SIGBUS later.
+  const int err = posix_fallocate(fd, 0, static_cast<off_t>(own->size));
+  if (err != 0) {
+    close(fd);
+    return absl::ResourceExhaustedError(absl::StrCat("cannot allocate ", own->size,
+                                                     " bytes in /dev/shm for ", own->name, ": ",
+                                                     std::strerror(err)));
+  }
+  own->base = mmap(nullptr, own->size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);
+  if (own->base == MAP_FAILED) {
+    own->base = nullptr;
+    return Errno("mmap");
+  }
+  Header* h = new (own->base) Header();
+  h->magic = kMagic;
+  h->version = kVersion;
+  h->slots = static_cast<uint32_t>(options.slots);
+  h->slot_bytes = static_cast<uint64_t>(options.slot_bytes);
+  h->owner_pid = getpid();
+  h->owner_rank = rank;
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+// Create()'s side of the key-value store (keys under `store_prefix`), and the
+// mapping of a neighbour's region from its record. A rank that fails says so
+// where its neighbours wait for it (Fail()), so they fail at once naming the
+// cause instead of at their timeout.
+class ShmCommunicator::Rendezvous {
+ public:
+  Rendezvous(KeyValueStore* store, int rank, int world_size, const ShmOptions& options)
+      : kv_(store, options.store_prefix),
+        rank_(rank),
+        world_size_(world_size),
+        options_(options),
+        where_(absl::StrCat("shared-memory rendezvous of rank ", rank, " of ", world_size)) {}
+
+  // `s`, prefixed with where it happened, after publishing it in place of
+  // this rank's records not published yet.
+  absl::Status Fail(const absl::Status& s);
+  // Every rank must be on this host. A failure has gone through Fail(), except
+  // a rank on another host (FailedPrecondition).
+  absl::Status CheckSameHost();
+  // Publishes this rank's region `name` (and pid). A failure has gone through Fail().
+  absl::Status PublishRegion(const std::string& name);
+  // Maps rank `peer`'s region from its record; *pid gets its pid.
+  absl::StatusOr<std::unique_ptr<Region>> MapPeer(int peer, int* pid);
+  // Says this rank has mapped its neighbours' regions, then waits until both
+  // neighbours have mapped its own. A failure has gone through Fail().
+  absl::Status PublishMappedAndWait(int left, int right);
+
+ private:
+  // A neighbour's record, or its failure.
+  absl::StatusOr<std::string> Get(const std::string& key, int peer);
+  // Why shm_open of rank `peer`'s region `name` failed, with errno as
+  // shm_open left it.
+  absl::Status OpenError(int peer, const std::string& name);
+
+  PrefixKeyValueStore kv_;
+  const int rank_;
+  const int world_size_;
+  const ShmOptions& options_;
+  const std::string where_;
+  bool region_published_ = false;
+  bool mapped_published_ = false;
+};
+
+absl::Status ShmCommunicator::Rendezvous::Fail(const absl::Status& s) {
+  absl::Status out(s.code(), absl::StrCat(where_, ": ", s.message()));
+  const std::string record = absl::StrCat("!", out.message());
+  if (!region_published_) (void)kv_.Set(absl::StrCat("region/", rank_), record);
+  if (!mapped_published_) (void)kv_.Set(absl::StrCat("mapped/", rank_), record);
+  return out;
+}
+
+absl::StatusOr<std::string> ShmCommunicator::Rendezvous::Get(const std::string& key, int peer) {
+  auto v = kv_.Get(absl::StrCat(key, "/", peer), options_.timeout);
+  if (!v.ok()) {
+    return absl::Status(v.status().code(),
+                        absl::StrCat("waiting for rank ", peer, ": ", v.status().message()));
+  }
+  if (!v->empty() && (*v)[0] == '!') {
+    return absl::FailedPreconditionError(absl::StrCat("rank ", peer, " failed: ", v->substr(1)));
+  }
+  return v;
+}
+
+absl::Status ShmCommunicator::Rendezvous::CheckSameHost() {
+  const std::string identity = ShmHostIdentity();
+  auto hosts = ExchangeRecords(&kv_, "host", rank_, world_size_, identity, options_.timeout);
+  if (!hosts.ok()) return Fail(hosts.status());
+  for (int p = 0; p < world_size_; ++p) {
+    if ((*hosts)[p] != identity) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          where_, ": rank ", p, " is on another host (", (*hosts)[p], "; this one: ", identity,
+          "): the shared-memory transport needs every rank on one host; use the gloo transport"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ShmCommunicator::Rendezvous::PublishRegion(const std::string& name) {
+  absl::Status s = kv_.Set(absl::StrCat("region/", rank_), absl::StrCat(name, " ", getpid()));
+  if (!s.ok()) return Fail(s);
+  region_published_ = true;
+  return absl::OkStatus();
+}
+
+absl::Status ShmCommunicator::Rendezvous::OpenError(int peer, const std::string& name) {
+  if (errno == EACCES) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "cannot open rank ", peer, "'s region ", name,
+        ": permission denied (regions are private to their user: run every rank as one user)"));
+  }
+  const int err = errno;
+  if (err == ENOENT) {
+    // Gone already: the rank failed its rendezvous (and says why), or
+    // its /dev/shm is another one.
+    auto record = kv_.Get(absl::StrCat("mapped/", peer), absl::Seconds(2));
+    if (record.ok() && !record->empty() && (*record)[0] == '!') {
+      return absl::FailedPreconditionError(
+          absl::StrCat("rank ", peer, " failed: ", record->substr(1)));
+    }
+  }
+  errno = err;
+  return Errno(absl::StrCat("cannot open rank ", peer, "'s region ", name,
+                            " (did its own rendezvous fail? is its /dev/shm another one?)"));
+}
+
+absl::StatusOr<std::unique_ptr<ShmCommunicator::Region>> ShmCommunicator::Rendezvous::MapPeer(
+    int peer, int* pid) {
+  auto value = Get("region", peer);
+  if (!value.ok()) return value.status();
+  std::vector<std::string> parts = absl::StrSplit(*value, ' ');
+  if (parts.size() != 2 || !absl::SimpleAtoi(parts[1], pid)) {
+    return absl::InternalError(absl::StrCat("bad region record of rank ", peer, ": ", *value));
+  }
+  auto region = std::make_unique<Region>();
+  region->name = parts[0];
+  const int fd = shm_open(region->name.c_str(), O_RDWR, 0);
+  if (fd < 0) return OpenError(peer, region->name);
+  struct stat st {};
+  if (fstat(fd, &st) != 0 || static_cast<size_t>(st.st_size) != RegionBytes(options_)) {
+    close(fd);
+    return absl::InvalidArgumentError(
+        absl::StrCat("rank ", peer, "'s region is ", st.st_size, " bytes, this rank expects ",
+                     RegionBytes(options_), ": every rank must use the same slots and slot_bytes"));
+  }
+  region->size = RegionBytes(options_);
+  region->base = mmap(nullptr, region->size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);
+  if (region->base == MAP_FAILED) {
+    region->base = nullptr;
+    return Errno("mmap");
+  }
+  const Header* h = region->h();
+  if (h->magic != kMagic || h->version != kVersion || h->owner_rank != peer ||
+      h->slots != static_cast<uint32_t>(options_.slots) ||
+      h->slot_bytes != static_cast<uint64_t>(options_.slot_bytes)) {
+    return absl::InvalidArgumentError(absl::StrCat("rank ", peer, "'s region (", region->name,
+                                                   ") does not match this rank's options"));
+  }
+  return region;
+}
+
+absl::Status ShmCommunicator::Rendezvous::PublishMappedAndWait(int left, int right) {
+  absl::Status s = kv_.Set(absl::StrCat("mapped/", rank_), "1");
+  if (!s.ok()) return Fail(s);
+  mapped_published_ = true;
+  for (int peer : {left, right}) {
+    auto v = Get("mapped", peer);
+    if (!v.ok()) return Fail(v.status());
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ShmCommunicator::MapNeighbours(Rendezvous* rv) {
+  const int left = (rank() + world_size() - 1) % world_size(), right = (rank() + 1) % world_size();
+  auto right_region = rv->MapPeer(right, &right_pid_);
+  if (!right_region.ok()) return rv->Fail(right_region.status());
+  right_region_ = std::move(*right_region);
+  if (left == right) {
+    left_pid_ = right_pid_;
+  } else {
+    auto left_region = rv->MapPeer(left, &left_pid_);
+    if (!left_region.ok()) return rv->Fail(left_region.status());
+    left_region_ = std::move(*left_region);
+  }
+  left_ = left;
+  right_ = right;
+  left_pidfd_ = OpenPidfd(left_pid_);
+  right_pidfd_ = left == right ? -1 : OpenPidfd(right_pid_);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<ShmCommunicator>> ShmCommunicator::Create(
+    KeyValueStore* store, int rank, int world_size, const ShmOptions& options) {
+  absl::Status s = ValidateArguments(store, rank, world_size, options);
+  if (!s.ok()) return s;
   std::unique_ptr<ShmCommunicator> comm(new ShmCommunicator(rank, world_size, options));
   if (world_size == 1) {
     comm->Start();
     return comm;
   }
-  PrefixKeyValueStore kv(store, options.store_prefix);
-  const std::string where =
-      absl::StrCat("shared-memory rendezvous of rank ", rank, " of ", world_size);
-  // A rank that fails says so where its neighbours wait for it, so they fail
-  // at once naming the cause instead of at their timeout.
-  bool region_published = false, mapped_published = false;
-  auto fail = [&](const absl::Status& s) {
-    absl::Status out(s.code(), absl::StrCat(where, ": ", s.message()));
-    const std::string record = absl::StrCat("!", out.message());
-    if (!region_published) (void)kv.Set(absl::StrCat("region/", rank), record);
-    if (!mapped_published) (void)kv.Set(absl::StrCat("mapped/", rank), record);
-    return out;
-  };
-  // A neighbour's record, or its failure.
-  auto get = [&](const std::string& key, int peer) -> absl::StatusOr<std::string> {
-    auto v = kv.Get(absl::StrCat(key, "/", peer), options.timeout);
-    if (!v.ok()) {
-      return absl::Status(v.status().code(),
-                          absl::StrCat("waiting for rank ", peer, ": ", v.status().message()));
-    }
-    if (!v->empty() && (*v)[0] == '!') {
-      return absl::FailedPreconditionError(absl::StrCat("rank ", peer, " failed: ", v->substr(1)));
-    }
-    return v;
-  };
-
-  // Every rank must be on this host.
-  const std::string identity = ShmHostIdentity();
-  auto hosts = ExchangeRecords(&kv, "host", rank, world_size, identity, options.timeout);
-  if (!hosts.ok()) return fail(hosts.status());
-  for (int p = 0; p < world_size; ++p) {
-    if ((*hosts)[p] != identity) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          where, ": rank ", p, " is on another host (", (*hosts)[p], "; this one: ", identity,
-          "): the shared-memory transport needs every rank on one host; use the gloo transport"));
-    }
-  }
-  absl::Status s;
-
-  // This rank's region.
+  // On a failure below, it is published first (Rendezvous::Fail), then what
+  // was set up is undone in reverse: `own` unlinked and unmapped, then `comm`
+  // (the neighbours' regions unmapped, the pidfds closed).
+  Rendezvous rv(store, rank, world_size, options);
+  s = rv.CheckSameHost();
+  if (!s.ok()) return s;
   auto own = std::make_unique<Region>();
-  {
-    std::random_device rd;
-    own->name =
-        absl::StrCat("/shardopt-", getpid(), "-r", rank, "-",
-                     absl::Hex((static_cast<uint64_t>(rd()) << 32) | rd(), absl::kZeroPad16));
-    const int fd = shm_open(own->name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-    if (fd < 0) return fail(Errno(absl::StrCat("shm_open ", own->name)));
-    own->owner = true;
-    own->linked = true;
-    own->size = RegionBytes(options);
-    // posix_fallocate: a full /dev/shm is an error here, not a SIGBUS later.
-    const int err = posix_fallocate(fd, 0, static_cast<off_t>(own->size));
-    if (err != 0) {
-      close(fd);
-      return fail(absl::ResourceExhaustedError(absl::StrCat("cannot allocate ", own->size,
-                                                            " bytes in /dev/shm for ", own->name,
-                                                            ": ", std::strerror(err))));
-    }
-    own->base = mmap(nullptr, own->size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    close(fd);
-    if (own->base == MAP_FAILED) {
-      own->base = nullptr;
-      return fail(Errno("mmap"));
-    }
-    Header* h = new (own->base) Header();
-    h->magic = kMagic;
-    h->version = kVersion;
-    h->slots = static_cast<uint32_t>(options.slots);
-    h->slot_bytes = static_cast<uint64_t>(options.slot_bytes);
-    h->owner_pid = getpid();
-    h->owner_rank = rank;
-  }
-  s = kv.Set(absl::StrCat("region/", rank), absl::StrCat(own->name, " ", getpid()));
-  if (!s.ok()) return fail(s);
-  region_published = true;
-
-  // The neighbours' regions.
-  const int left = (rank + world_size - 1) % world_size, right = (rank + 1) % world_size;
-  auto map_peer = [&](int peer, int* pid) -> absl::StatusOr<std::unique_ptr<Region>> {
-    auto value = get("region", peer);
-    if (!value.ok()) return value.status();
-    std::vector<std::string> parts = absl::StrSplit(*value, ' ');
-    if (parts.size() != 2 || !absl::SimpleAtoi(parts[1], pid)) {
-      return absl::InternalError(absl::StrCat("bad region record of rank ", peer, ": ", *value));
-    }
-    auto region = std::make_unique<Region>();
-    region->name = parts[0];
-    const int fd = shm_open(region->name.c_str(), O_RDWR, 0);
-    if (fd < 0) {
-      if (errno == EACCES) {
-        return absl::PermissionDeniedError(absl::StrCat(
-            "cannot open rank ", peer, "'s region ", region->name,
-            ": permission denied (regions are private to their user: run every rank as one user)"));
-      }
-      const int err = errno;
-      if (err == ENOENT) {
-        // Gone already: the rank failed its rendezvous (and says why), or
-        // its /dev/shm is another one.
-        auto record = kv.Get(absl::StrCat("mapped/", peer), absl::Seconds(2));
-        if (record.ok() && !record->empty() && (*record)[0] == '!') {
-          return absl::FailedPreconditionError(
-              absl::StrCat("rank ", peer, " failed: ", record->substr(1)));
-        }
-      }
-      errno = err;
-      return Errno(absl::StrCat("cannot open rank ", peer, "'s region ", region->name,
-                                " (did its own rendezvous fail? is its /dev/shm another one?)"));
-    }
-    struct stat st {};
-    if (fstat(fd, &st) != 0 || static_cast<size_t>(st.st_size) != RegionBytes(options)) {
-      close(fd);
-      return absl::InvalidArgumentError(absl::StrCat(
-          "rank ", peer, "'s region is ", st.st_size, " bytes, this rank expects ",
-          RegionBytes(options), ": every rank must use the same slots and slot_bytes"));
-    }
-    region->size = RegionBytes(options);
-    region->base = mmap(nullptr, region->size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    close(fd);
-    if (region->base == MAP_FAILED) {
-      region->base = nullptr;
-      return Errno("mmap");
-    }
-    const Header* h = region->h();
-    if (h->magic != kMagic || h->version != kVersion || h->owner_rank != peer ||
-        h->slots != static_cast<uint32_t>(options.slots) ||
-        h->slot_bytes != static_cast<uint64_t>(options.slot_bytes)) {
-      return absl::InvalidArgumentError(absl::StrCat("rank ", peer, "'s region (", region->name,
-                                                     ") does not match this rank's options"));
-    }
-    return region;
-  };
-  auto right_region = map_peer(right, &comm->right_pid_);
-  if (!right_region.ok()) return fail(right_region.status());
-  comm->right_region_ = std::move(*right_region);
-  if (left == right) {
-    comm->left_pid_ = comm->right_pid_;
-  } else {
-    auto left_region = map_peer(left, &comm->left_pid_);
-    if (!left_region.ok()) return fail(left_region.status());
-    comm->left_region_ = std::move(*left_region);
-  }
-  comm->left_ = left;
-  comm->right_ = right;
-  comm->left_pidfd_ = OpenPidfd(comm->left_pid_);
-  comm->right_pidfd_ = left == right ? -1 : OpenPidfd(comm->right_pid_);
-
+  s = CreateOwnRegion(rank, options, own.get());
+  if (!s.ok()) return rv.Fail(s);
+  s = rv.PublishRegion(own->name);
+  if (!s.ok()) return s;
+  s = comm->MapNeighbours(&rv);
+  if (!s.ok()) return s;
   // Both neighbours map this rank's region; then its name can go, so nothing
   // is left in /dev/shm whatever happens to the processes later.
-  s = kv.Set(absl::StrCat("mapped/", rank), "1");
-  if (!s.ok()) return fail(s);
-  mapped_published = true;
-  for (int peer : {left, right}) {
-    auto v = get("mapped", peer);
-    if (!v.ok()) return fail(v.status());
-  }
+  s = rv.PublishMappedAndWait(comm->left_, comm->right_);
+  if (!s.ok()) return s;
   shm_unlink(own->name.c_str());
   own->linked = false;
   comm->own_ = std::move(own);
@@ -424,14 +504,103 @@ ShmCommunicator::OpDesc ShmCommunicator::NextDesc(CollectiveKind kind, int phase
                 static_cast<uint64_t>(bytes)};
 }
 
-absl::Status ShmCommunicator::Exchange(const OpDesc& desc, std::deque<Send> sends,
-                                       int64_t num_recvs, const std::function<Recv(int64_t)>& recv,
-                                       DType type, ReduceOp op) {
-  Header* in = own_->h();
+bool ShmCommunicator::PublishSends(const OpDesc& desc, std::deque<Send>* sends) {
   Header* out = right_region_->h();
+  const uint64_t slots = static_cast<uint64_t>(options_.slots);
+  bool progress = false;
+  while (!sends->empty() && sent_ - out->tail.load(std::memory_order_acquire) < slots) {
+    const uint64_t i = sent_ % slots;
+    const Send& m = sends->front();
+    std::memcpy(right_region_->slot(i), m.data, static_cast<size_t>(m.bytes));
+    out->meta[i] = SlotMeta{desc.seq, desc.bytes,  desc.code, static_cast<uint32_t>(m.bytes),
+                            desc.sub, desc.type_op};
+    out->head.store(++sent_, std::memory_order_release);
+    RingBell(out);
+    CountSent(static_cast<CollectiveKind>(desc.code >> 28), m.bytes);
+    sends->pop_front();
+    progress = true;
+  }
+  return progress;
+}
+
+absl::StatusOr<bool> ShmCommunicator::ConsumeRecvs(const OpDesc& desc, int64_t num_recvs,
+                                                   const std::function<Recv(int64_t)>& recv,
+                                                   DType type, ReduceOp op, int64_t* next,
+                                                   std::deque<Send>* sends) {
+  Header* in = own_->h();
   Header* back = (left_region_ != nullptr ? left_region_ : right_region_)->h();
   const uint64_t slots = static_cast<uint64_t>(options_.slots);
   const int elem = DTypeSize(type);
+  bool progress = false;
+  while (*next < num_recvs && in->head.load(std::memory_order_acquire) > consumed_) {
+    const uint64_t i = consumed_ % slots;
+    const SlotMeta meta = in->meta[i];
+    const Recv r = recv(*next);
+    if (meta.seq != desc.seq || meta.sub != desc.sub || meta.code != desc.code ||
+        meta.bytes != desc.bytes || meta.type_op != desc.type_op ||
+        meta.segment_bytes != static_cast<uint64_t>(r.bytes)) {
+      return Fail(absl::InvalidArgumentError(absl::StrCat(
+          "collective mismatch: rank ", left_, " sent a segment of its collective #", meta.seq,
+          " (", Describe(meta.code, meta.type_op, meta.bytes), ") while rank ", rank(),
+          " runs its collective #", desc.seq, " (", Describe(desc.code, desc.type_op, desc.bytes),
+          ")", ": every rank must issue the same collectives in the same order")));
+    }
+    const char* src = own_->slot(i);
+    if (r.reduce) {
+      ReduceInto(r.dst, src, r.bytes / elem, type, op);
+    } else {
+      std::memcpy(r.dst, src, static_cast<size_t>(r.bytes));
+    }
+    in->tail.store(++consumed_, std::memory_order_release);
+    RingBell(back);
+    CountReceived(static_cast<CollectiveKind>(desc.code >> 28), r.bytes);
+    if (r.forward) sends->push_back(Send{r.dst, r.bytes});
+    ++*next;
+    progress = true;
+  }
+  return progress;
+}
+
+absl::Status ShmCommunicator::NeighbourFailure(bool want_data, bool want_slots,
+                                               std::string* origin) const {
+  absl::Status peer = PeerFailure(want_data ? left_ : right_, origin);
+  if (peer.ok() && want_data && want_slots && left_ != right_) {
+    peer = PeerFailure(right_, origin);
+  }
+  return peer;
+}
+
+absl::Status ShmCommunicator::FailRelaying(absl::Status status, const std::string& origin) {
+  if (!origin.empty()) {
+    absl::MutexLock lock(&close_mu_);
+    relayed_ = origin;
+  }
+  return Fail(std::move(status));
+}
+
+absl::Status ShmCommunicator::TimeoutError(const OpDesc& desc, bool want_data,
+                                           bool want_slots) const {
+  std::string whom = want_data ? absl::StrCat("rank ", left_, " to send")
+                               : absl::StrCat("rank ", right_, " to take its messages");
+  if (want_data && want_slots) {
+    absl::StrAppend(&whom, " and rank ", right_, " to take its messages");
+  }
+  return absl::DeadlineExceededError(absl::StrCat(
+      "rank ", rank(), ": ", Describe(desc.code, desc.type_op, desc.bytes), " timed out after ",
+      absl::FormatDuration(options_.timeout), " without progress, waiting for ", whom));
+}
+
+void ShmCommunicator::WaitForBell(uint32_t bell, absl::Duration limit) {
+  Header* in = own_->h();
+  in->waiting.store(1, std::memory_order_seq_cst);
+  if (in->doorbell.load(std::memory_order_seq_cst) == bell) FutexWait(&in->doorbell, bell, limit);
+  in->waiting.store(0, std::memory_order_seq_cst);
+}
+
+absl::Status ShmCommunicator::Exchange(const OpDesc& desc, std::deque<Send> sends,
+                                       int64_t num_recvs, const std::function<Recv(int64_t)>& recv,
+                                       DType type, ReduceOp op) {
+  const Header* in = own_->h();
   int64_t next = 0;
   absl::Time last_progress = absl::Now();
   bool rechecked = false;
@@ -439,46 +608,11 @@ absl::Status ShmCommunicator::Exchange(const OpDesc& desc, std::deque<Send> send
     // The doorbell before the abort flag: an Abort() after this read rings it.
     const uint32_t bell = in->doorbell.load(std::memory_order_seq_cst);
     if (aborted()) return abort_status();
-    bool progress = false;
-    while (!sends.empty() && sent_ - out->tail.load(std::memory_order_acquire) < slots) {
-      const uint64_t i = sent_ % slots;
-      const Send& m = sends.front();
-      std::memcpy(right_region_->slot(i), m.data, static_cast<size_t>(m.bytes));
-      out->meta[i] = SlotMeta{desc.seq, desc.bytes,  desc.code, static_cast<uint32_t>(m.bytes),
-                              desc.sub, desc.type_op};
-      out->head.store(++sent_, std::memory_order_release);
-      RingBell(out);
-      CountSent(static_cast<CollectiveKind>(desc.code >> 28), m.bytes);
-      sends.pop_front();
-      progress = true;
-    }
-    while (next < num_recvs && in->head.load(std::memory_order_acquire) > consumed_) {
-      const uint64_t i = consumed_ % slots;
-      const SlotMeta meta = in->meta[i];
-      const Recv r = recv(next);
-      if (meta.seq != desc.seq || meta.sub != desc.sub || meta.code != desc.code ||
-          meta.bytes != desc.bytes || meta.type_op != desc.type_op ||
-          meta.segment_bytes != static_cast<uint64_t>(r.bytes)) {
-        return Fail(absl::InvalidArgumentError(absl::StrCat(
-            "collective mismatch: rank ", left_, " sent a segment of its collective #", meta.seq,
-            " (", Describe(meta.code, meta.type_op, meta.bytes), ") while rank ", rank(),
-            " runs its collective #", desc.seq, " (", Describe(desc.code, desc.type_op, desc.bytes),
-            ")", ": every rank must issue the same collectives in the same order")));
-      }
-      const char* src = own_->slot(i);
-      if (r.reduce) {
-        ReduceInto(r.dst, src, r.bytes / elem, type, op);
-      } else {
-        std::memcpy(r.dst, src, static_cast<size_t>(r.bytes));
-      }
-      in->tail.store(++consumed_, std::memory_order_release);
-      RingBell(back);
-      CountReceived(static_cast<CollectiveKind>(desc.code >> 28), r.bytes);
-      if (r.forward) sends.push_back(Send{r.dst, r.bytes});
-      ++next;
-      progress = true;
-    }
-    if (progress) {
+    const bool sent = PublishSends(desc, &sends);
+    const absl::StatusOr<bool> received =
+        ConsumeRecvs(desc, num_recvs, recv, type, op, &next, &sends);
+    if (!received.ok()) return received.status();
+    if (sent || *received) {
       last_progress = absl::Now();
       rechecked = false;
       continue;
@@ -491,37 +625,18 @@ absl::Status ShmCommunicator::Exchange(const OpDesc& desc, std::deque<Send> send
     const bool want_data = next < num_recvs;
     const bool want_slots = !sends.empty();
     std::string origin;
-    absl::Status peer = PeerFailure(want_data ? left_ : right_, &origin);
-    if (peer.ok() && want_data && want_slots && left_ != right_) {
-      peer = PeerFailure(right_, &origin);
-    }
+    absl::Status peer = NeighbourFailure(want_data, want_slots, &origin);
     if (!peer.ok()) {
       // What a neighbour published before it left is still usable: look once more.
       if (!rechecked) {
         rechecked = true;
         continue;
       }
-      if (!origin.empty()) {
-        absl::MutexLock lock(&close_mu_);
-        relayed_ = origin;
-      }
-      return Fail(peer);
+      return FailRelaying(std::move(peer), origin);
     }
     const absl::Duration waited = absl::Now() - last_progress;
-    if (waited >= options_.timeout) {
-      std::string whom = want_data ? absl::StrCat("rank ", left_, " to send")
-                                   : absl::StrCat("rank ", right_, " to take its messages");
-      if (want_data && want_slots)
-        absl::StrAppend(&whom, " and rank ", right_, " to take its messages");
-      return Fail(absl::DeadlineExceededError(absl::StrCat(
-          "rank ", rank(), ": ", Describe(desc.code, desc.type_op, desc.bytes), " timed out after ",
-          absl::FormatDuration(options_.timeout), " without progress, waiting for ", whom)));
-    }
-    in->waiting.store(1, std::memory_order_seq_cst);
-    if (in->doorbell.load(std::memory_order_seq_cst) == bell) {
-      FutexWait(&in->doorbell, bell, std::min(kWaitSlice, options_.timeout - waited));
-    }
-    in->waiting.store(0, std::memory_order_seq_cst);
+    if (waited >= options_.timeout) return Fail(TimeoutError(desc, want_data, want_slots));
+    WaitForBell(bell, std::min(kWaitSlice, options_.timeout - waited));
   }
   return absl::OkStatus();
 }

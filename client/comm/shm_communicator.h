@@ -81,6 +81,11 @@ class ShmCommunicator : public QueuedCommunicator {
  private:
   ShmCommunicator(int rank, int world_size, const ShmOptions& options);
 
+  class Rendezvous;  // Create()'s side of the key-value store (shm_communicator.cc)
+  // Maps the ring neighbours' regions and opens their pidfds. A failure has
+  // gone through rv->Fail().
+  absl::Status MapNeighbours(Rendezvous* rv);
+
   // One collective's messages on the ring: what this rank sends (some known
   // at the start, the rest forwarded as they arrive) and how each expected
   // incoming segment is consumed.
@@ -108,6 +113,24 @@ class ShmCommunicator : public QueuedCommunicator {
   }
   absl::Status Exchange(const OpDesc& desc, std::deque<Send> sends, int64_t num_recvs,
                         const std::function<Recv(int64_t)>& recv, DType type, ReduceOp op);
+  // Exchange()'s steps. Publishes what of `sends` fits in the right
+  // neighbour's free slots; returns whether anything was sent.
+  bool PublishSends(const OpDesc& desc, std::deque<Send>* sends);
+  // Consumes the left neighbour's published segments (from the *next-th
+  // expected one on), queueing those to forward on `sends`; returns whether
+  // anything was consumed. A collective mismatch has gone through Fail().
+  absl::StatusOr<bool> ConsumeRecvs(const OpDesc& desc, int64_t num_recvs,
+                                    const std::function<Recv(int64_t)>& recv, DType type,
+                                    ReduceOp op, int64_t* next, std::deque<Send>* sends);
+  // Why the neighbours still waited for (the left one for data, the right one
+  // for free slots) cannot act, or OK; *origin as PeerFailure's.
+  absl::Status NeighbourFailure(bool want_data, bool want_slots, std::string* origin) const;
+  // Fail(status), passing `origin` (if any) on as the reason of this abort.
+  absl::Status FailRelaying(absl::Status status, const std::string& origin)
+      ABSL_LOCKS_EXCLUDED(close_mu_);
+  absl::Status TimeoutError(const OpDesc& desc, bool want_data, bool want_slots) const;
+  // Waits on this rank's doorbell, unless it rang since it read `bell`.
+  void WaitForBell(uint32_t bell, absl::Duration limit);
   absl::Status RingReduceScatter(const std::vector<char*>& chunks, int64_t chunk_bytes, DType type,
                                  ReduceOp op, CollectiveKind kind);
   absl::Status RingAllGather(char* buffer, int64_t chunk_bytes, DType type, CollectiveKind kind);
