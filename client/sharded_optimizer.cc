@@ -186,6 +186,63 @@ absl::Status ValidateOptions(ShardedOptimizerOptions& opt, size_t num_params) {
   return absl::OkStatus();
 }
 
+// Checks one parameter (its device, dtype, layout) and describes it for the
+// planner; *dtype / *have_dtype: the trainable parameters' shared dtype.
+absl::StatusOr<ParamSpec> SpecOf(const std::string& name, const torch::Tensor& t,
+                                 const torch::Tensor& first, const ShardedOptimizerOptions& opt,
+                                 torch::ScalarType* dtype, bool* have_dtype) {
+  if (!t.defined()) {
+    return absl::InvalidArgumentError(absl::StrCat("parameter '", name, "' is undefined"));
+  }
+  if (!t.device().is_cpu() && !t.device().is_cuda()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("parameter '", name, "' is on device ", t.device().str(),
+                     "; supported: cpu, cuda (all parameters on one device)"));
+  }
+  if (t.device().is_cuda() && (opt.kernel_backend == nullptr || !opt.kernel_backend->on_device())) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "parameter '", name, "' is on ", t.device().str(),
+        " but the options name no CUDA kernel backend (link "
+        "//server/kernels/cuda:cuda_backend and set kernel_backend = MakeCudaKernelBackend())"));
+  }
+  if (t.device() != first.device()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("parameter '", name, "' is on ", t.device().str(), ", the first on ",
+                     first.device().str(), ": all parameters must share a device"));
+  }
+  if (opt.external_update && t.scalar_type() != torch::kFloat) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("parameter '", name,
+                     "' is not float32: an optimizer without fused kernels updates the "
+                     "parameters themselves (no float32 master copy)"));
+  }
+  if (t.scalar_type() != torch::kFloat && t.scalar_type() != torch::kBFloat16) {
+    return absl::InvalidArgumentError(absl::StrCat("parameter '", name, "' has dtype ",
+                                                   c10::toString(t.scalar_type()),
+                                                   "; supported: float32, bfloat16"));
+  }
+  if (!t.is_contiguous()) {
+    return absl::InvalidArgumentError(absl::StrCat("parameter '", name,
+                                                   "' is not contiguous (call .contiguous() on it "
+                                                   "before building the optimizer)"));
+  }
+  ParamSpec s;
+  s.name = name;
+  s.shape = t.sizes().vec();
+  s.dtype = t.scalar_type() == torch::kBFloat16 ? DType::kBFloat16 : DType::kFloat32;
+  s.trainable = t.requires_grad();
+  if (s.trainable) {
+    if (*have_dtype && t.scalar_type() != *dtype) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "parameter '", name, "' is ", c10::toString(t.scalar_type()), " but earlier ones are ",
+          c10::toString(*dtype), "; all trainable parameters must share one dtype"));
+    }
+    *dtype = t.scalar_type();
+    *have_dtype = true;
+  }
+  return s;
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<ShardedOptimizer>> ShardedOptimizer::Create(
@@ -198,58 +255,9 @@ absl::StatusOr<std::unique_ptr<ShardedOptimizer>> ShardedOptimizer::Create(
   torch::ScalarType dtype = torch::kFloat;
   bool have_dtype = false;
   for (const auto& [name, t] : named_parameters) {
-    if (!t.defined()) {
-      return absl::InvalidArgumentError(absl::StrCat("parameter '", name, "' is undefined"));
-    }
-    if (!t.device().is_cpu() && !t.device().is_cuda()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("parameter '", name, "' is on device ", t.device().str(),
-                       "; supported: cpu, cuda (all parameters on one device)"));
-    }
-    if (t.device().is_cuda() &&
-        (opt.kernel_backend == nullptr || !opt.kernel_backend->on_device())) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "parameter '", name, "' is on ", t.device().str(),
-          " but the options name no CUDA kernel backend (link "
-          "//server/kernels/cuda:cuda_backend and set kernel_backend = MakeCudaKernelBackend())"));
-    }
-    if (t.device() != named_parameters.front().second.device()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "parameter '", name, "' is on ", t.device().str(), ", the first on ",
-          named_parameters.front().second.device().str(), ": all parameters must share a device"));
-    }
-    if (opt.external_update && t.scalar_type() != torch::kFloat) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("parameter '", name,
-                       "' is not float32: an optimizer without fused kernels updates the "
-                       "parameters themselves (no float32 master copy)"));
-    }
-    if (t.scalar_type() != torch::kFloat && t.scalar_type() != torch::kBFloat16) {
-      return absl::InvalidArgumentError(absl::StrCat("parameter '", name, "' has dtype ",
-                                                     c10::toString(t.scalar_type()),
-                                                     "; supported: float32, bfloat16"));
-    }
-    if (!t.is_contiguous()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("parameter '", name,
-                       "' is not contiguous (call .contiguous() on it "
-                       "before building the optimizer)"));
-    }
-    ParamSpec s;
-    s.name = name;
-    s.shape = t.sizes().vec();
-    s.dtype = t.scalar_type() == torch::kBFloat16 ? DType::kBFloat16 : DType::kFloat32;
-    s.trainable = t.requires_grad();
-    if (s.trainable) {
-      if (have_dtype && t.scalar_type() != dtype) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "parameter '", name, "' is ", c10::toString(t.scalar_type()), " but earlier ones are ",
-            c10::toString(dtype), "; all trainable parameters must share one dtype"));
-      }
-      dtype = t.scalar_type();
-      have_dtype = true;
-    }
-    specs.push_back(std::move(s));
+    auto spec = SpecOf(name, t, named_parameters.front().second, opt, &dtype, &have_dtype);
+    if (!spec.ok()) return spec.status();
+    specs.push_back(*std::move(spec));
   }
   if (dtype == torch::kBFloat16 && opt.grad_comm_type != DType::kBFloat16) {
     opt.grad_comm_type = DType::kBFloat16;  // bf16 gradients travel as they are
@@ -1271,6 +1279,40 @@ bool ShardedOptimizer::OrderAgreed() const {
   return order_agreed_;
 }
 
+// Clipping needs the global norm before any update (and an external update
+// runs once, after every reduction).
+absl::Status ShardedOptimizer::StepNormFirst(StepResult* result, int64_t* update_ns) {
+  const int nb = static_cast<int>(layout_.buckets().size());
+  const bool clip = options_.max_grad_norm > 0.0;
+  double local_sq = 0.0;
+  for (int b = 0; b < nb; ++b) SHARDOPT_RETURN_IF_ERROR(FinishReduce(b, &local_sq));
+  if (async_) {
+    SHARDOPT_RETURN_IF_ERROR(GlobalNormOnDevice(local_sq, clip, result));
+  } else {
+    SHARDOPT_ASSIGN_OR_RETURN(result->grad_norm, GlobalNorm(local_sq));
+    if (clip) result->clipped = ClipGradients(result->grad_norm);
+  }
+  SHARDOPT_RETURN_IF_ERROR(RunExternalUpdate(update_ns));
+  for (int b = 0; b < nb; ++b) {
+    SHARDOPT_RETURN_IF_ERROR(UpdateAndGather(b, result->step, update_ns));
+  }
+  return absl::OkStatus();
+}
+
+// Each bucket updated and gathered as soon as its reduction is in; the norm
+// (reported, not applied) after.
+absl::Status ShardedOptimizer::StepBucketByBucket(StepResult* result, int64_t* update_ns) {
+  const int nb = static_cast<int>(layout_.buckets().size());
+  double local_sq = 0.0;
+  for (int b = 0; b < nb; ++b) {
+    SHARDOPT_RETURN_IF_ERROR(FinishReduce(b, &local_sq));
+    SHARDOPT_RETURN_IF_ERROR(UpdateAndGather(b, result->step, update_ns));
+  }
+  if (async_) return GlobalNormOnDevice(local_sq, /*clip=*/false, result);
+  SHARDOPT_ASSIGN_OR_RETURN(result->grad_norm, GlobalNorm(local_sq));
+  return absl::OkStatus();
+}
+
 absl::StatusOr<StepResult> ShardedOptimizer::Step() {
   at::NoGradGuard no_grad;
   wait_ns_ = 0;
@@ -1295,34 +1337,12 @@ absl::StatusOr<StepResult> ShardedOptimizer::Step() {
     hook_wait_ns_ = 0;
   }
   int64_t update_ns = 0;
-  double local_sq = 0.0;
   if (options_.overlap_param_gather) {
     SHARDOPT_RETURN_IF_ERROR(StepOverlapped(&result, &update_ns));
   } else if (options_.max_grad_norm > 0.0 || options_.external_update) {
-    // Clipping needs the global norm before any update (and an external
-    // update runs once, after every reduction).
-    const bool clip = options_.max_grad_norm > 0.0;
-    for (int b = 0; b < nb; ++b) SHARDOPT_RETURN_IF_ERROR(FinishReduce(b, &local_sq));
-    if (async_) {
-      SHARDOPT_RETURN_IF_ERROR(GlobalNormOnDevice(local_sq, clip, &result));
-    } else {
-      SHARDOPT_ASSIGN_OR_RETURN(result.grad_norm, GlobalNorm(local_sq));
-      if (clip) result.clipped = ClipGradients(result.grad_norm);
-    }
-    SHARDOPT_RETURN_IF_ERROR(RunExternalUpdate(&update_ns));
-    for (int b = 0; b < nb; ++b) {
-      SHARDOPT_RETURN_IF_ERROR(UpdateAndGather(b, result.step, &update_ns));
-    }
+    SHARDOPT_RETURN_IF_ERROR(StepNormFirst(&result, &update_ns));
   } else {
-    for (int b = 0; b < nb; ++b) {
-      SHARDOPT_RETURN_IF_ERROR(FinishReduce(b, &local_sq));
-      SHARDOPT_RETURN_IF_ERROR(UpdateAndGather(b, result.step, &update_ns));
-    }
-    if (async_) {
-      SHARDOPT_RETURN_IF_ERROR(GlobalNormOnDevice(local_sq, /*clip=*/false, &result));
-    } else {
-      SHARDOPT_ASSIGN_OR_RETURN(result.grad_norm, GlobalNorm(local_sq));
-    }
+    SHARDOPT_RETURN_IF_ERROR(StepBucketByBucket(&result, &update_ns));
   }
   if (!options_.overlap_param_gather) {
     for (int b = 0; b < nb; ++b) SHARDOPT_RETURN_IF_ERROR(WaitForBucket(b));

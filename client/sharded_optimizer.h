@@ -405,6 +405,8 @@ class ShardedOptimizer {
   // The previous step's gathers before this step's updates write the buffer.
   absl::Status OrderPreviousGathers();
   absl::Status StepOverlapped(StepResult* result, int64_t* update_ns);
+  absl::Status StepNormFirst(StepResult* result, int64_t* update_ns);
+  absl::Status StepBucketByBucket(StepResult* result, int64_t* update_ns);
   absl::Status RunExternalUpdate(int64_t* update_ns);
   // Offset of bucket `bucket`'s owned range among this rank's ranges.
   int64_t OwnedOffset(int bucket) const;

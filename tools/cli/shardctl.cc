@@ -198,127 +198,152 @@ int FlightRecorderCommand(CoordinatorClient& client, bool json, int64_t only_ran
   return 0;
 }
 
-int CheckpointCommand(const std::vector<std::string>& args, const Flags& flags) {
-  const bool json = *flags.Bool("json", false);  // checked by CheckFlags
-  FileSystem* fs = PosixFileSystem();
-  const std::string& cmd = args[0];
-  if (cmd == "import") {
-    if (args.size() != 3)
-      return Fail("usage: shardctl import OPT.pt OUTDIR [--params=MODEL.pt] [--optimizer=adam]");
-    const std::string k = flags.Str("optimizer", "adam");
-    OptimizerKind kind = k == "sgd"     ? OptimizerKind::kSgd
-                         : k == "adamw" ? OptimizerKind::kAdamW
-                                        : OptimizerKind::kAdam;
-    if (k != "sgd" && k != "adamw" && k != "adam")
-      return Fail("--optimizer must be adam, adamw or sgd");
-    absl::Status s = ImportTorch(args[1], flags.Str("params", ""), kind, args[2]);
-    if (!s.ok()) return Fail(std::string(s.message()));
-    std::printf("imported %s into %s (resume with --resume=%s at any world size)\n",
-                args[1].c_str(), args[2].c_str(), args[2].c_str());
-    return 0;
-  }
-  if (cmd == "checkpoints") {
-    if (args.size() != 2) return Fail("usage: shardctl checkpoints DIR");
-    auto entries = fs->ListDir(args[1]);
-    if (!entries.ok()) return Fail(std::string(entries.status().message()));
-    auto latest = ResolveCheckpoint(fs, args[1]);
-    std::vector<std::pair<int64_t, std::string>> steps;
-    for (const auto& e : *entries) {
-      int64_t step = 0;
-      if (e.size() > 5 && e.rfind("step-", 0) == 0 && absl::SimpleAtoi(e.substr(5), &step) &&
-          e == absl::StrCat("step-", step)) {
-        steps.push_back({step, e});
-      }
+// What an offline checkpoint command (no coordinator) works with.
+struct OfflineContext {
+  const std::vector<std::string>& args;  // the command's name first
+  const Flags& flags;
+  FileSystem* fs;
+  bool json;
+};
+
+// shardctl import OPT.pt OUTDIR: a torch.optim state_dict as a checkpoint.
+int ImportCommand(const OfflineContext& ctx) {
+  const std::vector<std::string>& args = ctx.args;
+  if (args.size() != 3)
+    return Fail("usage: shardctl import OPT.pt OUTDIR [--params=MODEL.pt] [--optimizer=adam]");
+  const std::string k = ctx.flags.Str("optimizer", "adam");
+  OptimizerKind kind = k == "sgd"     ? OptimizerKind::kSgd
+                       : k == "adamw" ? OptimizerKind::kAdamW
+                                      : OptimizerKind::kAdam;
+  if (k != "sgd" && k != "adamw" && k != "adam")
+    return Fail("--optimizer must be adam, adamw or sgd");
+  absl::Status s = ImportTorch(args[1], ctx.flags.Str("params", ""), kind, args[2]);
+  if (!s.ok()) return Fail(std::string(s.message()));
+  std::printf("imported %s into %s (resume with --resume=%s at any world size)\n", args[1].c_str(),
+              args[2].c_str(), args[2].c_str());
+  return 0;
+}
+
+// The entries of a checkpoint directory named step-N (canonically), by step.
+std::vector<std::pair<int64_t, std::string>> StepEntries(const std::vector<std::string>& entries) {
+  std::vector<std::pair<int64_t, std::string>> steps;
+  for (const auto& e : entries) {
+    int64_t step = 0;
+    if (e.size() > 5 && e.rfind("step-", 0) == 0 && absl::SimpleAtoi(e.substr(5), &step) &&
+        e == absl::StrCat("step-", step)) {
+      steps.push_back({step, e});
     }
-    std::sort(steps.begin(), steps.end());
-    nlohmann::json out = nlohmann::json::array();
-    if (!json)
-      std::printf("%-14s %8s %6s %12s  %s\n", "checkpoint", "step", "ranks", "size", "status");
-    for (const auto& [step, name] : steps) {
-      const std::string dir = args[1] + "/" + name;
-      auto m = fs->Kind(dir) == EntryKind::kDirectory
-                   ? ReadManifest(fs, dir)
-                   : absl::StatusOr<Manifest>(absl::FailedPreconditionError("not a directory"));
-      std::string status =
-          m.ok() ? "complete" : absl::StrCat("incomplete (", m.status().message(), ")");
-      const int64_t bytes = m.ok() ? m->total_file_bytes() : 0;
-      if (m.ok() && latest.ok() && *latest == dir) status += ", LATEST";
-      const int ranks = m.ok() ? m->world_size : 0;
-      out.push_back({{"name", name},
-                     {"step", step},
-                     {"world_size", ranks},
-                     {"bytes", bytes},
-                     {"complete", m.ok()},
-                     {"status", status}});
-      if (!json) {
-        std::printf("%-14s %8lld %6d %12s  %s\n", name.c_str(), static_cast<long long>(step), ranks,
-                    Bytes(bytes).c_str(), status.c_str());
-      }
-    }
-    if (json) std::printf("%s\n", out.dump(1).c_str());
-    return 0;
   }
-  if (cmd == "inspect") {
-    if (args.size() != 2) return Fail("usage: shardctl inspect CKPT");
-    auto dir = ResolveCheckpoint(fs, args[1]);
-    if (!dir.ok()) return Fail(std::string(dir.status().message()));
-    auto m = ReadManifest(fs, *dir);
-    if (!m.ok()) return Fail(std::string(m.status().message()));
-    absl::Status v = VerifyCheckpoint(fs, *dir);
-    const std::string verdict =
-        !v.ok()           ? std::string(v.message())
-        : m->self_checked ? "every CRC matches (manifest and shards)"
-                          : "every shard CRC matches (a v1 manifest has no CRC of its own)";
-    if (json) {
-      nlohmann::json out;
-      out["path"] = *dir;
-      out["format"] = m->format;
-      out["step"] = m->step;
-      out["world_size"] = m->world_size;
-      out["optimizer"] = nlohmann::json::parse(SavedOptimizerJson(m->optimizer));
-      out["layout_hash"] = m->layout_hash;
-      out["states"] = m->states;
-      out["params"] = nlohmann::json::array();
-      for (const auto& p : m->params) {
-        out["params"].push_back({{"name", p.name},
-                                 {"shape", p.shape},
-                                 {"dtype", DTypeName(p.dtype)},
-                                 {"trainable", p.trainable}});
-      }
-      out["pieces"] = m->pieces.size();
-      out["files"] = nlohmann::json::array();
-      for (const auto& f : m->files)
-        out["files"].push_back({{"name", f.name}, {"bytes", f.bytes}, {"crc32c", f.crc32c}});
-      out["user_metadata"] = m->user_metadata;
-      out["verified"] = v.ok();
-      if (!v.ok()) out["error"] = std::string(v.message());
-      std::printf("%s\n", out.dump(1).c_str());
-    } else {
-      std::printf("checkpoint %s\n  step %lld, saved by %d ranks, optimizer %s, layout %s\n",
-                  dir->c_str(), static_cast<long long>(m->step), m->world_size,
-                  SavedOptimizerJson(m->optimizer).c_str(), m->layout_hash.c_str());
-      std::printf("  %zu parameters, %zu pieces, states %s\n", m->params.size(), m->pieces.size(),
-                  nlohmann::json(m->states).dump().c_str());
-      for (const auto& f : m->files) {
-        std::printf("  %-28s %12s  crc32c %08x\n", f.name.c_str(), Bytes(f.bytes).c_str(),
-                    f.crc32c);
-      }
-      if (!m->user_metadata.empty()) {
-        std::printf("  user metadata %s\n", nlohmann::json(m->user_metadata).dump().c_str());
-      }
-      std::printf("  verify: %s\n", verdict.c_str());
+  std::sort(steps.begin(), steps.end());
+  return steps;
+}
+
+// shardctl checkpoints DIR: each step-N checkpoint, complete or not.
+int CheckpointsCommand(const OfflineContext& ctx) {
+  const std::vector<std::string>& args = ctx.args;
+  if (args.size() != 2) return Fail("usage: shardctl checkpoints DIR");
+  auto entries = ctx.fs->ListDir(args[1]);
+  if (!entries.ok()) return Fail(std::string(entries.status().message()));
+  auto latest = ResolveCheckpoint(ctx.fs, args[1]);
+  nlohmann::json out = nlohmann::json::array();
+  if (!ctx.json)
+    std::printf("%-14s %8s %6s %12s  %s\n", "checkpoint", "step", "ranks", "size", "status");
+  for (const auto& [step, name] : StepEntries(*entries)) {
+    const std::string dir = args[1] + "/" + name;
+    auto m = ctx.fs->Kind(dir) == EntryKind::kDirectory
+                 ? ReadManifest(ctx.fs, dir)
+                 : absl::StatusOr<Manifest>(absl::FailedPreconditionError("not a directory"));
+    std::string status =
+        m.ok() ? "complete" : absl::StrCat("incomplete (", m.status().message(), ")");
+    const int64_t bytes = m.ok() ? m->total_file_bytes() : 0;
+    if (m.ok() && latest.ok() && *latest == dir) status += ", LATEST";
+    const int ranks = m.ok() ? m->world_size : 0;
+    out.push_back({{"name", name},
+                   {"step", step},
+                   {"world_size", ranks},
+                   {"bytes", bytes},
+                   {"complete", m.ok()},
+                   {"status", status}});
+    if (!ctx.json) {
+      std::printf("%-14s %8lld %6d %12s  %s\n", name.c_str(), static_cast<long long>(step), ranks,
+                  Bytes(bytes).c_str(), status.c_str());
     }
-    return v.ok() ? 0 : 1;
   }
-  // consolidate
+  if (ctx.json) std::printf("%s\n", out.dump(1).c_str());
+  return 0;
+}
+
+// shardctl inspect --json: the manifest of `dir` and its verification `v`.
+void PrintManifestJson(const std::string& dir, const Manifest& m, const absl::Status& v) {
+  nlohmann::json out;
+  out["path"] = dir;
+  out["format"] = m.format;
+  out["step"] = m.step;
+  out["world_size"] = m.world_size;
+  out["optimizer"] = nlohmann::json::parse(SavedOptimizerJson(m.optimizer));
+  out["layout_hash"] = m.layout_hash;
+  out["states"] = m.states;
+  out["params"] = nlohmann::json::array();
+  for (const auto& p : m.params) {
+    out["params"].push_back({{"name", p.name},
+                             {"shape", p.shape},
+                             {"dtype", DTypeName(p.dtype)},
+                             {"trainable", p.trainable}});
+  }
+  out["pieces"] = m.pieces.size();
+  out["files"] = nlohmann::json::array();
+  for (const auto& f : m.files)
+    out["files"].push_back({{"name", f.name}, {"bytes", f.bytes}, {"crc32c", f.crc32c}});
+  out["user_metadata"] = m.user_metadata;
+  out["verified"] = v.ok();
+  if (!v.ok()) out["error"] = std::string(v.message());
+  std::printf("%s\n", out.dump(1).c_str());
+}
+
+// shardctl inspect CKPT: its manifest, and whether every CRC matches (exit 1 if not).
+int InspectCommand(const OfflineContext& ctx) {
+  const std::vector<std::string>& args = ctx.args;
+  if (args.size() != 2) return Fail("usage: shardctl inspect CKPT");
+  auto dir = ResolveCheckpoint(ctx.fs, args[1]);
+  if (!dir.ok()) return Fail(std::string(dir.status().message()));
+  auto m = ReadManifest(ctx.fs, *dir);
+  if (!m.ok()) return Fail(std::string(m.status().message()));
+  absl::Status v = VerifyCheckpoint(ctx.fs, *dir);
+  const std::string verdict = !v.ok() ? std::string(v.message())
+                              : m->self_checked
+                                  ? "every CRC matches (manifest and shards)"
+                                  : "every shard CRC matches (a v1 manifest has no CRC of its own)";
+  if (ctx.json) {
+    PrintManifestJson(*dir, *m, v);
+  } else {
+    std::printf("checkpoint %s\n  step %lld, saved by %d ranks, optimizer %s, layout %s\n",
+                dir->c_str(), static_cast<long long>(m->step), m->world_size,
+                SavedOptimizerJson(m->optimizer).c_str(), m->layout_hash.c_str());
+    std::printf("  %zu parameters, %zu pieces, states %s\n", m->params.size(), m->pieces.size(),
+                nlohmann::json(m->states).dump().c_str());
+    for (const auto& f : m->files) {
+      std::printf("  %-28s %12s  crc32c %08x\n", f.name.c_str(), Bytes(f.bytes).c_str(), f.crc32c);
+    }
+    if (!m->user_metadata.empty()) {
+      std::printf("  user metadata %s\n", nlohmann::json(m->user_metadata).dump().c_str());
+    }
+    std::printf("  verify: %s\n", verdict.c_str());
+  }
+  return v.ok() ? 0 : 1;
+}
+
+// shardctl consolidate CKPT OUT: one safetensors file (with a progress bar),
+// or a torch.optim state_dict (--format=torch).
+int ConsolidateCommand(const OfflineContext& ctx) {
+  const std::vector<std::string>& args = ctx.args;
   if (args.size() != 3)
     return Fail("usage: shardctl consolidate CKPT OUT [--format=safetensors|torch]");
-  auto dir = ResolveCheckpoint(fs, args[1]);
+  auto dir = ResolveCheckpoint(ctx.fs, args[1]);
   if (!dir.ok()) return Fail(std::string(dir.status().message()));
-  const std::string format = flags.Str("format", "safetensors");
+  const std::string format = ctx.flags.Str("format", "safetensors");
   if (format == "torch") {
     const auto t0 = absl::Now();
-    absl::Status s = ExportTorch(fs, *dir, args[2]);
+    absl::Status s = ExportTorch(ctx.fs, *dir, args[2]);
     if (!s.ok()) return Fail(std::string(s.message()));
     std::printf("wrote %s (torch.optim state_dict) in %.2f s\n", args[2].c_str(),
                 absl::ToDoubleSeconds(absl::Now() - t0));
@@ -327,7 +352,7 @@ int CheckpointCommand(const std::vector<std::string>& args, const Flags& flags) 
   if (format != "safetensors") return Fail("--format must be safetensors or torch");
   const auto t0 = absl::Now();
   int last_pct = -1;
-  absl::Status s = Consolidate(fs, *dir, args[2], [&](int64_t done, int64_t total) {
+  absl::Status s = Consolidate(ctx.fs, *dir, args[2], [&](int64_t done, int64_t total) {
     const int pct = total > 0 ? static_cast<int>(100 * done / total) : 100;
     if (pct != last_pct) {
       last_pct = pct;
@@ -339,6 +364,28 @@ int CheckpointCommand(const std::vector<std::string>& args, const Flags& flags) 
   if (!s.ok()) return Fail(std::string(s.message()));
   std::printf("wrote %s in %.2f s\n", args[2].c_str(), absl::ToDoubleSeconds(absl::Now() - t0));
   return 0;
+}
+
+// The commands that work on checkpoint files, without a coordinator.
+struct OfflineCommand {
+  const char* name;
+  int (*run)(const OfflineContext&);
+};
+constexpr OfflineCommand kOfflineCommands[] = {
+    {"import", ImportCommand},
+    {"checkpoints", CheckpointsCommand},
+    {"inspect", InspectCommand},
+    {"consolidate", ConsolidateCommand},
+};
+
+// Runs the offline command args[0] (one of kOfflineCommands).
+int CheckpointCommand(const std::vector<std::string>& args, const Flags& flags) {
+  const bool json = *flags.Bool("json", false);  // checked by CheckFlags
+  const OfflineContext ctx{args, flags, PosixFileSystem(), json};
+  for (const OfflineCommand& c : kOfflineCommands) {
+    if (args[0] == c.name) return c.run(ctx);
+  }
+  return Fail(absl::StrCat("unknown command '", args[0], "' (see --help)"));
 }
 
 int TopCommand(CoordinatorClient* client, const std::string& address, const Flags& flags) {

@@ -9,18 +9,23 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
 #include "client/coordinator_client.h"
 #include "server/coordinator.h"
 #include "server/coordinator_service.h"
@@ -135,8 +140,6 @@ absl::StatusOr<int> FreePort() {
   return static_cast<int>(ntohs(a.sin_port));
 }
 
-// MASTER_PORT for the ranks: --master-port, else on node 0 a free port it
-// publishes in its coordinator's store; other nodes read it from there.
 // What the ranks and shardctl use to reach a TLS coordinator
 // (SHARDOPT_TLS_CA, SHARDOPT_TLS_CERT, SHARDOPT_TLS_KEY).
 ClientTls ClientTlsFromEnv() {
@@ -147,6 +150,8 @@ ClientTls ClientTlsFromEnv() {
   return tls;
 }
 
+// MASTER_PORT for the ranks: --master-port, else on node 0 a free port it
+// publishes in its coordinator's store; other nodes read it from there.
 absl::StatusOr<int> MasterPort(Coordinator* own, const std::string& address,
                                const std::string& token, const std::string& job_id, int flag) {
   const std::string key = absl::StrCat("shardrun/", job_id, "/master_port");
@@ -178,7 +183,116 @@ absl::StatusOr<int> MasterPort(Coordinator* own, const std::string& address,
   return port;
 }
 
-int Main(int argc, char** argv) {
+// Every flag's value, all checked before anything starts.
+struct RunConfig {
+  int64_t nproc = 0;
+  int64_t nnodes = 1;
+  int64_t node_rank = 0;
+  int world = 0;            // nproc * nnodes
+  std::string coordinator;  // --coordinator; empty: this shardrun starts one
+  std::string bind;
+  int port = 0;
+  std::string port_file;
+  std::string job_id;
+  std::string token_file;
+  std::string token;  // read from token_file
+  std::string tls_cert, tls_key, tls_client_ca;
+  int master_port = 0;  // 0: node 0 picks one
+  absl::Duration heartbeat_timeout;
+  int metrics_port = -1;  // -1: no metrics
+  std::string metrics_port_file;
+  double slow_factor = 1.5;
+  int64_t slow_windows = 3;
+  absl::Duration slow_window;
+  std::vector<std::string> program;  // PROGRAM ARGS...
+};
+
+// Reads every flag's value into `cfg`; the first malformed or out-of-range one
+// is refused by name, never replaced by its default.
+absl::Status ReadFlagValues(const Flags& flags, RunConfig* cfg) {
+  auto nproc = flags.Int("nproc", 0, 1, kMaxNproc);
+  auto nnodes = flags.Int("nnodes", 1, 1, kMaxNnodes);
+  auto port = flags.Port("port", 0);
+  auto master_port_flag = flags.Port("master-port", 0);
+  auto hb = flags.Seconds("heartbeat-timeout", 10, 0.1, kMaxHeartbeatTimeout);
+  auto coordinator_flag = flags.NonEmpty("coordinator", "");
+  auto bind = flags.NonEmpty("bind", "127.0.0.1");
+  auto port_file = flags.NonEmpty("port-file", "");
+  auto job_id_flag = flags.NonEmpty("job-id", "job");
+  auto token_file_flag = flags.NonEmpty("token-file", "");
+  auto tls_cert = flags.NonEmpty("tls-cert", "");
+  auto tls_key = flags.NonEmpty("tls-key", "");
+  auto tls_client_ca = flags.NonEmpty("tls-client-ca", "");
+  auto metrics_port = flags.Port("metrics-port", -1);  // -1: no metrics
+  auto metrics_port_file = flags.NonEmpty("metrics-port-file", "");
+  auto slow_factor = flags.Double("slow-factor", 1.5, 1, 1000, /*min_exclusive=*/true);
+  auto slow_windows = flags.Int("slow-windows", 3, 1, 1000);
+  auto slow_window = flags.Seconds("slow-window", 5, 0.1, 3600);
+  for (const absl::Status& s :
+       {nproc.status(), nnodes.status(), port.status(), hb.status(), coordinator_flag.status(),
+        bind.status(), port_file.status(), job_id_flag.status(), token_file_flag.status(),
+        tls_cert.status(), tls_key.status(), tls_client_ca.status(), metrics_port.status(),
+        metrics_port_file.status(), slow_factor.status(), slow_windows.status(),
+        slow_window.status(), master_port_flag.status()}) {
+    if (!s.ok()) return s;
+  }
+  cfg->nproc = *nproc;
+  cfg->nnodes = *nnodes;
+  cfg->port = *port;
+  cfg->master_port = *master_port_flag;
+  cfg->heartbeat_timeout = *hb;
+  cfg->coordinator = *coordinator_flag;
+  cfg->bind = *bind;
+  cfg->port_file = *port_file;
+  cfg->job_id = *job_id_flag;
+  cfg->token_file = *token_file_flag;
+  cfg->tls_cert = *tls_cert;
+  cfg->tls_key = *tls_key;
+  cfg->tls_client_ca = *tls_client_ca;
+  cfg->metrics_port = *metrics_port;
+  cfg->metrics_port_file = *metrics_port_file;
+  cfg->slow_factor = *slow_factor;
+  cfg->slow_windows = *slow_windows;
+  cfg->slow_window = *slow_window;
+  return absl::OkStatus();
+}
+
+// The checks that involve more than one flag, then --node-rank (bounded by
+// --nnodes) and the program.
+absl::Status CheckFlagCombinations(const Flags& flags, RunConfig* cfg) {
+  if (!cfg->metrics_port_file.empty() && cfg->metrics_port < 0) {
+    return absl::InvalidArgumentError("--metrics-port-file needs --metrics-port");
+  }
+  if (!cfg->coordinator.empty()) {
+    // Metrics and slow ranks are the coordinator's: node 0's shardrun.
+    for (const char* f :
+         {"metrics-port", "metrics-port-file", "slow-factor", "slow-windows", "slow-window"}) {
+      if (flags.Has(f)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("--", f,
+                         " applies to the shardrun that runs the coordinator "
+                         "(node 0), not with --coordinator"));
+      }
+    }
+  }
+  if (!flags.Has("nproc")) {
+    return absl::InvalidArgumentError("--nproc is required (1..1024; see --help)");
+  }
+  auto node_rank = flags.Int("node-rank", 0, 0, cfg->nnodes - 1);
+  if (!node_rank.ok()) return node_rank.status();
+  cfg->node_rank = *node_rank;
+  if (flags.rest().empty()) {
+    return absl::InvalidArgumentError("no program given: shardrun --nproc N -- PROGRAM ARGS...");
+  }
+  cfg->program = flags.rest();
+  cfg->world = static_cast<int>(cfg->nproc * cfg->nnodes);  // at most 1024 * 1024
+  return absl::OkStatus();
+}
+
+// Parses and checks the command line into `cfg` and reads the token. Returns
+// the exit status when shardrun must stop here (0 after --help; 2 after a
+// bad flag's message), nullopt to go on.
+std::optional<int> ParseFlags(int argc, char** argv, RunConfig* cfg) {
   auto flags = Flags::Parse(
       argc, argv,
       {"nproc",       "nnodes",       "node-rank",     "coordinator",  "bind",
@@ -195,273 +309,333 @@ int Main(int argc, char** argv) {
         absl::StrCat("unexpected argument '", flags->positional().front(),
                      "' (the program goes after --: shardrun --nproc N -- PROGRAM ARGS...)"));
   }
-  // Every flag is checked before anything starts; a bad value is refused by
-  // name, never replaced by its default.
-  auto nproc = flags->Int("nproc", 0, 1, kMaxNproc);
-  auto nnodes = flags->Int("nnodes", 1, 1, kMaxNnodes);
-  auto port = flags->Port("port", 0);
-  auto master_port_flag = flags->Port("master-port", 0);
-  auto hb = flags->Seconds("heartbeat-timeout", 10, 0.1, kMaxHeartbeatTimeout);
-  auto coordinator_flag = flags->NonEmpty("coordinator", "");
-  auto bind = flags->NonEmpty("bind", "127.0.0.1");
-  auto port_file = flags->NonEmpty("port-file", "");
-  auto job_id_flag = flags->NonEmpty("job-id", "job");
-  auto token_file_flag = flags->NonEmpty("token-file", "");
-  auto tls_cert = flags->NonEmpty("tls-cert", "");
-  auto tls_key = flags->NonEmpty("tls-key", "");
-  auto tls_client_ca = flags->NonEmpty("tls-client-ca", "");
-  auto metrics_port = flags->Port("metrics-port", -1);  // -1: no metrics
-  auto metrics_port_file = flags->NonEmpty("metrics-port-file", "");
-  auto slow_factor = flags->Double("slow-factor", 1.5, 1, 1000, /*min_exclusive=*/true);
-  auto slow_windows = flags->Int("slow-windows", 3, 1, 1000);
-  auto slow_window = flags->Seconds("slow-window", 5, 0.1, 3600);
-  for (const absl::Status& s :
-       {nproc.status(), nnodes.status(), port.status(), hb.status(), coordinator_flag.status(),
-        bind.status(), port_file.status(), job_id_flag.status(), token_file_flag.status(),
-        tls_cert.status(), tls_key.status(), tls_client_ca.status(), metrics_port.status(),
-        metrics_port_file.status(), slow_factor.status(), slow_windows.status(),
-        slow_window.status(), master_port_flag.status()}) {
-    if (!s.ok()) return Fail(std::string(s.message()));
+  if (absl::Status s = ReadFlagValues(*flags, cfg); !s.ok()) return Fail(std::string(s.message()));
+  if (absl::Status s = CheckFlagCombinations(*flags, cfg); !s.ok()) {
+    return Fail(std::string(s.message()));
   }
-  if (!metrics_port_file->empty() && *metrics_port < 0) {
-    return Fail("--metrics-port-file needs --metrics-port");
-  }
-  if (!coordinator_flag->empty()) {
-    // Metrics and slow ranks are the coordinator's: node 0's shardrun.
-    for (const char* f :
-         {"metrics-port", "metrics-port-file", "slow-factor", "slow-windows", "slow-window"}) {
-      if (flags->Has(f)) {
-        return Fail(absl::StrCat("--", f,
-                                 " applies to the shardrun that runs the coordinator "
-                                 "(node 0), not with --coordinator"));
-      }
-    }
-  }
-  if (!flags->Has("nproc")) return Fail("--nproc is required (1..1024; see --help)");
-  auto node_rank = flags->Int("node-rank", 0, 0, *nnodes - 1);
-  if (!node_rank.ok()) return Fail(std::string(node_rank.status().message()));
-  if (flags->rest().empty()) return Fail("no program given: shardrun --nproc N -- PROGRAM ARGS...");
-  const int world = static_cast<int>(*nproc * *nnodes);  // at most 1024 * 1024
-  const std::string job_id = *job_id_flag;
-  std::string token;
-  const std::string token_file = *token_file_flag;
-  if (!token_file.empty()) {
-    auto t = ReadTokenFile(token_file);
+  if (!cfg->token_file.empty()) {
+    auto t = ReadTokenFile(cfg->token_file);
     if (!t.ok()) return Fail(std::string(t.status().message()));
-    token = *t;
+    cfg->token = *t;
   }
+  return std::nullopt;
+}
 
-  // The coordinator, unless this node joins someone else's.
+// The job's coordinator and what serves it, all empty when this node joins
+// another node's coordinator (--coordinator). Destroyed in reverse order.
+struct CoordinatorServers {
   std::unique_ptr<Coordinator> coordinator;
   std::unique_ptr<CoordinatorService> service;
   std::unique_ptr<RpcServer> server;
   std::unique_ptr<MetricsServer> metrics;  // reads the coordinator: goes first
-  std::string address = *coordinator_flag;
-  if (address.empty()) {
-    if (*nnodes > 1 && *node_rank != 0) {
-      return Fail("--node-rank > 0 needs --coordinator=HOST:PORT of node 0's shardrun");
-    }
-    CoordinatorOptions copt;
-    copt.job_id = job_id;
-    copt.world_size = world;
-    copt.heartbeat_timeout = *hb;
-    copt.slow_factor = *slow_factor;
-    copt.slow_windows = static_cast<int>(*slow_windows);
-    copt.slow_window = *slow_window;
-    copt.on_event = [](const std::string& line) {
-      std::lock_guard<std::mutex> l(g_out_mu);
-      std::fprintf(stdout, "shardrun: %s\n", line.c_str());
-      std::fflush(stdout);
-    };
-    coordinator = std::make_unique<Coordinator>(copt);
-    service = std::make_unique<CoordinatorService>(coordinator.get(), token);
-    if (!tls_cert->empty()) {
-      // The ranks serve their shard owners over TLS too (below): reach them so,
-      // trusting the CA the ranks use for us (or our own certificate), with
-      // the client certificate of mutual TLS when there is one.
-      ClientTls owner_tls = ClientTlsFromEnv();
-      if (owner_tls.ca_file.empty()) owner_tls.ca_file = *tls_cert;
-      auto owner_creds = MakeChannelCredentials(owner_tls);
-      if (!owner_creds.ok()) return Fail(owner_creds.status().ToString());
-      service->SetOwnerCredentials(*owner_creds);
-    }
-    RpcServerOptions sopt;
-    sopt.address = absl::StrCat(*bind, ":", *port);
-    sopt.tls_cert_file = *tls_cert;
-    sopt.tls_key_file = *tls_key;
-    sopt.tls_client_ca_file = *tls_client_ca;
-    auto s = RpcServer::Start(sopt, {service.get()});
-    if (!s.ok()) return Fail(s.status().ToString());
-    server = std::move(*s);
-    address = server->address();
-    // Metrics next, so that a failure to serve them leaves no --port-file
-    // behind, and --metrics-port-file exists once --port-file does.
-    if (*metrics_port >= 0) {
-      auto m = MetricsServer::Start(coordinator.get(), *bind, *metrics_port);
-      if (!m.ok()) return Fail(std::string(m.status().message()));
-      metrics = std::move(*m);
-    }
-    std::printf("shardrun: coordinator listening on %s (job %s, %d ranks)\n", address.c_str(),
-                job_id.c_str(), world);
-    if (metrics)
-      std::printf("shardrun: metrics on http://%s/metrics\n", metrics->address().c_str());
-    std::fflush(stdout);
-    // Written whole or not at all (a temporary file renamed).
-    auto write_address = [](const std::string& path, const std::string& value,
-                            const char* flag) -> absl::Status {
-      if (path.empty()) return absl::OkStatus();
-      std::ofstream pf(path + ".tmp");
-      pf << value << "\n";
-      pf.close();
-      if (!pf || std::rename((path + ".tmp").c_str(), path.c_str()) != 0) {
-        return absl::UnavailableError(
-            absl::StrCat("cannot write --", flag, " '", path, "': ", std::strerror(errno)));
-      }
-      return absl::OkStatus();
-    };
-    if (metrics) {
-      absl::Status w = write_address(*metrics_port_file, metrics->address(), "metrics-port-file");
-      if (!w.ok()) return Fail(std::string(w.message()));
-    }
-    if (absl::Status w = write_address(*port_file, address, "port-file"); !w.ok()) {
-      return Fail(std::string(w.message()));
-    }
-  }
-  const std::string master_addr = address.substr(0, address.rfind(':'));
-  // MASTER_PORT is torch.distributed's (its TCPStore listens there on rank
-  // 0), not the coordinator's: node 0 picks a free port (or --master-port)
-  // and publishes it in the coordinator's key-value store for other nodes.
-  auto master_port_or = MasterPort(coordinator.get(), address, token, job_id, *master_port_flag);
-  if (!master_port_or.ok()) return Fail(std::string(master_port_or.status().message()));
-  const std::string master_port = std::to_string(*master_port_or);
+  std::string address;                     // the coordinator's host:port
+};
 
+// `s` with its whole text (code included) as its message, for the errors
+// shardrun reports that way.
+absl::Status WithCode(const absl::Status& s) { return absl::Status(s.code(), s.ToString()); }
+
+// Writes `value` to `path` (unless empty) whole or not at all: a temporary
+// file renamed.
+absl::Status WriteAddressFile(const std::string& path, const std::string& value, const char* flag) {
+  if (path.empty()) return absl::OkStatus();
+  std::ofstream pf(path + ".tmp");
+  pf << value << "\n";
+  pf.close();
+  if (!pf || std::rename((path + ".tmp").c_str(), path.c_str()) != 0) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot write --", flag, " '", path, "': ", std::strerror(errno)));
+  }
+  return absl::OkStatus();
+}
+
+// Creates the coordinator and starts its RPC server on --bind:--port.
+absl::Status StartCoordinator(const RunConfig& cfg, CoordinatorServers* servers) {
+  if (cfg.nnodes > 1 && cfg.node_rank != 0) {
+    return absl::InvalidArgumentError(
+        "--node-rank > 0 needs --coordinator=HOST:PORT of node 0's shardrun");
+  }
+  CoordinatorOptions copt;
+  copt.job_id = cfg.job_id;
+  copt.world_size = cfg.world;
+  copt.heartbeat_timeout = cfg.heartbeat_timeout;
+  copt.slow_factor = cfg.slow_factor;
+  copt.slow_windows = static_cast<int>(cfg.slow_windows);
+  copt.slow_window = cfg.slow_window;
+  copt.on_event = [](const std::string& line) {
+    std::lock_guard<std::mutex> l(g_out_mu);
+    std::fprintf(stdout, "shardrun: %s\n", line.c_str());
+    std::fflush(stdout);
+  };
+  servers->coordinator = std::make_unique<Coordinator>(copt);
+  servers->service = std::make_unique<CoordinatorService>(servers->coordinator.get(), cfg.token);
+  if (!cfg.tls_cert.empty()) {
+    // The ranks serve their shard owners over TLS too (SpawnRank): reach them
+    // so, trusting the CA the ranks use for us (or our own certificate), with
+    // the client certificate of mutual TLS when there is one.
+    ClientTls owner_tls = ClientTlsFromEnv();
+    if (owner_tls.ca_file.empty()) owner_tls.ca_file = cfg.tls_cert;
+    auto owner_creds = MakeChannelCredentials(owner_tls);
+    if (!owner_creds.ok()) return WithCode(owner_creds.status());
+    servers->service->SetOwnerCredentials(*owner_creds);
+  }
+  RpcServerOptions sopt;
+  sopt.address = absl::StrCat(cfg.bind, ":", cfg.port);
+  sopt.tls_cert_file = cfg.tls_cert;
+  sopt.tls_key_file = cfg.tls_key;
+  sopt.tls_client_ca_file = cfg.tls_client_ca;
+  auto s = RpcServer::Start(sopt, {servers->service.get()});
+  if (!s.ok()) return WithCode(s.status());
+  servers->server = std::move(*s);
+  servers->address = servers->server->address();
+  return absl::OkStatus();
+}
+
+// The coordinator, unless this node joins someone else's: started with its
+// metrics, announced, and its addresses written to --metrics-port-file and
+// --port-file.
+absl::Status ServeCoordinator(const RunConfig& cfg, CoordinatorServers* servers) {
+  if (!cfg.coordinator.empty()) {
+    servers->address = cfg.coordinator;
+    return absl::OkStatus();
+  }
+  if (absl::Status s = StartCoordinator(cfg, servers); !s.ok()) return s;
+  // Metrics next, so that a failure to serve them leaves no --port-file
+  // behind, and --metrics-port-file exists once --port-file does.
+  if (cfg.metrics_port >= 0) {
+    auto m = MetricsServer::Start(servers->coordinator.get(), cfg.bind, cfg.metrics_port);
+    if (!m.ok()) return m.status();
+    servers->metrics = std::move(*m);
+  }
+  std::printf("shardrun: coordinator listening on %s (job %s, %d ranks)\n",
+              servers->address.c_str(), cfg.job_id.c_str(), cfg.world);
+  if (servers->metrics) {
+    std::printf("shardrun: metrics on http://%s/metrics\n", servers->metrics->address().c_str());
+  }
+  std::fflush(stdout);
+  if (servers->metrics) {
+    absl::Status w =
+        WriteAddressFile(cfg.metrics_port_file, servers->metrics->address(), "metrics-port-file");
+    if (!w.ok()) return w;
+  }
+  return WriteAddressFile(cfg.port_file, servers->address, "port-file");
+}
+
+void InstallSignalHandlers() {
   struct sigaction sa {};
   sa.sa_handler = OnSignal;
   sigaction(SIGINT, &sa, nullptr);
   sigaction(SIGTERM, &sa, nullptr);
   signal(SIGPIPE, SIG_IGN);
+}
 
+// The ranks this shardrun started and the threads copying their output.
+// Destroyed in reverse order: the threads first.
+struct Ranks {
   std::vector<Child> children;
   std::vector<std::thread> pumps;
-  for (int local = 0; local < *nproc; ++local) {
-    Child c;
-    c.rank = static_cast<int>(*node_rank * *nproc + local);
-    int fds[2];
-    if (pipe(fds) != 0) return Fail("pipe() failed");
-    std::vector<std::string> env = {
-        absl::StrCat("RANK=", c.rank),      absl::StrCat("WORLD_SIZE=", world),
-        absl::StrCat("LOCAL_RANK=", local), absl::StrCat("LOCAL_WORLD_SIZE=", *nproc),
-        "MASTER_ADDR=" + master_addr,       "MASTER_PORT=" + master_port,
-        "SHARDOPT_COORDINATOR=" + address,  "SHARDOPT_JOB_ID=" + job_id};
-    if (!token_file.empty()) env.push_back("SHARDOPT_TOKEN_FILE=" + token_file);
-    if (!tls_cert->empty()) {  // the ranks' shard-owner services use TLS as the coordinator does
-      env.push_back("SHARDOPT_OWNER_TLS_CERT=" + *tls_cert);
-      env.push_back("SHARDOPT_OWNER_TLS_KEY=" + *tls_key);
-      if (!tls_client_ca->empty()) env.push_back("SHARDOPT_OWNER_TLS_CLIENT_CA=" + *tls_client_ca);
+};
+
+// The environment a rank adds: torchrun's variables and shardopt's.
+std::vector<std::string> RankEnv(const RunConfig& cfg, int rank, int local,
+                                 const std::string& address, const std::string& master_port) {
+  const std::string master_addr = address.substr(0, address.rfind(':'));
+  std::vector<std::string> env = {
+      absl::StrCat("RANK=", rank),        absl::StrCat("WORLD_SIZE=", cfg.world),
+      absl::StrCat("LOCAL_RANK=", local), absl::StrCat("LOCAL_WORLD_SIZE=", cfg.nproc),
+      "MASTER_ADDR=" + master_addr,       "MASTER_PORT=" + master_port,
+      "SHARDOPT_COORDINATOR=" + address,  "SHARDOPT_JOB_ID=" + cfg.job_id};
+  if (!cfg.token_file.empty()) env.push_back("SHARDOPT_TOKEN_FILE=" + cfg.token_file);
+  if (!cfg.tls_cert.empty()) {  // the ranks' shard-owner services use TLS as the coordinator does
+    env.push_back("SHARDOPT_OWNER_TLS_CERT=" + cfg.tls_cert);
+    env.push_back("SHARDOPT_OWNER_TLS_KEY=" + cfg.tls_key);
+    if (!cfg.tls_client_ca.empty()) {
+      env.push_back("SHARDOPT_OWNER_TLS_CLIENT_CA=" + cfg.tls_client_ca);
     }
-    std::vector<std::string> args = flags->rest();
-    const pid_t parent = getpid();
-    pid_t pid = fork();
-    if (pid == 0) {
-      // Child: die with shardrun, output into the pipe, then exec.
-      prctl(PR_SET_PDEATHSIG, SIGTERM);
-      if (getppid() != parent) _exit(1);
-      dup2(fds[1], STDOUT_FILENO);
-      dup2(fds[1], STDERR_FILENO);
-      close(fds[0]);
-      close(fds[1]);
-      for (const auto& e : env) putenv(const_cast<char*>(e.c_str()));
-      std::vector<char*> argv2;
-      for (auto& a : args) argv2.push_back(const_cast<char*>(a.c_str()));
-      argv2.push_back(nullptr);
-      execvp(argv2[0], argv2.data());
-      std::fprintf(stderr, "cannot execute '%s': %s\n", argv2[0], std::strerror(errno));
-      _exit(127);
+  }
+  return env;
+}
+
+// In the forked child: die with shardrun (`parent`), output into the pipe
+// `fds`, then exec `args` with `env` added.
+[[noreturn]] void ExecRank(const int fds[2], pid_t parent, const std::vector<std::string>& env,
+                           const std::vector<std::string>& args) {
+  prctl(PR_SET_PDEATHSIG, SIGTERM);
+  if (getppid() != parent) _exit(1);
+  dup2(fds[1], STDOUT_FILENO);
+  dup2(fds[1], STDERR_FILENO);
+  close(fds[0]);
+  close(fds[1]);
+  for (const auto& e : env) putenv(const_cast<char*>(e.c_str()));
+  std::vector<char*> argv2;
+  for (const auto& a : args) argv2.push_back(const_cast<char*>(a.c_str()));
+  argv2.push_back(nullptr);
+  execvp(argv2[0], argv2.data());
+  std::fprintf(stderr, "cannot execute '%s': %s\n", argv2[0], std::strerror(errno));
+  _exit(127);
+}
+
+// Starts this node's rank `local`, its output prefixed by a Pump thread.
+absl::Status SpawnRank(const RunConfig& cfg, int local, const std::string& address,
+                       const std::string& master_port, Ranks* ranks) {
+  Child c;
+  c.rank = static_cast<int>(cfg.node_rank * cfg.nproc + local);
+  int fds[2];
+  if (pipe(fds) != 0) return absl::InternalError("pipe() failed");
+  const std::vector<std::string> env = RankEnv(cfg, c.rank, local, address, master_port);
+  const pid_t parent = getpid();
+  const pid_t pid = fork();
+  if (pid == 0) ExecRank(fds, parent, env, cfg.program);
+  close(fds[1]);
+  if (pid < 0) return absl::InternalError("fork() failed");
+  c.pid = pid;
+  c.out_fd = fds[0];
+  ranks->children.push_back(c);
+  ranks->pumps.emplace_back(Pump, fds[0], c.rank);
+  return absl::OkStatus();
+}
+
+// Watches the ranks until every one has exited. The first failure (a rank's
+// exit, the coordinator's verdict, or a signal) stops everything: the
+// coordinator tells the remaining ranks first (they exit within a heartbeat,
+// naming the cause); SIGTERM after 3 s, SIGKILL after 8 s.
+class Supervisor {
+ public:
+  Supervisor(Coordinator* coordinator, std::vector<Child>* children)
+      : coordinator_(coordinator),
+        children_(children),
+        remaining_(static_cast<int>(children->size())) {}
+
+  // The reason the job was stopped; empty when every rank finished.
+  std::string Run() {
+    while (remaining_ > 0) {
+      ReapExited();
+      if (g_signal.load() != 0 && !stopping_) {
+        StopAll(absl::StrCat("interrupted (signal ", g_signal.load(), ")"), true,
+                AbortCause::kInterrupted);
+      }
+      if (coordinator_ && !stopping_) {
+        JobStatus j = coordinator_->GetJob();
+        if (j.state == JobState::kFailed) StopAll(j.failure, false, j.failure_cause);
+      }
+      SignalRemaining();
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }
-    close(fds[1]);
-    if (pid < 0) return Fail("fork() failed");
-    c.pid = pid;
-    c.out_fd = fds[0];
-    children.push_back(c);
-    pumps.emplace_back(Pump, fds[0], c.rank);
+    return failure_;
   }
 
-  // Supervise: the first failure (a rank's exit, the coordinator's verdict,
-  // or a signal) stops everything.
-  std::string failure;
-  int remaining = static_cast<int>(children.size());
-  bool stopping = false;
-  bool terminated = false;
-  absl::Time term_deadline, kill_deadline;
-  // The coordinator tells the remaining ranks first (they exit within a
-  // heartbeat, naming the cause); SIGTERM after 3 s, SIGKILL after 8 s.
-  auto stop_all = [&](const std::string& why, bool now, AbortCause cause) {
-    if (stopping) return;
-    stopping = true;
-    failure = why;
-    if (coordinator) coordinator->Abort(why, -1, cause);  // no-op once the job has failed
-    term_deadline = absl::Now() + (now || !coordinator ? absl::ZeroDuration() : absl::Seconds(3));
-    kill_deadline = term_deadline + absl::Seconds(5);
-  };
-  while (remaining > 0) {
-    for (Child& c : children) {
+ private:
+  void StopAll(const std::string& why, bool now, AbortCause cause) {
+    if (stopping_) return;
+    stopping_ = true;
+    failure_ = why;
+    if (coordinator_) coordinator_->Abort(why, -1, cause);  // no-op once the job has failed
+    term_deadline_ = absl::Now() + (now || !coordinator_ ? absl::ZeroDuration() : absl::Seconds(3));
+    kill_deadline_ = term_deadline_ + absl::Seconds(5);
+  }
+
+  // Collects the ranks that exited; the first to fail stops the others.
+  void ReapExited() {
+    for (Child& c : *children_) {
       if (c.exited) continue;
       int status = 0;
-      if (waitpid(c.pid, &status, WNOHANG) == c.pid) {
-        c.exited = true;
-        c.status = status;
-        --remaining;
-        const bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
-        if (!ok && !stopping) {
-          std::string why =
-              WIFEXITED(status)
-                  ? absl::StrCat("rank ", c.rank, " exited with status ", WEXITSTATUS(status))
-                  : absl::StrCat("rank ", c.rank, " was killed by signal ", WTERMSIG(status));
-          // A rank that exits with an error has usually told the coordinator
-          // why first (a non-finite loss, a failed checkpoint): say that.
-          if (coordinator && WIFEXITED(status)) {
-            JobStatus j = coordinator->GetJob();
-            if (j.state == JobState::kFailed && !j.failure.empty())
-              why = absl::StrCat(j.failure, " (", why, ")");
-          }
-          stop_all(why, false, AbortCause::kRankExit);
-        }
+      if (waitpid(c.pid, &status, WNOHANG) != c.pid) continue;
+      c.exited = true;
+      c.status = status;
+      --remaining_;
+      const bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
+      if (!ok && !stopping_) StopAll(ExitReason(c.rank, status), false, AbortCause::kRankExit);
+    }
+  }
+
+  // Why a rank that exited with `status` failed the job.
+  std::string ExitReason(int rank, int status) const {
+    std::string why = WIFEXITED(status)
+                          ? absl::StrCat("rank ", rank, " exited with status ", WEXITSTATUS(status))
+                          : absl::StrCat("rank ", rank, " was killed by signal ", WTERMSIG(status));
+    // A rank that exits with an error has usually told the coordinator
+    // why first (a non-finite loss, a failed checkpoint): say that.
+    if (coordinator_ && WIFEXITED(status)) {
+      JobStatus j = coordinator_->GetJob();
+      if (j.state == JobState::kFailed && !j.failure.empty()) {
+        why = absl::StrCat(j.failure, " (", why, ")");
       }
     }
-    if (g_signal.load() != 0 && !stopping) {
-      stop_all(absl::StrCat("interrupted (signal ", g_signal.load(), ")"), true,
-               AbortCause::kInterrupted);
-    }
-    if (coordinator && !stopping) {
-      JobStatus j = coordinator->GetJob();
-      if (j.state == JobState::kFailed) stop_all(j.failure, false, j.failure_cause);
-    }
-    if (stopping && !terminated && absl::Now() >= term_deadline) {
-      terminated = true;
-      for (const Child& c : children) {
+    return why;
+  }
+
+  // Once stopping: SIGTERM to the remaining ranks at term_deadline_, SIGKILL
+  // from kill_deadline_ on.
+  void SignalRemaining() {
+    if (stopping_ && !terminated_ && absl::Now() >= term_deadline_) {
+      terminated_ = true;
+      for (const Child& c : *children_) {
         if (!c.exited) kill(c.pid, SIGTERM);
       }
     }
-    if (stopping && absl::Now() >= kill_deadline) {
-      for (const Child& c : children) {
+    if (stopping_ && absl::Now() >= kill_deadline_) {
+      for (const Child& c : *children_) {
         if (!c.exited) kill(c.pid, SIGKILL);
       }
     }
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
-  for (auto& t : pumps) t.join();
-  metrics.reset();
-  if (server) server->Shutdown();
+
+  Coordinator* const coordinator_;  // null when this node joined another's
+  std::vector<Child>* const children_;
+  int remaining_;
+  std::string failure_;
+  bool stopping_ = false;
+  bool terminated_ = false;
+  absl::Time term_deadline_, kill_deadline_;
+};
+
+// Once every rank has exited: waits for the last of their output, then stops
+// serving metrics and the coordinator.
+void ShutDown(Ranks* ranks, CoordinatorServers* servers) {
+  for (auto& t : ranks->pumps) t.join();
+  servers->metrics.reset();
+  if (servers->server) servers->server->Shutdown();
+}
+
+// The job's outcome (and where the ranks' collectives diverged, when it
+// failed); the exit status.
+int Report(const std::string& failure, const CoordinatorServers& servers, size_t ranks) {
   if (!failure.empty()) {
     std::fprintf(stderr, "shardrun: job failed: %s; stopped all ranks\n", failure.c_str());
-    if (service) {  // where the ranks' collectives diverged, from the rings they reported
-      const std::string d = ReportedDivergence(service->flight_records(), *coordinator);
+    if (servers.service) {  // where the ranks' collectives diverged, from the rings they reported
+      const std::string d =
+          ReportedDivergence(servers.service->flight_records(), *servers.coordinator);
       if (!d.empty()) std::fprintf(stderr, "shardrun: flight recorder: %s\n", d.c_str());
     }
     return g_signal.load() != 0 ? 130 : 1;
   }
-  std::printf("shardrun: all %zu ranks finished\n", children.size());
+  std::printf("shardrun: all %zu ranks finished\n", ranks);
   return 0;
+}
+
+int Main(int argc, char** argv) {
+  RunConfig cfg;
+  if (std::optional<int> exit_status = ParseFlags(argc, argv, &cfg)) return *exit_status;
+  CoordinatorServers servers;
+  if (absl::Status s = ServeCoordinator(cfg, &servers); !s.ok()) {
+    return Fail(std::string(s.message()));
+  }
+  // MASTER_PORT is torch.distributed's (its TCPStore listens there on rank
+  // 0), not the coordinator's: node 0 picks a free port (or --master-port)
+  // and publishes it in the coordinator's key-value store for other nodes.
+  auto master_port = MasterPort(servers.coordinator.get(), servers.address, cfg.token, cfg.job_id,
+                                cfg.master_port);
+  if (!master_port.ok()) return Fail(std::string(master_port.status().message()));
+  InstallSignalHandlers();
+  const std::string master_port_str = std::to_string(*master_port);
+  Ranks ranks;
+  for (int local = 0; local < cfg.nproc; ++local) {
+    absl::Status s = SpawnRank(cfg, local, servers.address, master_port_str, &ranks);
+    if (!s.ok()) return Fail(std::string(s.message()));
+  }
+  const std::string failure = Supervisor(servers.coordinator.get(), &ranks.children).Run();
+  ShutDown(&ranks, &servers);
+  return Report(failure, servers, ranks.children.size());
 }
 
 }  // namespace
