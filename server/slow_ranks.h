@@ -35,12 +35,12 @@ class SlowRankDetector {
   // What one window says of a rank that finished a step in it.
   struct Verdict {
     int rank = 0;
-    double busy_p50 = 0;  // its median busy time over the window
-    double ratio = 0;     // busy_p50 / the others' median (inf when theirs is 0)
-    bool changed = false; // it became slow, or stopped being slow
-    bool slow = false;    // its state after this window
-    std::string reason;   // why it is slow ("" when not)
-    std::string event;    // when changed: "rank 2 is slow: ..." / "... is no longer slow: ..."
+    double busy_p50 = 0;   // its median busy time over the window
+    double ratio = 0;      // busy_p50 / the others' median (inf when theirs is 0)
+    bool changed = false;  // it became slow, or stopped being slow
+    bool slow = false;     // its state after this window
+    std::string reason;    // why it is slow ("" when not)
+    std::string event;     // when changed: "rank 2 is slow: ..." / "... is no longer slow: ..."
   };
   // Ends the window. `eligible[r]`: rank r is in the job and has not
   // finished (others are left out, and their samples dropped). Needs two

@@ -3,7 +3,7 @@
 # (`bazel build --config=tsa //...`, see .bazelrc): every mutex-guarded member
 # is annotated (ABSL_GUARDED_BY, ABSL_EXCLUSIVE_LOCKS_REQUIRED), and an access
 # without its lock fails the build. Runs in an output base of its own
-# ($SHARDOPT_TSA_OUTPUT_BASE, default ~/.cache/shardopt-tsa) so that switching
+# ($SHARDOPT_TSA_OUTPUT_BASE, default one under ~/.cache/shardopt-tsa per checkout) so that switching
 # compilers does not invalidate the normal (gcc) build; the disk cache of
 # .bazelrc is shared, so a second run only recompiles what changed. Counted as
 # a test by tools/test.sh. Exit status: bazel's.
@@ -13,7 +13,8 @@ if ! command -v clang >/dev/null; then
   echo "tsa_check: clang is not installed (tools/setup.sh installs it)"
   exit 1
 fi
-base=${SHARDOPT_TSA_OUTPUT_BASE:-$HOME/.cache/shardopt-tsa}
+# One output base per checkout (a Bazel output base belongs to one workspace).
+base=${SHARDOPT_TSA_OUTPUT_BASE:-$HOME/.cache/shardopt-tsa/$(pwd -P | md5sum | cut -c1-12)}
 start=$(date +%s)
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
