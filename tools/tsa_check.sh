@@ -18,7 +18,19 @@ base=${SHARDOPT_TSA_OUTPUT_BASE:-$HOME/.cache/shardopt-tsa/$(pwd -P | md5sum | c
 start=$(date +%s)
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
-bazel --output_base="$base" build --config=tsa //... "$@" >"$log" 2>&1
+# //... spelled out folder by folder: the normal build's convenience symlinks
+# (bazel-bin, bazel-<checkout>, ...) point into another output base, which
+# this build would otherwise walk into. This build makes none of its own
+# (--symlink_prefix=/), so bazel-bin stays the normal build's.
+patterns=()
+[[ -f BUILD || -f BUILD.bazel ]] && patterns+=("//:all")
+for d in */; do
+  d=${d%/}
+  [[ -L $d || $d == bazel-* ]] && continue
+  patterns+=("//$d/...")
+done
+bazel --output_base="$base" build --config=tsa --symlink_prefix=/ "$@" -- "${patterns[@]}" \
+  >"$log" 2>&1
 rc=$?
 # The analysis' findings first (each names the file, line and mutex), then
 # how the build ended.
