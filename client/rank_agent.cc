@@ -26,7 +26,6 @@ namespace shardopt {
 
 namespace {
 
-constexpr size_t kMaxStepTimes = kMaxStepTimesPerHeartbeat;  // the coordinator's limit
 constexpr absl::Duration kSignalPoll = absl::Milliseconds(100);
 
 std::string EnvStr(const char* name, const std::string& def) {
@@ -59,7 +58,7 @@ RankAgent::RankAgent(CoordinatorApi* client, ShardedOptimizer* optimizer, RankAg
     recorder_ = fr->recorder();
   }
   lr_applied_ = opt_->learning_rate();
-  metrics_.step_seconds.reserve(kMaxStepTimes);
+  metrics_.step_seconds.reserve(kMaxStepTimesPerHeartbeat);
 }
 
 absl::StatusOr<std::unique_ptr<RankAgent>> RankAgent::Start(CoordinatorApi* client,
@@ -333,7 +332,7 @@ void RankAgent::FinishStep(int64_t step, const StepResult& result, double loss) 
 
 void RankAgent::RecordStep(const StepResult& result, double agree_seconds) {
   absl::MutexLock l(&mu_);
-  if (metrics_.step_seconds.size() == kMaxStepTimes)
+  if (metrics_.step_seconds.size() == static_cast<size_t>(kMaxStepTimesPerHeartbeat))
     metrics_.step_seconds.erase(metrics_.step_seconds.begin());
   metrics_.step_seconds.push_back(absl::ToDoubleSeconds(absl::Now() - step_start_));
   // device_async_step on a GPU: the norm is read later (LastGradNorm()); the

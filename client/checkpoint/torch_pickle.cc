@@ -143,12 +143,6 @@ namespace {
 
 using Kind = PyValue::Kind;
 
-uint64_t LoadLE(const char* p, int n) {
-  uint64_t v = 0;
-  for (int k = n - 1; k >= 0; --k) v = (v << 8) | static_cast<uint8_t>(p[k]);
-  return v;
-}
-
 // UTF-8 as Python's unpickler accepts it (surrogates pass).
 bool ValidUtf8(absl::string_view s) {
   size_t i = 0;

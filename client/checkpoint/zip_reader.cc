@@ -73,13 +73,13 @@ size_t BoundedReadAdapter::read(uint64_t pos, void* buf, size_t n, const char* /
 // ---------------------------------------------------------------------------
 // The central directory
 
-namespace {
-
 uint64_t LoadLE(const char* p, int n) {
   uint64_t v = 0;
   for (int k = n - 1; k >= 0; --k) v = (v << 8) | static_cast<uint8_t>(p[k]);
   return v;
 }
+
+namespace {
 
 // Zip record sizes: end of central directory, zip64 locator, zip64 end of
 // central directory, central directory entry.

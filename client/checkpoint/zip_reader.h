@@ -94,6 +94,9 @@ class TorchZipReader {
 // a string from the file, escaped and cut short, in quotes; an exception's
 // message on one line, without LibTorch's backtrace.
 std::string QuoteForError(absl::string_view s);
+// The unsigned little-endian integer in p[0, n) (n <= 8): zip records and
+// pickle opcodes alike.
+uint64_t LoadLE(const char* p, int n);
 std::string ExceptionOneLine(const std::exception& e);
 
 }  // namespace shardopt
