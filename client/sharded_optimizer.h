@@ -20,34 +20,28 @@
 #include <torch/nn/module.h>
 #include <torch/types.h>
 
-#include <atomic>
-#include <unordered_map>
-
 #include <functional>
-#include <deque>
 #include <memory>
 #include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
-#include "absl/base/thread_annotations.h"
+#include <unordered_map>
+
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "client/collective_waiter.h"
 #include "client/comm/communicator.h"
 #include "client/deferred_collectives.h"
-#include "client/staging_arena.h"
+#include "client/grad_norm.h"
+#include "client/gradient_reducer.h"
+#include "client/rank_agreement.h"
+#include "client/trace.h"
 #include "common/layout.h"
-#include "server/kernels/kernel_backend.h"
 #include "common/optimizer_config.h"
+#include "server/kernels/kernel_backend.h"
 #include "server/shard_owner.h"
-
-namespace torch {
-namespace autograd {
-struct Node;
-}  // namespace autograd
-}  // namespace torch
 
 namespace shardopt {
 
@@ -154,31 +148,6 @@ struct StepResult {
   double comm_wait_seconds = 0.0;
   double update_seconds = 0.0;
 };
-
-// A step's gradient norm as read back from the device.
-struct GradNormReading {
-  int64_t step = 0;
-  double grad_norm = 0.0;
-  bool clipped = false;
-};
-
-struct TraceEvent {
-  enum Kind {
-    kGradReady,           // a parameter's gradient was accumulated (param set)
-    kReduceScatterStart,  // bucket set
-    kReduceScatterDone,
-    kUpdateDone,
-    kAllGatherStart,
-    kAllGatherDone,
-    kStepBegin,
-    kStepEnd,
-  };
-  Kind kind;
-  int bucket = -1;
-  int param = -1;
-  int64_t time_ns = 0;  // steady clock
-};
-const char* TraceEventName(TraceEvent::Kind kind);
 
 class ShardedOptimizer {
  public:
@@ -287,115 +256,20 @@ class ShardedOptimizer {
   absl::Status StageToHost() { return owner_->StageToHost(); }
   absl::Status EndStaging(bool copy_back) { return owner_->EndStaging(copy_back); }
 
-  // What backward's hooks share with the optimizer: one lock for everything
-  // they touch (members marked ABSL_GUARDED_BY(hook_state_->mu)), and the
-  // optimizer they call while it lives (the destructor clears owner under mu,
-  // so a hook never runs on a destroyed optimizer).
-  struct HookState {
-    absl::Mutex mu;
-    ShardedOptimizer* owner ABSL_GUARDED_BY(mu) = nullptr;
-  };
-  // For hooks, which lock their own copy of the shared_ptr: says that it is
-  // the same mutex (checked at run time).
-  void AssertHookLockHeld() const ABSL_ASSERT_EXCLUSIVE_LOCK(hook_state_->mu) {
-    hook_state_->mu.AssertHeld();
-  }
-  using Region = StagingArena::Region;  // of the shard_gradients staging arena
   ShardedOptimizer(ShardedOptimizerOptions options, Communicator* comm, Layout layout);
   absl::Status Init(const std::vector<std::pair<std::string, torch::Tensor>>& params);
-  absl::Status CheckSameModelOnAllRanks();
+  ReducerSetup MakeReducerSetup();
   absl::Status BroadcastInitialValues();
   absl::Status CreateShardOwner();
-  absl::Status InstallHooks(const std::vector<std::pair<std::string, torch::Tensor>>& params);
-  void OnGradReady(int param) ABSL_EXCLUSIVE_LOCKS_REQUIRED(hook_state_->mu);
-  void BeforeGradLocked(int param) ABSL_EXCLUSIVE_LOCKS_REQUIRED(hook_state_->mu);
-  absl::Status LaunchHyperAgreement();
-  absl::Status FinishHyperAgreement(int64_t step);
-  absl::Status BroadcastText(const std::string& mine, const char* what, std::string* theirs);
-  absl::StatusOr<std::string> ShareDetail(const std::string& mine, const char* what);
-  void BucketCompleteLocked(int bucket) ABSL_EXCLUSIVE_LOCKS_REQUIRED(hook_state_->mu);
-  void LaunchReadyBucketsLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(hook_state_->mu);
-  absl::Status AgreeLaunchOrder();
-  void SizeStagingAfterSecondStepLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(hook_state_->mu);
-  void LaunchReduceScatterLocked(int bucket) ABSL_EXCLUSIVE_LOCKS_REQUIRED(hook_state_->mu);
-  // shard_gradients (all with hook_state_->mu held).
-  void PrepareShardedGradients();
-  void OnShardedGradReadyLocked(int param, torch::Tensor grad)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(hook_state_->mu);
-  void AcquireStagingLocked(int bucket) ABSL_EXCLUSIVE_LOCKS_REQUIRED(hook_state_->mu);
-  std::vector<torch::Tensor> StagedChunks(int bucket, const torch::Tensor& buf);
-  void CompactStagingLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(hook_state_->mu);
-  int64_t StageLength(int bucket) const;
-  bool PlaceLocked(int64_t length, int64_t* begin) const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(hook_state_->mu);
-  std::vector<Region> PieceRegionsLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(hook_state_->mu);
-  void FreeStagingLocked(int bucket) ABSL_EXCLUSIVE_LOCKS_REQUIRED(hook_state_->mu);
-  // Calls fn(chunk slice, offset into the range, length) for each chunk that
-  // elements [offset, offset + length) of bucket `b` span.
-  template <typename Fn>
-  void ForChunks(int bucket, int64_t offset, int64_t length, Fn fn)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(hook_state_->mu);
-  void WriteGradLocked(int bucket, int64_t offset, const torch::Tensor& flat)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(hook_state_->mu);
-  void ZeroGradRangeLocked(int bucket, int64_t offset, int64_t length)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(hook_state_->mu);
-  void LaunchShardedLocked(int bucket) ABSL_EXCLUSIVE_LOCKS_REQUIRED(hook_state_->mu);
-  bool PiecewiseLocked(int bucket) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(hook_state_->mu);
-  void LaunchPiecesLocked(int bucket, const torch::Tensor& flat_grad)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(hook_state_->mu);
-  struct StagedPiece;
-  void LaunchPieceLocked(const std::vector<void*>& chunks, int64_t count, StagedPiece piece)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(hook_state_->mu);
-  absl::Status TakeHookErrorLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(hook_state_->mu);
-  // Gives a staged collective `length` elements: a region of the arena
-  // (waiting for reductions in flight while there is no room, compacting
-  // filling buckets when nothing is in flight), else a buffer of its own
-  // (counted). Returns the buffer; *region is set when it is in the arena.
-  // in_arena false: a buffer of its own at once.
-  torch::Tensor StageLocked(int64_t length, Region* region, torch::Tensor* own_buffer,
-                            bool in_arena) ABSL_EXCLUSIVE_LOCKS_REQUIRED(hook_state_->mu);
-  void ReleaseOwnBufferLocked(torch::Tensor* own_buffer)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(hook_state_->mu);
-  absl::Status WaitPieceLocked(size_t index) ABSL_EXCLUSIVE_LOCKS_REQUIRED(hook_state_->mu);
-  absl::Status FailStagingLocked(const absl::Status& s)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(hook_state_->mu);
-  void AbandonChunksLocked(int bucket) ABSL_EXCLUSIVE_LOCKS_REQUIRED(hook_state_->mu);
-  absl::Status ReclaimLocked(int bucket) ABSL_EXCLUSIVE_LOCKS_REQUIRED(hook_state_->mu);
-  void ReclaimFinishedLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(hook_state_->mu);
-  void ResetBackwardStateLocked(bool needs_zero_grad)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(hook_state_->mu);
-  void ReclaimOldestLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(hook_state_->mu);
-  void ReleaseShardedBuffersLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(hook_state_->mu);
-  void UpdateGradBytesLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(hook_state_->mu);
-  torch::Tensor AccumView(int param) ABSL_EXCLUSIVE_LOCKS_REQUIRED(hook_state_->mu);
-  void Trace(TraceEvent::Kind kind, int bucket, int param)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(hook_state_->mu);
-  // order_agreed_, read under the lock (the training thread writes it).
-  bool OrderAgreed() const;
-  absl::Status WaitOrAbort(const CommHandlePtr& handle, const char* what, int bucket);
   // Step()'s stages.
   absl::Status BeginStep();
-  // Marks the parameters this rank has a gradient for (torch.optim updates
-  // a parameter iff its .grad is not None); agreed in LaunchHyperAgreement.
-  void MarkActiveLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(hook_state_->mu);
-  // active_ from the agreement's result.
-  void ReadActive();
-  // Waits for the step's agreement unless bucket `bucket` (-1: none) can be
-  // updated on this rank's own marks (every owned parameter has a gradient
-  // here); fails on a disagreement.
   absl::Status AgreeIfNeeded(int bucket);
   absl::Status FinishReduce(int bucket, double* local_sq);
-  absl::Status UpdateAndGather(int bucket, int64_t step, int64_t* update_ns);
+  absl::Status UpdateAndGather(int bucket, int64_t* update_ns);
+  absl::Status AgreeLaunchOrder();
   absl::StatusOr<double> GlobalNorm(double local_sq);
-  absl::Status LaunchGlobalNorm(double local_sq);
-  absl::StatusOr<double> FinishGlobalNorm();
-  bool ClipGradients(double grad_norm);
-  // device_async_step: the norm and clipping as device values.
-  absl::Status GlobalNormOnDevice(double local_sq, bool clip, StepResult* result);
-  absl::Status LaunchNormOnDevice(double local_sq);
   absl::Status FinishNormOnDevice(bool clip, StepResult* result);
-  void RecordNormReading(int64_t step, const torch::Tensor& norm, const torch::Tensor& coef,
-                         StepResult* result);
+  absl::Status GlobalNormOnDevice(double local_sq, bool clip, StepResult* result);
   // Orders the device after `handle` (device_async_step) and remembers it,
   // to check its outcome later; false: the caller waits on the host.
   bool Defer(const CommHandlePtr& handle, const char* what, int bucket);
@@ -408,8 +282,6 @@ class ShardedOptimizer {
   absl::Status StepNormFirst(StepResult* result, int64_t* update_ns);
   absl::Status StepBucketByBucket(StepResult* result, int64_t* update_ns);
   absl::Status RunExternalUpdate(int64_t* update_ns);
-  // Offset of bucket `bucket`'s owned range among this rank's ranges.
-  int64_t OwnedOffset(int bucket) const;
   void EndStep(int64_t step);
 
   ShardedOptimizerOptions options_;
@@ -419,123 +291,23 @@ class ShardedOptimizer {
   const int world_;
   torch::ScalarType dtype_;
   torch::Device device_ = torch::kCPU;
+  // device_async_step, on a device that can use it.
+  bool async_ = false;
 
-  torch::Tensor param_flat_;    // model dtype, flat_size elements
-  torch::Tensor grad_flat_;     // model dtype
-  torch::Tensor comm_scratch_;  // bf16 gradients for communication, if converting
+  CollectiveWaiter waiter_;  // time blocked in this Step() (training thread)
+  Tracer tracer_;
+  RankAgreement agreement_;
+  torch::Tensor param_flat_;  // model dtype, flat_size elements
+  std::unique_ptr<GradientReducer> reducer_;
   std::unique_ptr<ShardOwner> owner_;
+  std::unique_ptr<GradNorm> norm_;
 
-  std::vector<torch::Tensor> params_;      // the model's parameters (views)
-  std::vector<torch::Tensor> grad_views_;  // their gradients: views of grad_flat_
-  std::vector<std::shared_ptr<torch::autograd::Node>> grad_accumulators_;
-  const std::shared_ptr<HookState> hook_state_;
-
-  // Guarded by hook_state_->mu (written by backward hooks).
-  std::vector<bool> ready_ ABSL_GUARDED_BY(hook_state_->mu);
-  // Per parameter: a gradient arrived since the last ZeroGrad(set_to_none).
-  std::vector<uint8_t> has_grad_ ABSL_GUARDED_BY(hook_state_->mu);
-  std::vector<int> bucket_ready_count_ ABSL_GUARDED_BY(hook_state_->mu);
-  std::vector<int> bucket_size_;
-  std::vector<CommHandlePtr> rs_handles_ ABSL_GUARDED_BY(hook_state_->mu);
-  std::vector<CommHandlePtr> ag_handles_;           // training thread only
+  std::vector<torch::Tensor> params_;               // the model's parameters (views)
+  std::vector<CommHandlePtr> ag_handles_;           // per bucket: its all-gather in flight
   std::unordered_map<const void*, int> bucket_of_;  // parameter (TensorImpl) -> bucket
-  CommHandlePtr norm_handle_;
-  std::vector<double> norm_parts_;  // per rank: squared norm of its owned gradients
-  int64_t grad_version_ ABSL_GUARDED_BY(hook_state_->mu) =
-      -1;  // grad_flat_'s version after the last gradient arrived
-  // Hash of the groups, its negation, then local_active_ (max over ranks).
-  std::vector<float> hyper_buf_;
-  std::string hyper_text_;  // what was hashed
-  CommHandlePtr hyper_handle_;
-  std::string detail_buf_;      // ShareDetail's all-gather (a member: it may outlive a timeout)
-  int64_t gather_wait_ns_ = 0;  // gathers waited for outside Step()
-  int next_launch_ ABSL_GUARDED_BY(hook_state_->mu) = 0;  // position in launch_order_
-  // The order buckets are reduced in, the same on every rank: bucket order in
-  // the first step, then the order rank 0's first backward completed them
-  // (AgreeLaunchOrder). ready_order_ records it until then.
-  std::vector<int> launch_order_ ABSL_GUARDED_BY(hook_state_->mu);
-  std::vector<int> ready_order_ ABSL_GUARDED_BY(hook_state_->mu);
-  bool order_agreed_ ABSL_GUARDED_BY(hook_state_->mu) =
-      false;  // written by the training thread with mu held
-  bool arena_sized_ ABSL_GUARDED_BY(hook_state_->mu) =
-      false;  // shard_gradients: staging grown after the second step
-  int64_t grads_seen_ ABSL_GUARDED_BY(hook_state_->mu) = 0;
-  bool sync_ ABSL_GUARDED_BY(hook_state_->mu) = true;
-  bool needs_zero_grad_ ABSL_GUARDED_BY(hook_state_->mu) = false;
-  bool grad_after_step_ ABSL_GUARDED_BY(hook_state_->mu) = false;
-  bool accumulated_while_syncing_ ABSL_GUARDED_BY(hook_state_->mu) = false;
-  // FoldReducedGradients: a backward with sync on since the last fold /
-  // ZeroGrad / Step (guarded by hook_state_->mu); the reduced owned
-  // gradients kept aside (owned_elements(), the model's dtype) and whether
-  // they count in this step.
-  bool synced_backward_ ABSL_GUARDED_BY(hook_state_->mu) = false;
-  torch::Tensor folded_;
-  std::atomic<int64_t> folded_bytes_{0};  // read by memory() from other threads
-  bool folded_pending_ = false;
-  std::vector<TraceEvent> trace_ ABSL_GUARDED_BY(hook_state_->mu);
-
-  // shard_gradients; guarded by hook_state_->mu.
-  torch::Tensor owned_grad_flat_
-      ABSL_GUARDED_BY(hook_state_->mu);  // this rank's ranges, bucket after bucket
-  torch::Tensor accum_flat_
-      ABSL_GUARDED_BY(hook_state_->mu);  // full size, only while accumulating (no_sync)
-  DType comm_type_ = DType::kFloat32;    // type gradients travel in
-  std::vector<std::vector<std::pair<int64_t, int64_t>>> gaps_;  // per bucket: padding runs
-  bool split_own_ = false;  // this rank's chunk reduced in place in owned_grad_flat_
-  torch::Tensor staging_
-      ABSL_GUARDED_BY(hook_state_->mu);  // the arena, in comm_type_ (allocated at first use)
-  StagingArena arena_ ABSL_GUARDED_BY(hook_state_->mu);  // the regions of staging_
-  // A bucket of one tensor whose reduce-scatter does not fit a staging piece
-  // is reduced in pieces of piece_elements_ of every rank's chunk, staged in
-  // the arena while backward waits (PiecewiseLocked); pieces_ are those
-  // launched and not yet waited for, oldest first.
-  struct StagedPiece {
-    int bucket = -1;
-    Region region;      // in the arena, or
-    torch::Tensor own;  // a buffer of its own (counted)
-    CommHandlePtr handle;
-  };
-  std::deque<StagedPiece> pieces_ ABSL_GUARDED_BY(hook_state_->mu);
-  int64_t piece_elements_ = 0;  // per rank; 0: no bucket is reduced in pieces
-  std::vector<torch::Tensor> overflow_buf_
-      ABSL_GUARDED_BY(hook_state_->mu);                          // per bucket: a buffer of its own
-  int64_t overflow_bytes_ ABSL_GUARDED_BY(hook_state_->mu) = 0;  // held by overflow_buf_ now
-  int64_t overflow_peak_bytes_ ABSL_GUARDED_BY(hook_state_->mu) = 0;  // the most ever held at once
-  int64_t overflow_shortfall_ ABSL_GUARDED_BY(hook_state_->mu) =
-      0;  // elements the arena's end lacked for one
-  std::vector<std::vector<torch::Tensor>> chunks_
-      ABSL_GUARDED_BY(hook_state_->mu);  // per bucket: its reduce-scatter's chunks
-  std::vector<bool> in_accum_
-      ABSL_GUARDED_BY(hook_state_->mu);  // chunks_[b] are accum_flat_'s (else chunks_[b][rank_] is
-                                         // the owned gradient when split_own_)
-  std::vector<bool> reclaimed_
-      ABSL_GUARDED_BY(hook_state_->mu);  // reduced; owned range holds the result
-  std::vector<int> in_flight_
-      ABSL_GUARDED_BY(hook_state_->mu);  // launched, not reclaimed, in launch order
-  std::vector<torch::Tensor> abandoned_
-      ABSL_GUARDED_BY(hook_state_->mu);  // buffers of collectives that failed
-  absl::Status hook_error_ ABSL_GUARDED_BY(hook_state_->mu);
-  int64_t hook_wait_ns_ ABSL_GUARDED_BY(hook_state_->mu) =
-      0;  // backward blocked on a reduction (exposed)
-  std::atomic<int64_t> sharded_grad_bytes_{0};
-
-  // device_async_step (training thread only).
-  bool async_ = false;          // the option, on a device that can use it
-  torch::Tensor norm_parts_t_;  // float64 [world] on device_: each rank's squared norm
-  torch::Tensor norm_host_;     // pinned float32 [2 slots][norm, coef] (GPU)
-  std::unique_ptr<KernelBackend::Fence> norm_fence_[2];
-  int64_t norm_step_[2] = {0, 0};
-  GradNormReading last_norm_;  // the newest reading on the host
-  DeferredCollectives deferred_;
-
-  // This step's agreement on which parameters are updated (training thread).
-  std::vector<float> local_active_;  // per parameter: 1 if this rank has a gradient
-  std::vector<uint8_t> active_;      // the agreed result (some rank has one), or this rank's
-  bool agreed_ = true;               // active_ is the agreed result
-  bool all_active_ = true;
-
+  int64_t gather_wait_ns_ = 0;                      // gathers waited for outside Step()
+  DeferredCollectives deferred_;                    // device_async_step
   int64_t step_ = 0;
-  int64_t wait_ns_ = 0;  // training thread only: time blocked in this Step()
 };
 
 // For checkpoint code only (client/checkpoint/): this rank's owned slices

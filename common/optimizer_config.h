@@ -45,6 +45,13 @@ struct SgdConfig {
   bool maximize = false;
 };
 
+// The hyper-parameters of one parameter group (torch.optim's param_groups):
+// `adam` for Adam/AdamW, `sgd` for SGD.
+struct HyperParameters {
+  AdamConfig adam;
+  SgdConfig sgd;
+};
+
 // InvalidArgument naming the first field outside its range
 // (common/hyper_params.h: the one rule per hyper-parameter).
 absl::Status ValidateAdamConfig(const AdamConfig& config);

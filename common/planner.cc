@@ -22,12 +22,44 @@ class LayoutBuilder {
                                const PlanOptions& options, std::vector<int64_t>* numel);
   // Places the parameters of one bucket; fills capacity and placements.
   static void PlaceBucket(Layout* layout, Bucket* bucket, const std::vector<int64_t>& numel);
+  // PlaceBucket's second phase: places rank r's `whole` tensors and streams
+  // `deferred` through the free space, in rank order.
+  static void StreamDeferred(Layout* layout, const Bucket& bucket,
+                             const std::vector<int64_t>& numel, std::vector<int64_t>* free,
+                             std::vector<std::vector<int>>* whole,
+                             const std::vector<int>& deferred);
   static void PlaceWhole(Layout* layout, Bucket* bucket, const std::vector<int64_t>& numel);
 };
 
 namespace {
 
 int64_t RoundUp(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
+
+// PlaceBucket's first phase. Greedy: largest first (ties: bucket order),
+// whole, onto the rank with the most free capacity (ties: lowest rank).
+// Rank r's tensors go to (*whole)[r], their sizes off (*free)[r]; returns the
+// tensors that did not fit, in bucket order.
+std::vector<int> PlaceLargestFirst(const std::vector<int>& params,
+                                   const std::vector<int64_t>& numel, std::vector<int64_t>* free,
+                                   std::vector<std::vector<int>>* whole) {
+  std::vector<int> order(params.begin(), params.end());
+  std::vector<int> position(numel.size(), 0);
+  for (size_t k = 0; k < params.size(); ++k) position[params[k]] = static_cast<int>(k);
+  std::stable_sort(order.begin(), order.end(), [&](int x, int y) { return numel[x] > numel[y]; });
+  std::vector<int> deferred;
+  for (int p : order) {
+    const int r = static_cast<int>(std::max_element(free->begin(), free->end()) - free->begin());
+    if ((*free)[r] >= numel[p]) {
+      (*whole)[r].push_back(p);
+      (*free)[r] -= numel[p];
+    } else {
+      deferred.push_back(p);
+    }
+  }
+  std::sort(deferred.begin(), deferred.end(),
+            [&](int x, int y) { return position[x] < position[y]; });
+  return deferred;
+}
 
 }  // namespace
 
@@ -129,28 +161,18 @@ void LayoutBuilder::PlaceBucket(Layout* layout, Bucket* bucket, const std::vecto
       RoundUp((bucket->num_elements + n - 1) / n, layout->options_.alignment_elements);
   bucket->capacity_per_rank = cap;
 
-  // Greedy: largest first (ties: bucket order), whole, onto the rank with the
-  // most free capacity (ties: lowest rank).
-  std::vector<int> order(bucket->params.begin(), bucket->params.end());
-  std::vector<int> position(numel.size(), 0);
-  for (size_t k = 0; k < bucket->params.size(); ++k)
-    position[bucket->params[k]] = static_cast<int>(k);
-  std::stable_sort(order.begin(), order.end(), [&](int x, int y) { return numel[x] > numel[y]; });
   std::vector<int64_t> free(n, cap);
   std::vector<std::vector<int>> whole(n);
-  std::vector<int> deferred;
-  for (int p : order) {
-    const int r = static_cast<int>(std::max_element(free.begin(), free.end()) - free.begin());
-    if (free[r] >= numel[p]) {
-      whole[r].push_back(p);
-      free[r] -= numel[p];
-    } else {
-      deferred.push_back(p);
-    }
-  }
-  std::sort(deferred.begin(), deferred.end(),
-            [&](int x, int y) { return position[x] < position[y]; });
+  const std::vector<int> deferred = PlaceLargestFirst(bucket->params, numel, &free, &whole);
+  StreamDeferred(layout, *bucket, numel, &free, &whole, deferred);
+}
 
+void LayoutBuilder::StreamDeferred(Layout* layout, const Bucket& bucket,
+                                   const std::vector<int64_t>& numel, std::vector<int64_t>* free,
+                                   std::vector<std::vector<int>>* whole,
+                                   const std::vector<int>& deferred) {
+  const int n = layout->world_size_;
+  const int64_t cap = bucket.capacity_per_rank;
   // Stream the deferred tensors through the free space in rank order. Each
   // rank's range is [head: end of a tensor carried over from the previous
   // rank][its whole tensors][tail: tensors streamed from here on]. If a carried
@@ -160,16 +182,16 @@ void LayoutBuilder::PlaceBucket(Layout* layout, Bucket* bucket, const std::vecto
   int carry = -1;
   int64_t carry_left = 0;
   auto place = [&](int p, int64_t offset) {
-    layout->placements_[p] = ParamPlacement{bucket->index, offset, numel[p]};
+    layout->placements_[p] = ParamPlacement{bucket.index, offset, numel[p]};
   };
   for (int r = 0; r < n; ++r) {
     const int64_t base = static_cast<int64_t>(r) * cap;
     int64_t pos = base;
     if (carry >= 0) {
-      if (carry_left > free[r]) {
-        stream.insert(stream.begin(), whole[r].begin(), whole[r].end());
-        whole[r].clear();
-        free[r] = cap;
+      if (carry_left > (*free)[r]) {
+        stream.insert(stream.begin(), (*whole)[r].begin(), (*whole)[r].end());
+        (*whole)[r].clear();
+        (*free)[r] = cap;
       }
       const int64_t take = std::min(carry_left, cap);
       pos += take;
@@ -177,7 +199,7 @@ void LayoutBuilder::PlaceBucket(Layout* layout, Bucket* bucket, const std::vecto
       if (carry_left > 0) continue;  // the carried tensor fills this rank entirely
       carry = -1;
     }
-    for (int p : whole[r]) {
+    for (int p : (*whole)[r]) {
       place(p, pos);
       pos += numel[p];
     }
@@ -197,7 +219,7 @@ void LayoutBuilder::PlaceBucket(Layout* layout, Bucket* bucket, const std::vecto
   }
   // Invariant (capacity * n >= elements): everything was placed.
   if (!stream.empty() || carry >= 0) {
-    std::fprintf(stderr, "planner bug: bucket %d did not fit its capacity\n", bucket->index);
+    std::fprintf(stderr, "planner bug: bucket %d did not fit its capacity\n", bucket.index);
     std::abort();
   }
 }

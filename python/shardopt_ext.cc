@@ -619,16 +619,9 @@ class PyOptimizer {
   bool step_open_ = false;
 };
 
-}  // namespace
-}  // namespace shardopt
-
-PYBIND11_MODULE(_C, m) {
-  using namespace shardopt;
-  m.doc() = "shardopt's C++ core (use the shardopt package, not this module)";
-  // Debian's python3-torch (the torch this extension is built against) has no
-  // CUDA, so neither has the extension: GPU training is C++ only
-  // (docs/gpu.md). The package refuses CUDA parameters with that reason.
-  m.attr("has_cuda") = false;
+// The module's bindings, in the order PYBIND11_MODULE registers them (a
+// type is bound before the functions whose signatures name it).
+void BindHyperParameters(py::module_& m) {
   // The one rule per hyper-parameter (common/hyper_params.h): ValueError
   // naming the value and its range, as every other path says it.
   m.def(
@@ -639,6 +632,9 @@ PYBIND11_MODULE(_C, m) {
         Check(ValidateHyperParameter(*p, value));
       },
       py::arg("name"), py::arg("value"));
+}
+
+void BindHostAllocator(py::module_& m) {
   m.def("install_host_allocator", [] {
     InstallHostAllocator();
     return std::string(DescribeHostAllocator());
@@ -656,6 +652,9 @@ PYBIND11_MODULE(_C, m) {
     d["reuses_larger"] = st.reuses_larger;
     return d;
   });
+}
+
+void BindCommunicator(py::module_& m) {
   py::class_<PyCommunicator, std::shared_ptr<PyCommunicator>>(m, "Communicator")
       .def_property_readonly("rank", [](const PyCommunicator& c) { return c.comm->rank(); })
       .def_property_readonly("world_size",
@@ -668,6 +667,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("make_communicator", &MakeCommunicator, py::arg("rank"), py::arg("world_size"),
         py::arg("store"), py::arg("prefix"), py::arg("timeout_s"), py::arg("hostname"),
         py::arg("transport") = "auto");
+}
+
+void BindOptimizerArgs(py::module_& m) {
   py::class_<PyOptimizerArgs>(m, "OptimizerArgs")
       .def(py::init<>())
       .def_readwrite("param_group", &PyOptimizerArgs::param_group)
@@ -682,6 +684,9 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("shard_gradients", &PyOptimizerArgs::shard_gradients)
       .def_readwrite("external_update", &PyOptimizerArgs::external_update)
       .def_readwrite("allow_cut", &PyOptimizerArgs::allow_cut);
+}
+
+void BindOptimizer(py::module_& m) {
   py::class_<PyOptimizer>(m, "Optimizer")
       .def(py::init<std::shared_ptr<PyCommunicator>, const std::vector<std::string>&,
                     const std::vector<torch::Tensor>&, const PyOptimizerArgs&>(),
@@ -714,4 +719,21 @@ PYBIND11_MODULE(_C, m) {
            py::arg("param_steps") = std::map<std::string, int64_t>())
       .def("layout", &PyOptimizer::Layout)
       .def("memory", &PyOptimizer::Memory);
+}
+
+}  // namespace
+}  // namespace shardopt
+
+PYBIND11_MODULE(_C, m) {
+  using namespace shardopt;
+  m.doc() = "shardopt's C++ core (use the shardopt package, not this module)";
+  // Debian's python3-torch (the torch this extension is built against) has no
+  // CUDA, so neither has the extension: GPU training is C++ only
+  // (docs/gpu.md). The package refuses CUDA parameters with that reason.
+  m.attr("has_cuda") = false;
+  BindHyperParameters(m);
+  BindHostAllocator(m);
+  BindCommunicator(m);
+  BindOptimizerArgs(m);
+  BindOptimizer(m);
 }

@@ -124,7 +124,8 @@ Coordinator::Coordinator(CoordinatorOptions options)
     : options_(std::move(options)),
       start_(options_.now()),
       slow_ranks_(SlowRankOptions{options_.slow_factor, options_.slow_windows, options_.slow_window,
-                                  options_.slow_min_excess}) {
+                                  options_.slow_min_excess}),
+      kv_(std::max(options_.max_kv_waiters, 2 * options_.world_size)) {
   ranks_.resize(std::max(0, options_.world_size));
   windows_.resize(ranks_.size());
   slow_ranks_.Reset(static_cast<int>(ranks_.size()));
@@ -133,10 +134,6 @@ Coordinator::Coordinator(CoordinatorOptions options)
 }
 
 Coordinator::~Coordinator() { Shutdown(); }
-
-int Coordinator::MaxKvWaiters() const {
-  return std::max(options_.max_kv_waiters, 2 * options_.world_size);
-}
 
 absl::Status Coordinator::ValidateJoin(const JoinInfo& info) const {
   if (info.job_id != options_.job_id) {
@@ -355,13 +352,6 @@ Coordinator::JoinWait Coordinator::TakeJoinLocked(std::map<WaitId, JoinWait>::it
   return w;
 }
 
-Coordinator::KvWait Coordinator::TakeKvLocked(std::map<WaitId, KvWait>::iterator it) {
-  KvWait w = std::move(it->second);
-  kv_waits_by_key_.erase(w.index);
-  kv_waits_.erase(it);
-  return w;
-}
-
 absl::Status Coordinator::KvSet(const std::string& key, const std::string& value) {
   if (key.empty() || key.size() > kMaxKeyBytes) {
     return absl::InvalidArgumentError(absl::StrCat("key must be 1..", kMaxKeyBytes, " bytes"));
@@ -369,24 +359,14 @@ absl::Status Coordinator::KvSet(const std::string& key, const std::string& value
   if (value.size() > kMaxValueBytes) {
     return absl::InvalidArgumentError(absl::StrCat("value over ", kMaxValueBytes, " bytes"));
   }
-  Completions ready;
+  std::vector<KvWaits::Wait> settled;  // whoever waits for this key
   {
     absl::MutexLock lock(&mu_);
-    auto it = kv_.find(key);
-    const size_t old = it == kv_.end() ? 0 : it->second.size() + key.size();
-    if (kv_bytes_ - old + key.size() + value.size() > kMaxStoreBytes) {
-      return absl::ResourceExhaustedError("rendezvous store is full");
-    }
-    kv_bytes_ = kv_bytes_ - old + key.size() + value.size();
-    kv_[key] = value;
-    // Answer whoever waits for this key.
-    for (auto w = kv_waits_by_key_.find(key); w != kv_waits_by_key_.end() && w->first == key;
-         w = kv_waits_by_key_.find(key)) {
-      KvWait done = TakeKvLocked(kv_waits_.find(w->second));
-      ready.push_back([f = std::move(done.done), value] { f(value); });
-    }
+    absl::StatusOr<std::vector<KvWaits::Wait>> set = kv_.Set(key, value);
+    if (!set.ok()) return set.status();
+    settled = std::move(*set);
   }
-  Run(&ready);
+  for (KvWaits::Wait& w : settled) w.done(value);
   return absl::OkStatus();
 }
 
@@ -406,26 +386,16 @@ Coordinator::WaitId Coordinator::KvGetAsync(const std::string& key, absl::Time d
   {
     absl::MutexLock lock(&mu_);
     const absl::Time t = absl::Now();
-    if (auto it = kv_.find(key); it != kv_.end()) {
-      now = it->second;
+    if (const std::string* value = kv_.Find(key)) {
+      now = *value;
     } else if (state_ == JobState::kFailed) {
       now = absl::AbortedError("job failed: " + failure_);
     } else if (shutting_down_) {
       now = absl::UnavailableError(kShuttingDown);
-    } else if (deadline <= t) {
-      now = absl::DeadlineExceededError(absl::StrCat("key '", key, "' not set within 0"));
-    } else if (static_cast<int>(kv_waits_.size()) >= MaxKvWaiters()) {
-      now = absl::ResourceExhaustedError(absl::StrCat(
-          kv_waits_.size(), " KvGet calls are already waiting (the limit); try again later"));
+    } else if (absl::Status s = kv_.AddWait(next_wait_id_, key, deadline, t, &done); !s.ok()) {
+      now = std::move(s);  // too late, or too many waiting: `done` is still ours
     } else {
-      const WaitId id = next_wait_id_++;
-      KvWait& w = kv_waits_[id];
-      w.key = key;
-      w.deadline = deadline;
-      w.wait = deadline - t;
-      w.done = std::move(done);
-      w.index = kv_waits_by_key_.emplace(key, id);
-      return id;
+      return next_wait_id_++;
     }
   }
   done(std::move(now));
@@ -434,13 +404,11 @@ Coordinator::WaitId Coordinator::KvGetAsync(const std::string& key, absl::Time d
 
 bool Coordinator::CancelWait(WaitId id) {
   // The callback is destroyed outside the lock.
-  KvWait kv;
+  std::optional<KvWaits::Wait> kv;
   JoinWait join;
   absl::MutexLock lock(&mu_);
-  if (auto it = kv_waits_.find(id); it != kv_waits_.end()) {
-    kv = TakeKvLocked(it);
-    return true;
-  }
+  kv = kv_.Take(id);
+  if (kv) return true;
   if (auto it = join_waits_.find(id); it != join_waits_.end()) {
     join = TakeJoinLocked(it);
     return true;
@@ -452,15 +420,8 @@ int Coordinator::ExpireWaits(absl::Time now) {
   Completions ready;
   {
     absl::MutexLock lock(&mu_);
-    for (auto it = kv_waits_.begin(); it != kv_waits_.end();) {
-      auto next = std::next(it);
-      if (it->second.deadline <= now) {
-        KvWait w = TakeKvLocked(it);
-        const absl::Status s = absl::DeadlineExceededError(
-            absl::StrCat("key '", w.key, "' not set within ", absl::FormatDuration(w.wait)));
-        ready.push_back([f = std::move(w.done), s] { f(s); });
-      }
-      it = next;
+    for (KvWaits::Wait& w : kv_.TakeExpired(now)) {
+      ready.push_back([f = std::move(w.done), s = w.TimeoutError()] { f(s); });
     }
     for (auto it = join_waits_.begin(); it != join_waits_.end();) {
       auto next = std::next(it);
@@ -478,8 +439,7 @@ int Coordinator::ExpireWaits(absl::Time now) {
 }
 
 void Coordinator::EndAllWaitsLocked(const absl::Status& status, Completions* out) {
-  while (!kv_waits_.empty()) {
-    KvWait w = TakeKvLocked(kv_waits_.begin());
+  for (KvWaits::Wait& w : kv_.TakeAll()) {
     out->push_back([f = std::move(w.done), status] { f(status); });
   }
   while (!join_waits_.empty()) {
@@ -501,11 +461,15 @@ void Coordinator::Shutdown() {
 
 int Coordinator::pending_waits() {
   absl::MutexLock lock(&mu_);
-  return static_cast<int>(kv_waits_.size() + join_waits_.size());
+  return static_cast<int>(kv_.size() + join_waits_.size());
 }
 
-absl::StatusOr<HeartbeatReply> Coordinator::Heartbeat(const HeartbeatInfo& info) {
-  if (info.rank < 0 || info.rank >= options_.world_size) {
+namespace {
+
+// What Heartbeat() refuses before it takes the lock: a rank outside the
+// world, a bad step, throughput or learning rate, bad metrics.
+absl::Status ValidateHeartbeat(const HeartbeatInfo& info, int world_size) {
+  if (info.rank < 0 || info.rank >= world_size) {
     return absl::InvalidArgumentError(absl::StrCat("rank ", info.rank, " out of range"));
   }
   if (info.step < 0 || !std::isfinite(info.samples_per_s)) {
@@ -519,6 +483,13 @@ absl::StatusOr<HeartbeatReply> Coordinator::Heartbeat(const HeartbeatInfo& info)
   if (info.has_metrics) {
     if (absl::Status s = ValidateRankMetrics(info.metrics); !s.ok()) return s;
   }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<HeartbeatReply> Coordinator::Heartbeat(const HeartbeatInfo& info) {
+  if (absl::Status s = ValidateHeartbeat(info, options_.world_size); !s.ok()) return s;
   absl::MutexLock lock(&mu_);
   RankState& r = ranks_[info.rank];
   if (!r.joined) {
@@ -531,43 +502,45 @@ absl::StatusOr<HeartbeatReply> Coordinator::Heartbeat(const HeartbeatInfo& info)
   r.samples_per_s = info.samples_per_s;
   r.progress = info.progress;
   if (info.learning_rate > 0) r.learning_rate = info.learning_rate;
-  if (info.has_metrics) {
-    const RankMetricsInfo& m = info.metrics;
-    // Everything but the step times, which go to the window and histogram.
-    const int64_t checkpoints_before = r.metrics.checkpoints_total;
-    r.has_metrics = true;
-    r.metrics.grad_norm = m.grad_norm;
-    r.metrics.comm_wait_seconds = m.comm_wait_seconds;
-    r.metrics.update_seconds = m.update_seconds;
-    r.metrics.bytes_sent_total = m.bytes_sent_total;
-    r.metrics.master_bytes = m.master_bytes;
-    r.metrics.state_bytes = m.state_bytes;
-    r.metrics.grad_bytes = m.grad_bytes;
-    r.metrics.param_bytes = m.param_bytes;
-    r.metrics.rss_bytes = m.rss_bytes;
-    r.metrics.stalls_total = m.stalls_total;
-    r.metrics.checkpoints_total = m.checkpoints_total;
-    r.metrics.last_checkpoint_step = m.last_checkpoint_step;
-    r.metrics.last_checkpoint_seconds = m.last_checkpoint_seconds;
-    r.metrics.last_checkpoint_bytes = m.last_checkpoint_bytes;
-    if (info.rank == 0 && m.checkpoints_total > checkpoints_before) last_checkpoint_time_ = now;
-    if (!m.step_seconds.empty()) {
-      RankWindow& w = windows_[info.rank];
-      for (double t : m.step_seconds) {
-        const size_t b = std::lower_bound(kStepSecondsBounds.begin(), kStepSecondsBounds.end(), t) -
-                         kStepSecondsBounds.begin();
-        ++r.step_bucket_counts[b];
-        ++r.step_count;
-        r.step_seconds_sum += t;
-        w.steps.emplace_back(now, t);
-      }
-      while (w.steps.size() > static_cast<size_t>(kStepWindowSteps)) w.steps.pop_front();
-      w.dirty = true;
-      // One busy sample per heartbeat (server/slow_ranks.h).
-      slow_ranks_.AddBusy(info.rank, m.step_seconds.back(), m.comm_wait_seconds);
-    }
-  }
+  if (info.has_metrics) RecordMetricsLocked(info.rank, info.metrics, now);
   return NoticeLocked();
+}
+
+void Coordinator::RecordMetricsLocked(int rank, const RankMetricsInfo& m, absl::Time now) {
+  RankState& r = ranks_[rank];
+  // Everything but the step times, which go to the window and histogram.
+  const int64_t checkpoints_before = r.metrics.checkpoints_total;
+  r.has_metrics = true;
+  r.metrics.grad_norm = m.grad_norm;
+  r.metrics.comm_wait_seconds = m.comm_wait_seconds;
+  r.metrics.update_seconds = m.update_seconds;
+  r.metrics.bytes_sent_total = m.bytes_sent_total;
+  r.metrics.master_bytes = m.master_bytes;
+  r.metrics.state_bytes = m.state_bytes;
+  r.metrics.grad_bytes = m.grad_bytes;
+  r.metrics.param_bytes = m.param_bytes;
+  r.metrics.rss_bytes = m.rss_bytes;
+  r.metrics.stalls_total = m.stalls_total;
+  r.metrics.checkpoints_total = m.checkpoints_total;
+  r.metrics.last_checkpoint_step = m.last_checkpoint_step;
+  r.metrics.last_checkpoint_seconds = m.last_checkpoint_seconds;
+  r.metrics.last_checkpoint_bytes = m.last_checkpoint_bytes;
+  if (rank == 0 && m.checkpoints_total > checkpoints_before) last_checkpoint_time_ = now;
+  if (!m.step_seconds.empty()) {
+    RankWindow& w = windows_[rank];
+    for (double t : m.step_seconds) {
+      const size_t b = std::lower_bound(kStepSecondsBounds.begin(), kStepSecondsBounds.end(), t) -
+                       kStepSecondsBounds.begin();
+      ++r.step_bucket_counts[b];
+      ++r.step_count;
+      r.step_seconds_sum += t;
+      w.steps.emplace_back(now, t);
+    }
+    while (w.steps.size() > static_cast<size_t>(kStepWindowSteps)) w.steps.pop_front();
+    w.dirty = true;
+    // One busy sample per heartbeat (server/slow_ranks.h).
+    slow_ranks_.AddBusy(rank, m.step_seconds.back(), m.comm_wait_seconds);
+  }
 }
 
 void Coordinator::RefreshStepWindowLocked(int rank, absl::Time now) {

@@ -27,6 +27,7 @@
 #include "common/layout.h"
 #include "common/param_spec.h"
 #include "common/protocol_limits.h"
+#include "server/kv_waits.h"
 #include "server/slow_ranks.h"
 
 namespace shardopt {
@@ -293,13 +294,6 @@ class Coordinator {
  private:
   // Callbacks to run once the lock is released.
   using Completions = std::vector<std::function<void()>>;
-  struct KvWait {
-    std::string key;
-    absl::Time deadline;
-    absl::Duration wait;  // for the timeout message
-    KvCallback done;
-    std::multimap<std::string, WaitId>::iterator index;
-  };
   struct JoinWait {
     int rank = -1;
     absl::Time deadline;
@@ -319,19 +313,22 @@ class Coordinator {
   // Drops steps older than kStepWindowAge and recomputes the rank's p50/max
   // when its window changed.
   void RefreshStepWindowLocked(int rank, absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Heartbeat()'s part for reported metrics `m` of rank `rank`, received at
+  // `now`: the rank's last metrics, its step-time histogram and window, the
+  // slow-rank detector's busy sample.
+  void RecordMetricsLocked(int rank, const RankMetricsInfo& m, absl::Time now)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Admits the joins that waited for rank 0's plan; answers them all once
   // every rank has joined.
   void AdvanceJoinsLocked(Completions* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status AdmitLocked(const JoinInfo& info) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   JoinResult JoinResultLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status JoinTimeoutLocked(const JoinWait& w) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  KvWait TakeKvLocked(std::map<WaitId, KvWait>::iterator it) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   JoinWait TakeJoinLocked(std::map<WaitId, JoinWait>::iterator it)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Ends every pending wait with `status`.
   void EndAllWaitsLocked(const absl::Status& status, Completions* out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  int MaxKvWaiters() const;
 
   const CoordinatorOptions options_;
   const absl::Time start_;
@@ -348,16 +345,14 @@ class Coordinator {
   int joined_ ABSL_GUARDED_BY(mu_) = 0;
   std::optional<JoinInfo> rank0_ ABSL_GUARDED_BY(mu_);
   std::shared_ptr<const Layout> layout_ ABSL_GUARDED_BY(mu_);
-  std::map<std::string, std::string> kv_ ABSL_GUARDED_BY(mu_);
-  size_t kv_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  // The rendezvous store and the KvGets waiting in it (ids from next_wait_id_).
+  KvWaits kv_ ABSL_GUARDED_BY(mu_);
   double learning_rate_ ABSL_GUARDED_BY(mu_) = 0;  // requested
   int64_t hyper_version_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t checkpoint_request_ ABSL_GUARDED_BY(mu_) = 0;
   std::function<void()> listener_ ABSL_GUARDED_BY(mu_);
   bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
   WaitId next_wait_id_ ABSL_GUARDED_BY(mu_) = 1;
-  std::map<WaitId, KvWait> kv_waits_ ABSL_GUARDED_BY(mu_);
-  std::multimap<std::string, WaitId> kv_waits_by_key_ ABSL_GUARDED_BY(mu_);
   std::map<WaitId, JoinWait> join_waits_ ABSL_GUARDED_BY(mu_);
   std::vector<WaitId> joining_ ABSL_GUARDED_BY(mu_);  // per rank: its pending Join, or 0
   void Notify();                                      // calls listener_ without holding mu_

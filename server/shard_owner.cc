@@ -18,6 +18,37 @@ absl::Status ValidateGroup(OptimizerKind kind, const HyperParameters& hp) {
   return ValidateAdamConfig(hp.adam);
 }
 
+// Checks the groups and the parameters' group indexes of `*options` (filling
+// an empty param_group with group 0) and sets every group's
+// decoupled_weight_decay from `kind`.
+absl::Status ValidateGroups(OptimizerKind kind, int num_params, ShardOwnerOptions* options) {
+  if (options->groups.empty()) return absl::InvalidArgumentError("no parameter group");
+  if (options->param_group.empty()) options->param_group.assign(num_params, 0);
+  if (static_cast<int>(options->param_group.size()) != num_params) {
+    return absl::InvalidArgumentError(absl::StrCat("param_group has ", options->param_group.size(),
+                                                   " entries for ", num_params, " parameters"));
+  }
+  for (int g : options->param_group) {
+    if (g < 0 || g >= static_cast<int>(options->groups.size())) {
+      return absl::InvalidArgumentError(absl::StrCat("parameter group ", g, " does not exist"));
+    }
+  }
+  for (size_t g = 0; g < options->groups.size(); ++g) {
+    HyperParameters& hp = options->groups[g];
+    hp.adam.decoupled_weight_decay = kind == OptimizerKind::kAdamW;
+    absl::Status s = ValidateGroup(kind, hp);
+    if (!s.ok()) {
+      return absl::Status(s.code(), absl::StrCat("parameter group ", g, ": ", s.message()));
+    }
+    if (kind == OptimizerKind::kSgd &&
+        (hp.sgd.momentum != 0.0) != (options->groups[0].sgd.momentum != 0.0)) {
+      return absl::InvalidArgumentError(
+          "SGD parameter groups must all use momentum or all not use it");
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<ShardOwner>> ShardOwner::Create(
@@ -59,31 +90,8 @@ ShardOwner::ShardOwner(const Layout& layout, int rank, OptimizerKind kind)
 
 absl::Status ShardOwner::Init(ShardOwnerOptions options, torch::Tensor param_flat,
                               torch::Tensor grad_flat) {
-  if (options.groups.empty()) return absl::InvalidArgumentError("no parameter group");
   const int num_params = static_cast<int>(layout_.params().size());
-  if (options.param_group.empty()) options.param_group.assign(num_params, 0);
-  if (static_cast<int>(options.param_group.size()) != num_params) {
-    return absl::InvalidArgumentError(absl::StrCat("param_group has ", options.param_group.size(),
-                                                   " entries for ", num_params, " parameters"));
-  }
-  for (int g : options.param_group) {
-    if (g < 0 || g >= static_cast<int>(options.groups.size())) {
-      return absl::InvalidArgumentError(absl::StrCat("parameter group ", g, " does not exist"));
-    }
-  }
-  for (size_t g = 0; g < options.groups.size(); ++g) {
-    HyperParameters& hp = options.groups[g];
-    hp.adam.decoupled_weight_decay = kind_ == OptimizerKind::kAdamW;
-    absl::Status s = ValidateGroup(kind_, hp);
-    if (!s.ok()) {
-      return absl::Status(s.code(), absl::StrCat("parameter group ", g, ": ", s.message()));
-    }
-    if (kind_ == OptimizerKind::kSgd &&
-        (hp.sgd.momentum != 0.0) != (options.groups[0].sgd.momentum != 0.0)) {
-      return absl::InvalidArgumentError(
-          "SGD parameter groups must all use momentum or all not use it");
-    }
-  }
+  SHARDOPT_RETURN_IF_ERROR(ValidateGroups(kind_, num_params, &options));
   const size_t num_groups = options.groups.size();
   const bool sgd_momentum = options.groups[0].sgd.momentum != 0.0;
   {
@@ -96,6 +104,12 @@ absl::Status ShardOwner::Init(ShardOwnerOptions options, torch::Tensor param_fla
   owned_grads_only_ = options.owned_grads_only;
   bf16_ = param_flat_.scalar_type() == torch::kBFloat16;
 
+  InitPieces(num_params);
+  InitState(num_groups, sgd_momentum);
+  return absl::OkStatus();
+}
+
+void ShardOwner::InitPieces(int num_params) {
   const int nb = static_cast<int>(layout_.buckets().size());
   for (const Bucket& b : layout_.buckets()) {
     owned_offset_.push_back(owned_elements_);
@@ -121,7 +135,10 @@ absl::Status ShardOwner::Init(ShardOwnerOptions options, torch::Tensor param_fla
     if (segments_[b].empty()) segments_[b].push_back(Segment{0, 0, 0});
     segments_[b].back().size = layout_.buckets()[b].capacity_per_rank - segments_[b].back().begin;
   }
+}
 
+void ShardOwner::InitState(size_t num_groups, bool sgd_momentum) {
+  const int nb = static_cast<int>(layout_.buckets().size());
   at::NoGradGuard no_grad;
   const auto f32 = torch::TensorOptions().device(param_flat_.device()).dtype(torch::kFloat);
   const bool adam = kind_ != OptimizerKind::kSgd;
@@ -138,7 +155,6 @@ absl::Status ShardOwner::Init(ShardOwnerOptions options, torch::Tensor param_fla
       if (seg.size > 0) slices_[b][seg.group].push_back(SliceOf(b, seg.begin, seg.size));
     }
   }
-  return absl::OkStatus();
 }
 
 torch::Tensor ShardOwner::OwnedRange(const torch::Tensor& flat, int bucket) const {

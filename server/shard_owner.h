@@ -165,6 +165,10 @@ class ShardOwner {
   };
   ShardOwner(const Layout& layout, int rank, OptimizerKind kind);
   absl::Status Init(ShardOwnerOptions options, torch::Tensor param_flat, torch::Tensor grad_flat);
+  // Init's parts: the owned offsets, pieces and segments of every bucket and
+  // the parameters' step counts; then the state, master copy and slices.
+  void InitPieces(int num_params);
+  void InitState(size_t num_groups, bool sgd_momentum);
   UpdateSlice SliceOf(int bucket, int64_t begin, int64_t size);
   std::vector<UpdateSlice> WholeSlices();
   torch::Tensor MasterOf(int bucket) const;

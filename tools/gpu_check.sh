@@ -94,7 +94,8 @@ common_srcs=(server/kernels/update_slice.cc common/optimizer_config.cc server/ke
              server/kernels/cuda/cuda_backend.cc server/kernels/cpu/cpu_backend.cc common/layout.cc common/planner.cc
              common/crc32c.cc common/file_system.cc tools/models/model_shapes.cc client/checkpoint/manifest.cc
              common/dtype.cc common/hyper_params.cc server/kernels/kernel_backend.cc
-             client/staging_arena.cc client/deferred_collectives.cc)
+             client/staging_arena.cc client/deferred_collectives.cc client/collective_waiter.cc
+             client/rank_agreement.cc client/trace.cc)
 # tools/check_gpu_sources.sh (run by tools/test.sh, i.e. CI) checks with
 # `bazel query` that every source the GPU targets depend on is named in this
 # script, so this list cannot silently fall behind the BUILD files.
@@ -114,7 +115,9 @@ if [[ $have_absl == 1 ]]; then
     done
     if [[ $torch_cuda == 1 || ${BUILD_TORCH_TEST:-0} == 1 ]]; then
       tinc=(); for d in $torch_inc; do tinc+=(-isystem "$d"); done
-      for s in client/sharded_optimizer.cc server/shard_owner.cc client/checkpoint/checkpoint.cc tests/gpu_sharded_optimizer_test.cc \
+      for s in client/sharded_optimizer.cc client/gradient_reducer.cc client/full_gradient_reducer.cc \
+               client/sharded_gradient_reducer.cc client/grad_norm.cc \
+               server/shard_owner.cc client/checkpoint/checkpoint.cc tests/gpu_sharded_optimizer_test.cc \
                tools/bench/bench_gpu_step.cc; do
         n=$(basename "$s" .cc)
         # LibTorch's headers may need C++20 (newer PyTorch): try 17, then 20.
@@ -161,14 +164,16 @@ if [[ $have_absl == 1 ]]; then
       # Shared cudart here: one runtime with LibTorch's (same soname).
       link gpu_sharded_optimizer_test $CXX $(obj gpu_sharded_optimizer_test sharded_optimizer checkpoint manifest crc32c file_system cuda_backend cpu_backend shard_owner \
           nccl_communicator communicator kv_store layout planner cpu_kernels k_base k_avx2 k_avx512 optimizer_config \
-          hyper_params dtype kernel_backend staging_arena deferred_collectives update_slice cuda_kernels impl) -fopenmp \
+          hyper_params dtype kernel_backend staging_arena deferred_collectives collective_waiter rank_agreement trace \
+          gradient_reducer full_gradient_reducer sharded_gradient_reducer grad_norm update_slice cuda_kernels impl) -fopenmp \
         "${deps_lib[@]}" -Wl,--start-group "${absl_libs[@]}" -Wl,--end-group "${gtest_libs[@]}" "${nccl_link[@]}" \
         -L"$torch_lib" -Wl,-rpath,"$torch_lib" -Wl,--allow-shlib-undefined "${tcuda[@]}" \
         -ltorch -ltorch_cpu -lc10 -L"$CUDA_HOME/lib64" -Wl,-rpath,"$CUDA_HOME/lib64" -lcudart \
         -o "$b/gpu_sharded_optimizer_test"
       [[ -f $b/bench_gpu_step.o ]] && link bench_gpu_step $CXX $(obj bench_gpu_step model_shapes sharded_optimizer cuda_backend \
           cpu_backend shard_owner nccl_communicator communicator kv_store layout planner cpu_kernels k_base k_avx2 k_avx512 \
-          optimizer_config hyper_params dtype kernel_backend staging_arena deferred_collectives update_slice \
+          optimizer_config hyper_params dtype kernel_backend staging_arena deferred_collectives collective_waiter \
+          rank_agreement trace gradient_reducer full_gradient_reducer sharded_gradient_reducer grad_norm update_slice \
           cuda_kernels impl) -fopenmp \
         "${deps_lib[@]}" -Wl,--start-group "${absl_libs[@]}" -Wl,--end-group -lpthread "${nccl_link[@]}" \
         -L"$torch_lib" -Wl,-rpath,"$torch_lib" -Wl,--allow-shlib-undefined "${tcuda[@]}" \

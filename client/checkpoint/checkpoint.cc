@@ -211,15 +211,11 @@ std::vector<std::string> StateNames(const ShardedOptimizer& opt) {
   return states;
 }
 
-// Writes this rank's shard: temporary name, fsync, rename, directory fsync.
-// The temporary file is removed on failure.
-absl::StatusOr<ShardWritten> WriteShard(ShardedOptimizer& opt, FileSystem* fs,
-                                        const std::string& dir, int64_t step) {
-  const Layout& layout = opt.layout();
-  const int rank = opt.communicator()->rank(), world = opt.communicator()->world_size();
-  const std::vector<std::string> states = StateNames(opt);
-  SHARDOPT_RETURN_IF_ERROR(fs->MakeDirs(dir));
-  const std::vector<Piece> pieces = layout.PiecesOfRank(rank);
+// The safetensors header of a rank's shard: every piece's arrays, in
+// `states` order, one after the other.
+nlohmann::json ShardHeader(const Layout& layout, const std::vector<Piece>& pieces,
+                           const std::vector<std::string>& states, int rank, int world,
+                           int64_t step) {
   nlohmann::json header = nlohmann::json::object();
   int64_t offset = 0;
   for (const Piece& p : pieces) {
@@ -236,13 +232,33 @@ absl::StatusOr<ShardWritten> WriteShard(ShardedOptimizer& opt, FileSystem* fs,
                             {"rank", std::to_string(rank)},
                             {"world_size", std::to_string(world)},
                             {"step", std::to_string(step)}};
-  const std::string prefix = SafetensorsPrefix(header);
-  ShardWritten out;
-  out.file.name = ShardName(rank, world);
+  return header;
+}
+
+// The update counts of this rank's owned parameters that are not `step`.
+std::map<int, int64_t> MissedParamSteps(ShardedOptimizer& opt, int rank, int64_t step) {
+  std::map<int, int64_t> param_steps;
   for (const Piece& p : opt.layout().PiecesOfRank(rank)) {
     const int64_t count = opt.shard_owner().param_step(p.param);
-    if (count != step) out.param_steps[p.param] = count;
+    if (count != step) param_steps[p.param] = count;
   }
+  return param_steps;
+}
+
+// Writes this rank's shard: temporary name, fsync, rename, directory fsync.
+// The temporary file is removed on failure.
+absl::StatusOr<ShardWritten> WriteShard(ShardedOptimizer& opt, FileSystem* fs,
+                                        const std::string& dir, int64_t step) {
+  const Layout& layout = opt.layout();
+  const int rank = opt.communicator()->rank(), world = opt.communicator()->world_size();
+  const std::vector<std::string> states = StateNames(opt);
+  SHARDOPT_RETURN_IF_ERROR(fs->MakeDirs(dir));
+  const std::vector<Piece> pieces = layout.PiecesOfRank(rank);
+  const std::string prefix =
+      SafetensorsPrefix(ShardHeader(layout, pieces, states, rank, world, step));
+  ShardWritten out;
+  out.file.name = ShardName(rank, world);
+  out.param_steps = MissedParamSteps(opt, rank, step);
   const std::string path = absl::StrCat(dir, "/", out.file.name);
   SHARDOPT_ASSIGN_OR_RETURN(auto file, fs->NewWritableFile(path + ".tmp"));
   uint32_t crc = 0;
@@ -318,6 +334,31 @@ absl::StatusOr<Manifest> BuildManifest(const ShardedOptimizer& opt, int64_t step
   return m;
 }
 
+// Rank 0, once every shard is durable: the manifest, then LATEST.
+absl::Status CommitCheckpoint(const ShardedOptimizer& opt, FileSystem* fs, const std::string& root,
+                              const std::string& dir, int64_t step,
+                              const std::vector<std::string>& fragments,
+                              const CheckpointOptions& options) {
+  auto m = BuildManifest(opt, step, fragments, options);
+  absl::Status committed = m.status();
+  if (committed.ok())
+    committed = WriteFileAtomically(fs, dir + "/manifest.json", SerializeManifest(*m));
+  if (committed.ok())
+    committed = WriteFileAtomically(fs, root + "/LATEST", absl::StrCat("step-", step, "\n"));
+  return committed;
+}
+
+// The agreement on the commit failed (`agreed`: a peer died or timed out
+// after rank 0 committed). If LATEST names this checkpoint, it is complete:
+// say so rather than report a failure.
+absl::StatusOr<std::string> ConfirmCommitted(FileSystem* fs, const std::string& root,
+                                             const std::string& dir, const absl::Status& agreed) {
+  auto latest = ResolveCheckpoint(fs, root);
+  if (latest.ok() && *latest == dir && ReadManifest(fs, dir).ok()) return dir;
+  return absl::Status(agreed.code(), absl::StrCat("could not confirm that checkpoint ", dir,
+                                                  " was committed: ", agreed.message()));
+}
+
 }  // namespace
 
 absl::StatusOr<std::string> SaveCheckpoint(ShardedOptimizer& opt, const std::string& root,
@@ -364,27 +405,13 @@ absl::StatusOr<std::string> SaveCheckpoint(ShardedOptimizer& opt, const std::str
   if (!gathered.ok()) return gathered.status();
   const std::vector<std::string>& fragments = *gathered;
   absl::Status committed;
-  if (rank == 0) {
-    auto m = BuildManifest(opt, step, fragments, options);
-    committed = m.status();
-    if (committed.ok())
-      committed = WriteFileAtomically(fs, dir + "/manifest.json", SerializeManifest(*m));
-    if (committed.ok())
-      committed = WriteFileAtomically(fs, root + "/LATEST", absl::StrCat("step-", step, "\n"));
-  }
+  if (rank == 0) committed = CommitCheckpoint(opt, fs, root, dir, step, fragments, options);
   absl::Status agreed =
       AgreeOnSuccess(comm, committed, "committing the checkpoint", timeout, &agreed_failure);
   // Rank 0 said it could not commit: nothing names this directory.
   if (agreed_failure) return discard(agreed);
-  if (!agreed.ok() && committed.ok()) {
-    // The agreement itself failed (a peer died or timed out after rank 0
-    // committed). If LATEST names this checkpoint, it is complete: say so
-    // rather than report a failure.
-    auto latest = ResolveCheckpoint(fs, root);
-    if (latest.ok() && *latest == dir && ReadManifest(fs, dir).ok()) return dir;
-    return absl::Status(agreed.code(), absl::StrCat("could not confirm that checkpoint ", dir,
-                                                    " was committed: ", agreed.message()));
-  }
+  // The agreement itself failed: the checkpoint may be complete all the same.
+  if (!agreed.ok() && committed.ok()) return ConfirmCommitted(fs, root, dir, agreed);
   SHARDOPT_RETURN_IF_ERROR(agreed);
   return dir;
 }

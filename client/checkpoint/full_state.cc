@@ -89,6 +89,60 @@ absl::StatusOr<FullState> GatherFullState(ShardedOptimizer& opt) {
   return out;
 }
 
+namespace {
+
+// Writes this rank's owned slices of the states (not the parameters) from
+// `state`, refusing a missing parameter or state, or a shape that differs.
+absl::Status FillFromFullState(ShardedOptimizer& opt, const FullState& state, const Layout& layout,
+                               int rank, const std::vector<std::string>& names) {
+  if (state.step < 0) return absl::InvalidArgumentError("step must be >= 0");
+  for (const Piece& p : layout.PiecesOfRank(rank)) {
+    const ParamSpec& spec = layout.params()[p.param];
+    auto it = state.tensors.find(spec.name);
+    if (it == state.tensors.end()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("the state has no entry for parameter '", spec.name, "'"));
+    }
+    ShardedOptimizer::OwnedSlice own = OptimizerStateAccess(opt).owned_slice(p.bucket);
+    for (size_t k = 1; k < names.size(); ++k) {  // states only: parameters stay the model's
+      auto t = it->second.find(names[k]);
+      if (t == it->second.end()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "parameter '", spec.name, "' has no '", names[k], "' in the state (it has: ",
+            absl::StrJoin(it->second, ", ",
+                          [](std::string* o, const auto& kv) { o->append(kv.first); }),
+            ")"));
+      }
+      if (!t->second.defined() || t->second.sizes().vec() != spec.shape) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("state '", names[k], "' of parameter '", spec.name, "' has shape [",
+                         t->second.defined() ? absl::StrJoin(t->second.sizes(), ", ") : "undefined",
+                         "], the parameter [", absl::StrJoin(spec.shape, ", "), "]"));
+      }
+      torch::Tensor src = t->second.to(torch::kCPU, torch::kFloat).contiguous().view({-1});
+      std::memcpy(ArrayOf(own, k) + p.rank_offset, src.data_ptr<float>() + p.param_offset,
+                  p.length * sizeof(float));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// `s` as the optimizer's kind with group 0's hyper-parameters `g0`.
+void DescribeGroupZero(const ShardedOptimizer& opt, const HyperParameters& g0, SavedOptimizer* s) {
+  s->kind = OptimizerKindName(opt.options().kind);
+  const bool sgd = opt.options().kind == OptimizerKind::kSgd;
+  s->lr = sgd ? g0.sgd.lr : g0.adam.lr;
+  s->beta1 = g0.adam.beta1;
+  s->beta2 = g0.adam.beta2;
+  s->eps = g0.adam.eps;
+  s->momentum = g0.sgd.momentum;
+  s->dampening = g0.sgd.dampening;
+  s->nesterov = g0.sgd.nesterov;
+  s->weight_decay = sgd ? g0.sgd.weight_decay : g0.adam.weight_decay;
+}
+
+}  // namespace
+
 absl::Status LoadFullState(ShardedOptimizer& opt, const FullState& state) {
   const Layout& layout = opt.layout();
   const int rank = opt.communicator()->rank();
@@ -103,52 +157,10 @@ absl::Status LoadFullState(ShardedOptimizer& opt, const FullState& state) {
     for (const auto& [name, count] : state.param_steps) steps[name] = count;
     info.user_metadata[kMetaParamSteps] = steps.dump();
   }
-  auto fill = [&]() -> absl::Status {
-    if (state.step < 0) return absl::InvalidArgumentError("step must be >= 0");
-    for (const Piece& p : layout.PiecesOfRank(rank)) {
-      const ParamSpec& spec = layout.params()[p.param];
-      auto it = state.tensors.find(spec.name);
-      if (it == state.tensors.end()) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("the state has no entry for parameter '", spec.name, "'"));
-      }
-      ShardedOptimizer::OwnedSlice own = OptimizerStateAccess(opt).owned_slice(p.bucket);
-      for (size_t k = 1; k < names.size(); ++k) {  // states only: parameters stay the model's
-        auto t = it->second.find(names[k]);
-        if (t == it->second.end()) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              "parameter '", spec.name, "' has no '", names[k], "' in the state (it has: ",
-              absl::StrJoin(it->second, ", ",
-                            [](std::string* o, const auto& kv) { o->append(kv.first); }),
-              ")"));
-        }
-        if (!t->second.defined() || t->second.sizes().vec() != spec.shape) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              "state '", names[k], "' of parameter '", spec.name, "' has shape [",
-              t->second.defined() ? absl::StrJoin(t->second.sizes(), ", ") : "undefined",
-              "], the parameter [", absl::StrJoin(spec.shape, ", "), "]"));
-        }
-        torch::Tensor src = t->second.to(torch::kCPU, torch::kFloat).contiguous().view({-1});
-        std::memcpy(ArrayOf(own, k) + p.rank_offset, src.data_ptr<float>() + p.param_offset,
-                    p.length * sizeof(float));
-      }
-    }
-    return absl::OkStatus();
-  };
+  auto fill = [&]() -> absl::Status { return FillFromFullState(opt, state, layout, rank, names); };
   // RestoreOwnedSlices applies info.optimizer to every group: give it group
   // 0's values, then put every group back.
-  const HyperParameters& g0 = groups[0];
-  SavedOptimizer& s = info.optimizer;
-  s.kind = OptimizerKindName(opt.options().kind);
-  const bool sgd = opt.options().kind == OptimizerKind::kSgd;
-  s.lr = sgd ? g0.sgd.lr : g0.adam.lr;
-  s.beta1 = g0.adam.beta1;
-  s.beta2 = g0.adam.beta2;
-  s.eps = g0.adam.eps;
-  s.momentum = g0.sgd.momentum;
-  s.dampening = g0.sgd.dampening;
-  s.nesterov = g0.sgd.nesterov;
-  s.weight_decay = sgd ? g0.sgd.weight_decay : g0.adam.weight_decay;
+  DescribeGroupZero(opt, groups[0], &info.optimizer);
   SHARDOPT_RETURN_IF_ERROR(RestoreOwnedSlices(opt, fill, info));
   for (size_t g = 0; g < groups.size(); ++g) {
     SHARDOPT_RETURN_IF_ERROR(opt.SetGroup(static_cast<int>(g), groups[g]));

@@ -562,13 +562,93 @@ const SafetensorsEntry* SafetensorsHeader::Find(const std::string& name) const {
   return nullptr;
 }
 
+namespace {
+
+// The refusal of `where`, which is not a valid safetensors file: `what` is wrong.
+absl::Status NotSafetensors(const std::string& where, const std::string& what) {
+  return absl::DataLossError(absl::StrCat("'", where, "' is not a valid safetensors file: ", what));
+}
+
+// The header's __metadata__: an object of strings.
+absl::Status ParseSafetensorsMetadata(const json& v, const std::string& where,
+                                      std::map<std::string, std::string>* metadata) {
+  if (!v.is_object()) return NotSafetensors(where, "__metadata__ is not an object");
+  for (auto m = v.begin(); m != v.end(); ++m) {
+    if (!m.value().is_string())
+      return NotSafetensors(where, absl::StrCat("__metadata__.", m.key(), " is not a string"));
+    (*metadata)[m.key()] = m.value().get<std::string>();
+  }
+  return absl::OkStatus();
+}
+
+// One tensor's entry of the header: dtype, shape and data_offsets (relative
+// to `data_start`, within the `data_bytes` after the header).
+absl::StatusOr<SafetensorsEntry> ParseSafetensorsEntry(const std::string& name, const json& v,
+                                                       int64_t data_start, int64_t data_bytes,
+                                                       const std::string& where) {
+  auto bad = [&](const std::string& what) { return NotSafetensors(where, what); };
+  const std::string ctx = absl::StrCat("tensor '", name, "'");
+  if (!v.is_object()) return bad(ctx + " is not an object");
+  SafetensorsEntry e;
+  e.name = name;
+  auto dt = v.find("dtype");
+  if (dt == v.end() || !dt->is_string()) return bad(ctx + " has no dtype");
+  e.dtype = dt->get<std::string>();
+  const int esize = SafetensorsDTypeSize(e.dtype);
+  if (esize == 0) return bad(absl::StrCat(ctx, " has unknown dtype '", e.dtype, "'"));
+  auto shape = v.find("shape");
+  if (shape == v.end() || !shape->is_array() || shape->size() > 32)
+    return bad(ctx + " has no valid shape");
+  int64_t numel = 1;
+  for (const json& d : *shape) {
+    if (!d.is_number_integer() || d.get<int64_t>() < 0 || d.get<int64_t>() > kMaxTensorElements) {
+      return bad(ctx + " has a bad dimension");
+    }
+    const int64_t dim = d.get<int64_t>();
+    if (dim != 0 && numel > kMaxTensorElements / dim) return bad(ctx + " is too large");
+    numel *= dim;
+    e.shape.push_back(dim);
+  }
+  auto offs = v.find("data_offsets");
+  if (offs == v.end() || !offs->is_array() || offs->size() != 2 ||
+      !(*offs)[0].is_number_integer() || !(*offs)[1].is_number_integer()) {
+    return bad(ctx + " has no valid data_offsets");
+  }
+  const int64_t a = (*offs)[0].get<int64_t>(), b = (*offs)[1].get<int64_t>();
+  if (a < 0 || b < a || b > data_bytes) return bad(ctx + " lies outside the file");
+  if (b - a != numel * esize)
+    return bad(absl::StrCat(ctx, " has ", b - a, " bytes for ", numel, " elements"));
+  e.begin = data_start + a;
+  e.end = data_start + b;
+  return e;
+}
+
+// Sorts the tensors by position and checks that they tile the data exactly.
+absl::Status SortAndCheckTiling(int64_t file_bytes, const std::string& where,
+                                SafetensorsHeader* out) {
+  std::sort(out->tensors.begin(), out->tensors.end(),
+            [](const SafetensorsEntry& x, const SafetensorsEntry& y) {
+              return x.begin != y.begin ? x.begin < y.begin : x.end < y.end;
+            });
+  int64_t next = out->data_start;
+  for (const SafetensorsEntry& e : out->tensors) {
+    if (e.begin != next)
+      return NotSafetensors(
+          where, absl::StrCat("tensor '", e.name, "' overlaps another or leaves a hole"));
+    next = e.end;
+  }
+  if (next != file_bytes)
+    return NotSafetensors(
+        where, absl::StrCat("the data ends at byte ", next, ", the file at ", file_bytes));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::StatusOr<SafetensorsHeader> ParseSafetensorsHeader(const std::string& prefix,
                                                          int64_t file_bytes,
                                                          const std::string& where) {
-  auto bad = [&](const std::string& what) {
-    return absl::DataLossError(
-        absl::StrCat("'", where, "' is not a valid safetensors file: ", what));
-  };
+  auto bad = [&](const std::string& what) { return NotSafetensors(where, what); };
   if (prefix.size() < 8 || file_bytes < 8) return bad("shorter than 8 bytes");
   uint64_t hlen = 0;
   for (int i = 0; i < 8; ++i)
@@ -589,61 +669,14 @@ absl::StatusOr<SafetensorsHeader> ParseSafetensorsHeader(const std::string& pref
     const std::string& name = it.key();
     const json& v = it.value();
     if (name == "__metadata__") {
-      if (!v.is_object()) return bad("__metadata__ is not an object");
-      for (auto m = v.begin(); m != v.end(); ++m) {
-        if (!m.value().is_string())
-          return bad(absl::StrCat("__metadata__.", m.key(), " is not a string"));
-        out.metadata[m.key()] = m.value().get<std::string>();
-      }
+      SHARDOPT_RETURN_IF_ERROR(ParseSafetensorsMetadata(v, where, &out.metadata));
       continue;
     }
-    const std::string ctx = absl::StrCat("tensor '", name, "'");
-    if (!v.is_object()) return bad(ctx + " is not an object");
-    SafetensorsEntry e;
-    e.name = name;
-    auto dt = v.find("dtype");
-    if (dt == v.end() || !dt->is_string()) return bad(ctx + " has no dtype");
-    e.dtype = dt->get<std::string>();
-    const int esize = SafetensorsDTypeSize(e.dtype);
-    if (esize == 0) return bad(absl::StrCat(ctx, " has unknown dtype '", e.dtype, "'"));
-    auto shape = v.find("shape");
-    if (shape == v.end() || !shape->is_array() || shape->size() > 32)
-      return bad(ctx + " has no valid shape");
-    int64_t numel = 1;
-    for (const json& d : *shape) {
-      if (!d.is_number_integer() || d.get<int64_t>() < 0 || d.get<int64_t>() > kMaxTensorElements) {
-        return bad(ctx + " has a bad dimension");
-      }
-      const int64_t dim = d.get<int64_t>();
-      if (dim != 0 && numel > kMaxTensorElements / dim) return bad(ctx + " is too large");
-      numel *= dim;
-      e.shape.push_back(dim);
-    }
-    auto offs = v.find("data_offsets");
-    if (offs == v.end() || !offs->is_array() || offs->size() != 2 ||
-        !(*offs)[0].is_number_integer() || !(*offs)[1].is_number_integer()) {
-      return bad(ctx + " has no valid data_offsets");
-    }
-    const int64_t a = (*offs)[0].get<int64_t>(), b = (*offs)[1].get<int64_t>();
-    if (a < 0 || b < a || b > data_bytes) return bad(ctx + " lies outside the file");
-    if (b - a != numel * esize)
-      return bad(absl::StrCat(ctx, " has ", b - a, " bytes for ", numel, " elements"));
-    e.begin = out.data_start + a;
-    e.end = out.data_start + b;
+    SHARDOPT_ASSIGN_OR_RETURN(SafetensorsEntry e,
+                              ParseSafetensorsEntry(name, v, out.data_start, data_bytes, where));
     out.tensors.push_back(std::move(e));
   }
-  std::sort(out.tensors.begin(), out.tensors.end(),
-            [](const SafetensorsEntry& x, const SafetensorsEntry& y) {
-              return x.begin != y.begin ? x.begin < y.begin : x.end < y.end;
-            });
-  int64_t next = out.data_start;
-  for (const SafetensorsEntry& e : out.tensors) {
-    if (e.begin != next)
-      return bad(absl::StrCat("tensor '", e.name, "' overlaps another or leaves a hole"));
-    next = e.end;
-  }
-  if (next != file_bytes)
-    return bad(absl::StrCat("the data ends at byte ", next, ", the file at ", file_bytes));
+  SHARDOPT_RETURN_IF_ERROR(SortAndCheckTiling(file_bytes, where, &out));
   return out;
 }
 

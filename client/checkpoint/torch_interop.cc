@@ -144,32 +144,35 @@ absl::Status BuffersOf(const Manifest& m, const std::string& dir,
   return absl::OkStatus();
 }
 
-absl::Status ExportTorchUnguarded(FileSystem* fs, const std::string& dir, const std::string& out) {
-  SHARDOPT_RETURN_IF_ERROR(VerifyCheckpoint(fs, dir));
-  SHARDOPT_ASSIGN_OR_RETURN(Manifest m, ReadManifest(fs, dir));
+// Whole tensors, assembled from the pieces (which the manifest guarantees
+// tile every trainable tensor exactly): (*full)[i][s] is state s of
+// parameter i; `trainable` gets the trainable parameters' indices.
+absl::Status AssembleFullTensors(FileSystem* fs, const std::string& dir, const Manifest& m,
+                                 std::vector<std::vector<torch::Tensor>>* full,
+                                 std::vector<int>* trainable) {
   const std::vector<std::string>& states = m.states;
-  // Whole tensors, assembled from the pieces (which the manifest guarantees
-  // tile every trainable tensor exactly).
-  std::vector<std::vector<torch::Tensor>> full(m.params.size());
-  std::vector<int> trainable;
   for (size_t i = 0; i < m.params.size(); ++i) {
     if (!m.params[i].trainable) continue;
-    trainable.push_back(static_cast<int>(i));
-    for (size_t s = 0; s < states.size(); ++s) full[i].push_back(torch::empty(m.params[i].shape));
+    trainable->push_back(static_cast<int>(i));
+    for (size_t s = 0; s < states.size(); ++s)
+      (*full)[i].push_back(torch::empty(m.params[i].shape));
   }
   for (const ManifestPiece& p : m.pieces) {
     const std::string file = dir + "/" + m.files[p.file].name;
     for (size_t s = 0; s < states.size(); ++s) {
-      float* dst = full[p.param][s].data_ptr<float>() + p.offset;
+      float* dst = (*full)[p.param][s].data_ptr<float>() + p.offset;
       SHARDOPT_RETURN_IF_ERROR(fs->ReadAt(file, static_cast<uint64_t>(p.begin[s]),
                                           static_cast<size_t>(p.length) * 4, dst));
       SHARDOPT_RETURN_IF_ERROR(CheckPieceCrcs(m, p, s, reinterpret_cast<const char*>(dst), file));
     }
   }
-  const std::string& kind = m.optimizer.kind;
-  // Per-parameter counts (torch.optim's state['step']) where they are not
-  // the step: a parameter never updated has no state, as in torch.optim.
-  std::map<std::string, int64_t> param_steps;
+  return absl::OkStatus();
+}
+
+// Per-parameter counts (torch.optim's state['step']) where they are not
+// the step: a parameter never updated has no state, as in torch.optim.
+absl::Status ParamStepsOf(const Manifest& m, const std::string& dir,
+                          std::map<std::string, int64_t>* param_steps) {
   if (auto it = m.user_metadata.find(kMetaParamSteps); it != m.user_metadata.end()) {
     nlohmann::json j = nlohmann::json::parse(it->second, nullptr, false);
     if (!j.is_object()) {
@@ -181,9 +184,54 @@ absl::Status ExportTorchUnguarded(FileSystem* fs, const std::string& dir, const 
         return absl::DataLossError(
             absl::StrCat("'", dir, "': user metadata '", kMetaParamSteps, "' is corrupt"));
       }
-      param_steps[name] = count.get<int64_t>();
+      (*param_steps)[name] = count.get<int64_t>();
     }
   }
+  return absl::OkStatus();
+}
+
+// torch.optim's param_groups: each group's hyper-parameters (with the
+// defaults of the flags shardopt does not support) and its parameter indices.
+c10::impl::GenericList TorchParamGroups(const std::vector<SavedOptimizer>& saved_groups,
+                                        const std::string& kind,
+                                        const std::vector<c10::List<int64_t>>& indices) {
+  c10::impl::GenericList groups(c10::AnyType::get());
+  for (size_t g = 0; g < saved_groups.size(); ++g) {
+    const SavedOptimizer& o = saved_groups[g];
+    c10::impl::GenericDict group(c10::StringType::get(), c10::AnyType::get());
+    group.insert("lr", o.lr);
+    group.insert("weight_decay", o.weight_decay);
+    group.insert("maximize", false);
+    group.insert("foreach", c10::IValue());
+    if (kind == "sgd") {
+      group.insert("momentum", o.momentum);
+      group.insert("dampening", o.dampening);
+      group.insert("nesterov", o.nesterov);
+      group.insert("differentiable", false);
+    } else {
+      group.insert("betas", c10::ivalue::Tuple::create({o.beta1, o.beta2}));
+      group.insert("eps", o.eps);
+      group.insert("amsgrad", false);
+      group.insert("capturable", false);
+      group.insert("differentiable", false);
+      group.insert("fused", false);
+    }
+    group.insert("params", indices[g]);
+    groups.push_back(group);
+  }
+  return groups;
+}
+
+absl::Status ExportTorchUnguarded(FileSystem* fs, const std::string& dir, const std::string& out) {
+  SHARDOPT_RETURN_IF_ERROR(VerifyCheckpoint(fs, dir));
+  SHARDOPT_ASSIGN_OR_RETURN(Manifest m, ReadManifest(fs, dir));
+  const std::vector<std::string>& states = m.states;
+  std::vector<std::vector<torch::Tensor>> full(m.params.size());
+  std::vector<int> trainable;
+  SHARDOPT_RETURN_IF_ERROR(AssembleFullTensors(fs, dir, m, &full, &trainable));
+  const std::string& kind = m.optimizer.kind;
+  std::map<std::string, int64_t> param_steps;
+  SHARDOPT_RETURN_IF_ERROR(ParamStepsOf(m, dir, &param_steps));
   std::vector<SavedOptimizer> saved_groups;
   std::vector<int> group_of;
   SHARDOPT_RETURN_IF_ERROR(GroupsOf(m, trainable.size(), dir, &saved_groups, &group_of));
@@ -210,30 +258,7 @@ absl::Status ExportTorchUnguarded(FileSystem* fs, const std::string& dir, const 
     for (size_t s = 1; s < states.size(); ++s) st.insert(states[s], full[i][s]);
     if (states.size() > 1 && step > 0) state.insert(static_cast<int64_t>(index), st);
   }
-  c10::impl::GenericList groups(c10::AnyType::get());
-  for (size_t g = 0; g < saved_groups.size(); ++g) {
-    const SavedOptimizer& o = saved_groups[g];
-    c10::impl::GenericDict group(c10::StringType::get(), c10::AnyType::get());
-    group.insert("lr", o.lr);
-    group.insert("weight_decay", o.weight_decay);
-    group.insert("maximize", false);
-    group.insert("foreach", c10::IValue());
-    if (kind == "sgd") {
-      group.insert("momentum", o.momentum);
-      group.insert("dampening", o.dampening);
-      group.insert("nesterov", o.nesterov);
-      group.insert("differentiable", false);
-    } else {
-      group.insert("betas", c10::ivalue::Tuple::create({o.beta1, o.beta2}));
-      group.insert("eps", o.eps);
-      group.insert("amsgrad", false);
-      group.insert("capturable", false);
-      group.insert("differentiable", false);
-      group.insert("fused", false);
-    }
-    group.insert("params", indices[g]);
-    groups.push_back(group);
-  }
+  c10::impl::GenericList groups = TorchParamGroups(saved_groups, kind, indices);
   c10::impl::GenericDict top(c10::StringType::get(), c10::AnyType::get());
   top.insert("state", state);
   top.insert("param_groups", groups);
@@ -450,23 +475,20 @@ absl::StatusOr<PyValuePtr> ReadTorch(const std::string& path) {
   return ReadTorchFile(resolved);
 }
 
-}  // namespace
-
-namespace {
-
-absl::StatusOr<TorchCheckpoint> ReadTorchCheckpointUnguarded(
-    const std::string& optimizer_file, const std::string& params_file, OptimizerKind kind,
-    const std::vector<std::string>* expected) {
-  SHARDOPT_ASSIGN_OR_RETURN(PyValuePtr top, ReadTorch(optimizer_file));
-  const PyValue* sd = top.get();
-  const PyValue* model = FindDict(top.get(), "params");
+// The optimizer state_dict in `top` (itself, or a combined file's
+// "optimizer" / "optimizer_state_dict") and the model state_dict next to it,
+// if any; a refusal that says what the file holds instead.
+absl::Status FindStateDicts(const PyValue* top, const std::string& optimizer_file,
+                            const PyValue** sd_out, const PyValue** model_out) {
+  const PyValue* sd = top;
+  const PyValue* model = FindDict(top, "params");
   if (!IsOptimizerStateDict(sd)) {
     sd = nullptr;
     for (const char* key : {"optimizer", "optimizer_state_dict"}) {
-      if (IsOptimizerStateDict(FindDict(top.get(), key))) sd = FindDict(top.get(), key);
+      if (IsOptimizerStateDict(FindDict(top, key))) sd = FindDict(top, key);
     }
     for (const char* key : {"model", "model_state_dict", "state_dict"}) {
-      if (FindDict(top.get(), key) != nullptr) model = FindDict(top.get(), key);
+      if (FindDict(top, key) != nullptr) model = FindDict(top, key);
     }
   }
   if (sd == nullptr) {
@@ -484,6 +506,69 @@ absl::StatusOr<TorchCheckpoint> ReadTorchCheckpointUnguarded(
                             ", neither an optimizer state_dict ('state', "
                             "'param_groups') nor {'model': ..., 'optimizer': ...}"));
   }
+  *sd_out = sd;
+  *model_out = model;
+  return absl::OkStatus();
+}
+
+// A file of several param groups names its parameters (param_names), or the
+// caller names them (`expected`).
+absl::Status CheckGroupsNamed(const PyValue* top, const TorchCheckpoint& out,
+                              const std::vector<std::string>* expected,
+                              const std::string& optimizer_file) {
+  if (out.groups.size() > 1 && expected == nullptr &&
+      top->Find(std::string("param_names")) == nullptr) {
+    // torch numbers parameters group after group, not in the model's order.
+    return Bad(
+        optimizer_file,
+        absl::StrCat(
+            "has ", out.groups.size(),
+            " param_groups and no parameter names: which model parameter each index "
+            "stands for is not recorded. Load it from the training script instead "
+            "(ShardedOptimizer.load_checkpoint "
+            "with the optimizer built with the same groups), where the live optimizer names them"));
+  }
+  return absl::OkStatus();
+}
+
+// out->params: each named parameter's tensor from the model, as float32.
+absl::Status CopyNamedParams(const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                             const std::string& model_file, TorchCheckpoint* out) {
+  for (const std::string& name : out->names) {
+    auto it = std::find_if(tensors.begin(), tensors.end(),
+                           [&](const auto& e) { return e.first == name; });
+    if (it == tensors.end()) return Bad(model_file, absl::StrCat("has no parameter '", name, "'"));
+    out->params[name] = it->second.to(at::kFloat).contiguous();
+  }
+  return absl::OkStatus();
+}
+
+// Every state tensor has its parameter's elements (and shape, beyond 1-D).
+absl::Status CheckStateSizes(TorchCheckpoint* out, const std::string& optimizer_file) {
+  for (const auto& [name, states] : out->state) {
+    for (const auto& [s, t] : states) {
+      if (t.numel() != out->params[name].numel() ||
+          (t.dim() > 1 && t.sizes() != out->params[name].sizes())) {
+        return Bad(optimizer_file,
+                   absl::StrCat("'", s, "' of '", name, "' has ", t.numel(),
+                                " elements, the parameter ", out->params[name].numel()));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+namespace {
+
+absl::StatusOr<TorchCheckpoint> ReadTorchCheckpointUnguarded(
+    const std::string& optimizer_file, const std::string& params_file, OptimizerKind kind,
+    const std::vector<std::string>* expected) {
+  SHARDOPT_ASSIGN_OR_RETURN(PyValuePtr top, ReadTorch(optimizer_file));
+  const PyValue* sd = nullptr;
+  const PyValue* model = nullptr;
+  SHARDOPT_RETURN_IF_ERROR(FindStateDicts(top.get(), optimizer_file, &sd, &model));
   PyValuePtr params_top;
   if (!params_file.empty()) {
     SHARDOPT_ASSIGN_OR_RETURN(params_top, ReadTorch(params_file));
@@ -501,37 +586,12 @@ absl::StatusOr<TorchCheckpoint> ReadTorchCheckpointUnguarded(
   TorchCheckpoint out;
   std::vector<int64_t> indices;
   SHARDOPT_RETURN_IF_ERROR(ReadGroups(sd, kind, optimizer_file, &indices, &out));
-  if (out.groups.size() > 1 && expected == nullptr &&
-      top->Find(std::string("param_names")) == nullptr) {
-    // torch numbers parameters group after group, not in the model's order.
-    return Bad(
-        optimizer_file,
-        absl::StrCat(
-            "has ", out.groups.size(),
-            " param_groups and no parameter names: which model parameter each index "
-            "stands for is not recorded. Load it from the training script instead "
-            "(ShardedOptimizer.load_checkpoint "
-            "with the optimizer built with the same groups), where the live optimizer names them"));
-  }
+  SHARDOPT_RETURN_IF_ERROR(CheckGroupsNamed(top.get(), out, expected, optimizer_file));
   SHARDOPT_ASSIGN_OR_RETURN(
       out.names, IndexNames(top.get(), indices.size(), tensors, expected, optimizer_file));
-  for (const std::string& name : out.names) {
-    auto it = std::find_if(tensors.begin(), tensors.end(),
-                           [&](const auto& e) { return e.first == name; });
-    if (it == tensors.end()) return Bad(model_file, absl::StrCat("has no parameter '", name, "'"));
-    out.params[name] = it->second.to(at::kFloat).contiguous();
-  }
+  SHARDOPT_RETURN_IF_ERROR(CopyNamedParams(tensors, model_file, &out));
   SHARDOPT_RETURN_IF_ERROR(ReadState(sd, indices, kind, optimizer_file, &out));
-  for (const auto& [name, states] : out.state) {
-    for (const auto& [s, t] : states) {
-      if (t.numel() != out.params[name].numel() ||
-          (t.dim() > 1 && t.sizes() != out.params[name].sizes())) {
-        return Bad(optimizer_file,
-                   absl::StrCat("'", s, "' of '", name, "' has ", t.numel(),
-                                " elements, the parameter ", out.params[name].numel()));
-      }
-    }
-  }
+  SHARDOPT_RETURN_IF_ERROR(CheckStateSizes(&out, optimizer_file));
   if (const PyValue* step = top->Find(std::string("step"));
       step != nullptr && step->kind == PyValue::Kind::kInt) {
     out.step = step->i;  // shardopt's export records it (SGD's state has none)

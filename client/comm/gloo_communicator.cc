@@ -134,6 +134,12 @@ std::unique_ptr<GlooCommunicator::Registered> GlooCommunicator::Register(void* p
 
 uint64_t GlooCommunicator::NextSlotBase() { return (++op_seq_) << 40; }
 
+std::vector<uint64_t> GlooCommunicator::SlotBases(int steps) {
+  std::vector<uint64_t> base(steps);
+  for (int s = 0; s < steps; ++s) base[s] = NextSlotBase();
+  return base;
+}
+
 namespace {
 
 // Slot of message `segment` in ring step `step` of the operation `base`.
@@ -185,6 +191,15 @@ absl::Status GlooCommunicator::WaitSend(Registered& buffer) {
   }
 }
 
+absl::Status GlooCommunicator::WaitSends(const std::vector<std::unique_ptr<Registered>>& chunks,
+                                         const std::vector<int64_t>& sends) {
+  absl::Status status;
+  for (size_t i = 0; i < chunks.size() && status.ok(); ++i) {
+    for (int64_t c = 0; c < sends[i] && status.ok(); ++c) status = WaitSend(*chunks[i]);
+  }
+  return status;
+}
+
 // Ring reduce-scatter, pipelined by segments and across steps. In step s this
 // rank sends chunk (r-s-1) mod N to its right neighbour and receives chunk
 // (r-s-2) mod N from its left one, reducing it into its own copy; a segment is
@@ -207,8 +222,7 @@ absl::Status GlooCommunicator::RingReduceScatter(const std::vector<char*>& chunk
   char* scratch_ptr[2] = {scratch_mem->data(), scratch_mem->data() + std::min(seg, chunk_bytes)};
   std::unique_ptr<Registered> scratch[2] = {Register(scratch_ptr[0], std::min(seg, chunk_bytes)),
                                             Register(scratch_ptr[1], std::min(seg, chunk_bytes))};
-  std::vector<uint64_t> base(n - 1);
-  for (int s = 0; s < n - 1; ++s) base[s] = NextSlotBase();
+  const std::vector<uint64_t> base = SlotBases(n - 1);
   std::vector<int64_t> sends(n, 0);
 
   absl::Status status;
@@ -238,9 +252,7 @@ absl::Status GlooCommunicator::RingReduceScatter(const std::vector<char*>& chunk
         ++sends[target];
       }
     }
-    for (int i = 0; i < n && status.ok(); ++i) {
-      for (int64_t c = 0; c < sends[i] && status.ok(); ++c) status = WaitSend(*chunks[i]);
-    }
+    if (status.ok()) status = WaitSends(chunks, sends);
   } catch (const std::exception& e) {
     status = absl::UnavailableError(absl::StrCat("gloo: ", e.what()));
     Abort(status);
@@ -269,8 +281,7 @@ absl::Status GlooCommunicator::RingAllGather(char* buffer, int64_t chunk_bytes,
 
   std::vector<std::unique_ptr<Registered>> chunks;
   for (int i = 0; i < n; ++i) chunks.push_back(Register(buffer + i * chunk_bytes, chunk_bytes));
-  std::vector<uint64_t> base(n - 1);
-  for (int s = 0; s < n - 1; ++s) base[s] = NextSlotBase();
+  const std::vector<uint64_t> base = SlotBases(n - 1);
   std::vector<int64_t> sends(n, 0);
   absl::Status status;
   try {
@@ -297,9 +308,7 @@ absl::Status GlooCommunicator::RingAllGather(char* buffer, int64_t chunk_bytes,
         }
       }
     }
-    for (int i = 0; i < n && status.ok(); ++i) {
-      for (int64_t c = 0; c < sends[i] && status.ok(); ++c) status = WaitSend(*chunks[i]);
-    }
+    if (status.ok()) status = WaitSends(chunks, sends);
   } catch (const std::exception& e) {
     status = absl::UnavailableError(absl::StrCat("gloo: ", e.what()));
     Abort(status);

@@ -65,10 +65,16 @@ class GlooCommunicator : public QueuedCommunicator {
   absl::Status WaitFailure(const char* what, absl::Duration waited, const char* error) const;
   absl::Status WaitRecv(Registered& buffer);
   absl::Status WaitSend(Registered& buffer);
+  // Waits for the sends[i] sends posted on chunks[i], chunk after chunk; the
+  // first error.
+  absl::Status WaitSends(const std::vector<std::unique_ptr<Registered>>& chunks,
+                         const std::vector<int64_t>& sends);
   absl::Status RingReduceScatter(const std::vector<char*>& chunks, int64_t chunk_bytes, DType type,
                                  ReduceOp op, CollectiveKind kind);
   absl::Status RingAllGather(char* buffer, int64_t chunk_bytes, CollectiveKind kind);
   uint64_t NextSlotBase();
+  // The slot bases of an operation's `steps` ring steps, a NextSlotBase() each.
+  std::vector<uint64_t> SlotBases(int steps);
 
   const GlooOptions options_;
   std::shared_ptr<gloo::Context> context_;

@@ -32,6 +32,13 @@ struct NcclCommunicator::State {
   bool stopping ABSL_GUARDED_BY(mu) = false;
   absl::Status aborted ABSL_GUARDED_BY(mu);
   std::array<std::atomic<int64_t>, kNumCollectiveKinds> sent{};
+
+  // Stages the `bytes` of host memory at `buffer` for a collective on
+  // `stream`: *pinned gets a pinned buffer (a free one reused, else a new
+  // one) holding a copy of them, *dev device memory the copy is on its way
+  // to. Returns the first CUDA error.
+  cudaError_t Stage(void* buffer, size_t bytes, cudaStream_t stream, void** pinned, void** dev)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
 };
 
 namespace {
@@ -81,7 +88,36 @@ CommHandlePtr Done(absl::Status s) {
   return h;
 }
 
+// The verdict of a collective's event query `q`: true when the collective is
+// done, with its error (if any) in *status; false while it is not ready.
+bool EventFinished(cudaError_t q, absl::Status* status) {
+  if (q == cudaSuccess) return true;
+  if (q != cudaErrorNotReady) {
+    *status = CudaError(q, "collective");
+    return true;
+  }
+  return false;
+}
+
 }  // namespace
+
+cudaError_t NcclCommunicator::State::Stage(void* buffer, size_t bytes, cudaStream_t stream,
+                                           void** pinned, void** dev) {
+  for (size_t i = 0; i < pinned_free.size(); ++i) {
+    if (pinned_free[i].second >= bytes) {
+      *pinned = pinned_free[i].first;
+      pinned_free.erase(pinned_free.begin() + static_cast<long>(i));
+      break;
+    }
+  }
+  cudaError_t e = *pinned != nullptr ? cudaSuccess : cudaMallocHost(pinned, bytes);
+  if (e == cudaSuccess) e = cudaMallocAsync(dev, bytes, stream);
+  if (e == cudaSuccess) {
+    std::memcpy(*pinned, buffer, bytes);
+    e = cudaMemcpyAsync(*dev, *pinned, bytes, cudaMemcpyHostToDevice, stream);
+  }
+  return e;
+}
 
 NcclCommunicator::NcclCommunicator(int rank, int world, const NcclOptions& options)
     : rank_(rank), world_(world), options_(options), state_(std::make_unique<State>()) {}
@@ -191,20 +227,7 @@ CommHandlePtr NcclCommunicator::Submit(CollectiveKind kind, int64_t sent, void* 
     void* pinned = nullptr;
     void* dev = buffer;
     if (staged) {
-      for (size_t i = 0; i < state_->pinned_free.size(); ++i) {
-        if (state_->pinned_free[i].second >= bytes) {
-          pinned = state_->pinned_free[i].first;
-          state_->pinned_free.erase(state_->pinned_free.begin() + static_cast<long>(i));
-          break;
-        }
-      }
-      cudaError_t e = pinned != nullptr ? cudaSuccess : cudaMallocHost(&pinned, bytes);
-      if (e == cudaSuccess) e = cudaMallocAsync(&dev, bytes, stream);
-      if (e == cudaSuccess) {
-        std::memcpy(pinned, buffer, bytes);
-        e = cudaMemcpyAsync(dev, pinned, bytes, cudaMemcpyHostToDevice, stream);
-      }
-      if (e != cudaSuccess) {
+      if (cudaError_t e = state_->Stage(buffer, bytes, stream, &pinned, &dev); e != cudaSuccess) {
         cudaEventDestroy(done);
         return Done(CudaError(e, "staging a host buffer"));
       }
@@ -259,28 +282,8 @@ void NcclCommunicator::Watch() {
       q = cudaEventQuery(front.done);
     }
     absl::Status status;
-    bool finished = false;
-    if (q == cudaSuccess) {
-      finished = true;
-    } else if (q != cudaErrorNotReady) {
-      status = CudaError(q, "collective");
-      finished = true;
-    } else {
-      ncclResult_t async = ncclSuccess;
-      {
-        absl::MutexLock l(&state_->mu);
-        if (state_->comm != nullptr) ncclCommGetAsyncError(state_->comm, &async);
-      }
-      if (async != ncclSuccess && async != ncclInProgress) {
-        status = NcclError(async, "collective");
-        finished = true;
-      } else if (absl::Now() > front.deadline) {
-        status = absl::DeadlineExceededError(
-            absl::StrCat("rank ", rank_, ": NCCL collective did not complete within ",
-                         absl::FormatDuration(options_.timeout)));
-        finished = true;
-      }
-    }
+    // Not ready: NCCL's asynchronous error or the deadline ends it.
+    const bool finished = EventFinished(q, &status) || PendingFailed(front.deadline, &status);
     if (!finished) {
       absl::SleepFor(absl::Microseconds(50));
       continue;
@@ -304,6 +307,25 @@ void NcclCommunicator::Watch() {
       front.handle->Complete(status);
     }
   }
+}
+
+bool NcclCommunicator::PendingFailed(absl::Time deadline, absl::Status* status) {
+  ncclResult_t async = ncclSuccess;
+  {
+    absl::MutexLock l(&state_->mu);
+    if (state_->comm != nullptr) ncclCommGetAsyncError(state_->comm, &async);
+  }
+  if (async != ncclSuccess && async != ncclInProgress) {
+    *status = NcclError(async, "collective");
+    return true;
+  }
+  if (absl::Now() > deadline) {
+    *status = absl::DeadlineExceededError(absl::StrCat("rank ", rank_,
+                                                       ": NCCL collective did not complete within ",
+                                                       absl::FormatDuration(options_.timeout)));
+    return true;
+  }
+  return false;
 }
 
 void NcclCommunicator::Abort(const absl::Status& reason) {

@@ -68,6 +68,10 @@ class NcclCommunicator : public Communicator {
                        Enqueue enqueue);
   static bool IsHostMemory(const void* p);
   void Watch();
+  // Watch()'s check of a pending collective whose event has not fired: true,
+  // with its error in *status, when NCCL reported an asynchronous error or
+  // `deadline` passed.
+  bool PendingFailed(absl::Time deadline, absl::Status* status);
 
   const int rank_;
   const int world_;

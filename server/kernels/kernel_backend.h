@@ -18,13 +18,6 @@
 
 namespace shardopt {
 
-// The hyper-parameters of one parameter group (torch.optim's param_groups):
-// `adam` for Adam/AdamW, `sgd` for SGD.
-struct HyperParameters {
-  AdamConfig adam;
-  SgdConfig sgd;
-};
-
 class KernelBackend {
  public:
   virtual ~KernelBackend() = default;

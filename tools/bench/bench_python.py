@@ -24,6 +24,12 @@ reduce-scatter/all-gather waits, reported separately).
 shardopt rows use shardopt's default transport (auto: shared memory, since
 every rank is on this host); shardopt@gloo and shardopt_zero2@gloo run them
 over Gloo/TCP as DDP and ZeRO do (shardopt@shm forces shared memory).
+
+A/B of two builds of shardopt in one run (a refactor's "behaviour unchanged"):
+--ab=DIR runs every shardopt row a second time with PYTHONPATH=DIR (another
+build's bazel-bin/python, e.g. a clean clone of the old commit), as the row
+ROW#ab, interleaved in the same rounds, and prints each round's paired ratio
+of ROW over ROW#ab (median [lowest, highest]).
 """
 import argparse
 import json
@@ -55,6 +61,7 @@ def worker(a):
     import torch.distributed as dist
     import torch.nn as nn
     torch.set_num_threads(1)
+    a.row = a.row.removesuffix("#ab")  # the same row, from the --ab build (PYTHONPATH)
     if a.allocator == "shardopt":  # every row alike, before anything large is allocated
         import shardopt
         shardopt.install_host_allocator()
@@ -173,6 +180,8 @@ def launch(a, model, row, world):
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1",
                    GLIBC_TUNABLES=TUNABLES)
         env.pop("SHARDOPT_COORDINATOR", None)
+        if row.endswith("#ab"):
+            env["PYTHONPATH"] = a.ab
         logs.append(tempfile.TemporaryFile(mode="w+"))
         procs.append(subprocess.Popen(
             [sys.executable, __file__, "--worker", "--model", model, "--row", row,
@@ -245,6 +254,10 @@ def main():
                    help="add paired ratios against this row: each round's samples/s over the "
                         "row's in the same round (rows of a round run back to back), then their "
                         "median with the lowest and highest")
+    p.add_argument("--ab", default=None, metavar="DIR",
+                   help="also run every shardopt row from the build whose Python package is "
+                        "in DIR (PYTHONPATH=DIR) as ROW#ab, interleaved, and print the paired "
+                        "ratios ROW / ROW#ab")
     p.add_argument("--json", default=None, help="write the results here")
     # worker mode (internal)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -263,6 +276,11 @@ def main():
             p.error(f"row {r!r}: only shardopt rows take @gloo or @shm")
     if a.ref is not None and a.ref not in rows:
         p.error(f"--ref={a.ref} is not one of --rows")
+    if a.ab is not None:
+        if not os.path.isdir(os.path.join(a.ab, "shardopt")):
+            p.error(f"--ab={a.ab}: no shardopt package there (want a bazel-bin/python)")
+        a.ab = os.path.abspath(a.ab)
+        rows += [r + "#ab" for r in rows if r.startswith("shardopt")]
     report = {"world_size": a.world, "rounds": a.rounds, "steps": a.steps, "models": {},
               "allocator": a.allocator, "glibc_tunables": TUNABLES}
     for model in a.models.split(","):
@@ -311,6 +329,16 @@ def main():
                                                 summary[a.ref]["samples_per_s_by_round"])]
                 summary[r]["paired"] = {"ref": a.ref, "median_ratio": statistics.median(ratios),
                                         "ratios": ratios}
+                print(f"  {r:19s} {statistics.median(ratios):.3f}x "
+                      f"[{min(ratios):.3f}, {max(ratios):.3f}]")
+        ab = [r for r in rows if r + "#ab" in summary]
+        if ab:
+            print(f"A/B: this build over --ab={a.ab} (median of per-round ratios "
+                  f"[lowest, highest] over {a.rounds} rounds):")
+            for r in ab:
+                ratios = [x / y for x, y in zip(summary[r]["samples_per_s_by_round"],
+                                                summary[r + "#ab"]["samples_per_s_by_round"])]
+                summary[r]["ab"] = {"median_ratio": statistics.median(ratios), "ratios": ratios}
                 print(f"  {r:19s} {statistics.median(ratios):.3f}x "
                       f"[{min(ratios):.3f}, {max(ratios):.3f}]")
         if "compute_only" in summary:

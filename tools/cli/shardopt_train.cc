@@ -170,25 +170,68 @@ struct Config {
   MallocMode malloc_mode;
 };
 
-// Reads every flag and variable into *c; the first bad one is returned.
-absl::Status ReadConfig(const Flags& flags, Config* c) {
-  absl::Status bad;
-  c->world = static_cast<int>(Take(EnvInt("WORLD_SIZE", 1, 1, kMaxWorldSize), &bad));
-  c->rank = static_cast<int>(Take(EnvInt("RANK", 0, 0, std::max(0, c->world - 1)), &bad));
-  c->model_name = Take(flags.Choice("model", "tiny", {"tiny", "small", "mlp", "resnet101"}), &bad);
-  c->steps = Take(flags.Int("steps", 20, 1, kMaxSteps), &bad);
-  c->lr = Take(flags.HyperParam("lr", HyperParameter::kLearningRate, 1e-4), &bad);
+// ReadConfig's parts, in its order: each reads its flags into *c, the first
+// bad value landing in *bad. This one: WORLD_SIZE and RANK, then the model,
+// the optimizer and its buckets.
+void ReadTrainingFlags(const Flags& flags, Config* c, absl::Status* bad) {
+  c->world = static_cast<int>(Take(EnvInt("WORLD_SIZE", 1, 1, kMaxWorldSize), bad));
+  c->rank = static_cast<int>(Take(EnvInt("RANK", 0, 0, std::max(0, c->world - 1)), bad));
+  c->model_name = Take(flags.Choice("model", "tiny", {"tiny", "small", "mlp", "resnet101"}), bad);
+  c->steps = Take(flags.Int("steps", 20, 1, kMaxSteps), bad);
+  c->lr = Take(flags.HyperParam("lr", HyperParameter::kLearningRate, 1e-4), bad);
   c->has_lr = flags.Has("lr");
-  c->kind = Take(flags.Choice("optimizer", "adam", {"adam", "adamw", "sgd"}), &bad);
-  c->batch_flag = Take(flags.Int("batch", 0, 1, kMaxBatch), &bad);
+  c->kind = Take(flags.Choice("optimizer", "adam", {"adam", "adamw", "sgd"}), bad);
+  c->batch_flag = Take(flags.Int("batch", 0, 1, kMaxBatch), bad);
   c->has_batch = flags.Has("batch");
-  c->clip = Take(flags.HyperParam("clip", HyperParameter::kMaxGradNorm, 0), &bad);
-  c->shard_gradients = Take(flags.Choice("shard-gradients", "off", {"on", "off"}), &bad) == "on";
+  c->clip = Take(flags.HyperParam("clip", HyperParameter::kMaxGradNorm, 0), bad);
+  c->shard_gradients = Take(flags.Choice("shard-gradients", "off", {"on", "off"}), bad) == "on";
   c->bucket_cap =
       Take(flags.Int("bucket-cap", c->shard_gradients ? 2 * 1024 * 1024 : 25 * 1024 * 1024 / 4, 1,
                      kMaxBucketCap),
-           &bad);
-  c->threads = Take(flags.Int("threads", 1, 1, kMaxThreads), &bad);
+           bad);
+  c->threads = Take(flags.Int("threads", 1, 1, kMaxThreads), bad);
+}
+
+// --transport (or $SHARDOPT_TRANSPORT) and the TLS files.
+void ReadTransportFlags(const Flags& flags, Config* c, absl::Status* bad) {
+  {
+    auto t = ParseCpuTransport(Take(
+        flags.Choice("transport", EnvStr("SHARDOPT_TRANSPORT", "auto"), {"auto", "gloo", "shm"}),
+        bad));
+    if (t.ok()) {
+      c->transport = *t;
+    } else if (bad->ok()) {
+      *bad =
+          absl::InvalidArgumentError(absl::StrCat("$SHARDOPT_TRANSPORT: ", t.status().message()));
+    }
+  }
+  c->tls.ca_file = Take(flags.NonEmpty("tls-ca", EnvStr("SHARDOPT_TLS_CA", "")), bad);
+  c->tls.cert_file = Take(flags.NonEmpty("tls-cert", EnvStr("SHARDOPT_TLS_CERT", "")), bad);
+  c->tls.key_file = Take(flags.NonEmpty("tls-key", EnvStr("SHARDOPT_TLS_KEY", "")), bad);
+}
+
+// Logging, checkpoints, --resume, the collective timeout and the --debug-* flags.
+void ReadRunFlags(const Flags& flags, Config* c, absl::Status* bad) {
+  c->log_every =
+      Take(flags.Int("log-every", std::max<int64_t>(1, c->steps / 10), 1, kMaxSteps), bad);
+  c->ckpt_dir = Take(flags.NonEmpty("ckpt-dir", ""), bad);
+  c->ckpt_every = Take(flags.Int("ckpt-every", 0, 0, kMaxSteps), bad);
+  c->ckpt_keep = Take(flags.Int("ckpt-keep", 0, 0, kMaxCkptKeep), bad);
+  c->resume = Take(flags.NonEmpty("resume", ""), bad);
+  c->collective_timeout =
+      Take(flags.Seconds("collective-timeout", 120, 0.1, kMaxTimeoutSeconds), bad);
+  c->stall_rank = Take(flags.Int("debug-stall-rank", -1, -1, c->world - 1), bad);
+  c->stall_step = Take(flags.Int("debug-stall-step", -1, -1, kMaxSteps), bad);
+  c->nan_rank = Take(flags.Int("debug-nan-rank", -1, -1, c->world - 1), bad);
+  c->nan_step = Take(flags.Int("debug-nan-step", -1, -1, kMaxSteps), bad);
+  c->slow_rank = Take(flags.Int("debug-slow-rank", -1, -1, c->world - 1), bad);
+  c->slow_ms = Take(flags.Int("debug-slow-ms", 0, 0, 60000), bad);
+}
+
+// Reads every flag and variable into *c; the first bad one is returned.
+absl::Status ReadConfig(const Flags& flags, Config* c) {
+  absl::Status bad;
+  ReadTrainingFlags(flags, c, &bad);
   const std::string malloc_flag = Take(flags.Choice("malloc", "tuned", {"tuned", "default"}), &bad);
   c->overlap = Take(flags.Choice("overlap", "on", {"on", "off"}), &bad) == "on";
   c->coordinator = Take(flags.NonEmpty("coordinator", EnvStr("SHARDOPT_COORDINATOR", "")), &bad);
@@ -196,33 +239,8 @@ absl::Status ReadConfig(const Flags& flags, Config* c) {
   const std::string token_file =
       Take(flags.NonEmpty("token-file", EnvStr("SHARDOPT_TOKEN_FILE", "")), &bad);
   c->bind = Take(flags.NonEmpty("bind", "127.0.0.1"), &bad);
-  {
-    auto t = ParseCpuTransport(Take(
-        flags.Choice("transport", EnvStr("SHARDOPT_TRANSPORT", "auto"), {"auto", "gloo", "shm"}),
-        &bad));
-    if (t.ok()) {
-      c->transport = *t;
-    } else if (bad.ok()) {
-      bad = absl::InvalidArgumentError(absl::StrCat("$SHARDOPT_TRANSPORT: ", t.status().message()));
-    }
-  }
-  c->tls.ca_file = Take(flags.NonEmpty("tls-ca", EnvStr("SHARDOPT_TLS_CA", "")), &bad);
-  c->tls.cert_file = Take(flags.NonEmpty("tls-cert", EnvStr("SHARDOPT_TLS_CERT", "")), &bad);
-  c->tls.key_file = Take(flags.NonEmpty("tls-key", EnvStr("SHARDOPT_TLS_KEY", "")), &bad);
-  c->log_every =
-      Take(flags.Int("log-every", std::max<int64_t>(1, c->steps / 10), 1, kMaxSteps), &bad);
-  c->ckpt_dir = Take(flags.NonEmpty("ckpt-dir", ""), &bad);
-  c->ckpt_every = Take(flags.Int("ckpt-every", 0, 0, kMaxSteps), &bad);
-  c->ckpt_keep = Take(flags.Int("ckpt-keep", 0, 0, kMaxCkptKeep), &bad);
-  c->resume = Take(flags.NonEmpty("resume", ""), &bad);
-  c->collective_timeout =
-      Take(flags.Seconds("collective-timeout", 120, 0.1, kMaxTimeoutSeconds), &bad);
-  c->stall_rank = Take(flags.Int("debug-stall-rank", -1, -1, c->world - 1), &bad);
-  c->stall_step = Take(flags.Int("debug-stall-step", -1, -1, kMaxSteps), &bad);
-  c->nan_rank = Take(flags.Int("debug-nan-rank", -1, -1, c->world - 1), &bad);
-  c->nan_step = Take(flags.Int("debug-nan-step", -1, -1, kMaxSteps), &bad);
-  c->slow_rank = Take(flags.Int("debug-slow-rank", -1, -1, c->world - 1), &bad);
-  c->slow_ms = Take(flags.Int("debug-slow-ms", 0, 0, 60000), &bad);
+  ReadTransportFlags(flags, c, &bad);
+  ReadRunFlags(flags, c, &bad);
   if (!bad.ok()) return bad;
   if (c->ckpt_dir.empty() && (c->ckpt_every > 0 || c->ckpt_keep > 0)) {
     return absl::InvalidArgumentError("--ckpt-every and --ckpt-keep need --ckpt-dir");
@@ -386,6 +404,56 @@ void PrintProgress(int64_t step, int64_t steps, double loss, double grad_norm,
   std::fflush(stdout);
 }
 
+// --debug-stall-rank: alive but silent in collectives, heartbeats continue
+// until aborted. Returns the exit status (the agent has reported the failure).
+int StallOnPurpose(RankAgent* agent) {
+  while (g_signal.load() == 0 && agent->abort_reason().empty()) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  return agent->Fail("stalled on purpose (--debug-stall-rank)", "");
+}
+
+// The forward and backward passes of step `step` (0-based) on this rank's
+// samples, the loss into *loss. Returns -1 when they ran, else the exit
+// status (the agent has reported the failure).
+int ForwardBackward(const Config& c, TrainModel& model, int64_t batch, RankAgent* agent,
+                    int64_t step, torch::Tensor* loss) {
+  try {
+    *loss = model.Loss(step, c.rank * batch, (c.rank + 1) * batch);
+    loss->backward();
+  } catch (const GatherFailure& e) {
+    // A peer's death seen first by a layer waiting for its parameters: the
+    // coordinator's verdict names the rank, as for failures in Step().
+    const std::string msg = agent->Diagnose(e.status);
+    return agent->Fail(absl::StrCat("step ", step + 1, " failed: ", msg), msg);
+  } catch (const std::exception& e) {  // c10::Error: e.g. out of memory
+    std::string what = e.what();
+    what = what.substr(0, what.find('\n'));
+    return agent->Fail(absl::StrCat("step ", step + 1, " failed in forward/backward: ", what));
+  }
+  return -1;
+}
+
+// After the update of step `step` (0-based), with loss `l`: a non-finite
+// global gradient norm or any rank's non-finite loss stops every rank.
+// Returns -1 to go on, else the exit status (the agent has reported it).
+int CheckFinite(RankAgent* agent, int64_t step, double l, double grad_norm, int nonfinite_rank) {
+  if (!std::isfinite(grad_norm)) {
+    // The norm is global: every rank stops here, at the same step, before
+    // anything is checkpointed.
+    return agent->Fail(absl::StrCat("non-finite gradient norm (", Num(grad_norm), ") at step ",
+                                    step + 1, " (loss ", Num(l), "); stopping (lower --lr)"));
+  }
+  if (nonfinite_rank >= 0) {
+    return agent->Fail(!std::isfinite(l) ? absl::StrCat("non-finite loss (", Num(l), ") at step ",
+                                                        step + 1, "; stopping (lower --lr)")
+                                         : absl::StrCat("rank ", nonfinite_rank,
+                                                        " had a non-finite loss at step ", step + 1,
+                                                        "; stopping"));
+  }
+  return -1;
+}
+
 // The training loop: steps [first_step, c.steps). Returns -1 when every step
 // ran, else the exit status (the agent has reported the failure).
 int TrainLoop(const Config& c, TrainModel& model, int64_t batch, ShardedOptimizer* o,
@@ -393,32 +461,14 @@ int TrainLoop(const Config& c, TrainModel& model, int64_t batch, ShardedOptimize
   auto t_window = std::chrono::steady_clock::now();
   int64_t window_steps = 0;
   for (int64_t step = first_step; step < c.steps; ++step) {
-    if (c.rank == c.stall_rank && step == c.stall_step) {
-      // Alive but silent in collectives: heartbeats continue until aborted.
-      while (g_signal.load() == 0 && agent->abort_reason().empty()) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(50));
-      }
-      return agent->Fail("stalled on purpose (--debug-stall-rank)", "");
-    }
+    if (c.rank == c.stall_rank && step == c.stall_step) return StallOnPurpose(agent);
     agent->BeforeStep(step + 1);
     if (c.rank == c.slow_rank && c.slow_ms > 0) {  // --debug-slow-rank: slower on purpose
       std::this_thread::sleep_for(std::chrono::milliseconds(c.slow_ms));
     }
     o->ZeroGrad();
     torch::Tensor loss;
-    try {
-      loss = model.Loss(step, c.rank * batch, (c.rank + 1) * batch);
-      loss.backward();
-    } catch (const GatherFailure& e) {
-      // A peer's death seen first by a layer waiting for its parameters: the
-      // coordinator's verdict names the rank, as for failures in Step().
-      const std::string msg = agent->Diagnose(e.status);
-      return agent->Fail(absl::StrCat("step ", step + 1, " failed: ", msg), msg);
-    } catch (const std::exception& e) {  // c10::Error: e.g. out of memory
-      std::string what = e.what();
-      what = what.substr(0, what.find('\n'));
-      return agent->Fail(absl::StrCat("step ", step + 1, " failed in forward/backward: ", what));
-    }
+    if (int rc = ForwardBackward(c, model, batch, agent, step, &loss); rc >= 0) return rc;
     double l = loss.item<double>();
     if (c.rank == c.nan_rank && step + 1 == c.nan_step) l = std::nan("");  // --debug-nan-rank
     // Control actions and non-finite losses are agreed before the update, so
@@ -434,18 +484,8 @@ int TrainLoop(const Config& c, TrainModel& model, int64_t batch, ShardedOptimize
       const std::string msg = agent->Diagnose(r.status());
       return agent->Fail(absl::StrCat("step ", step + 1, " failed: ", msg), msg);
     }
-    if (!std::isfinite(r->grad_norm)) {
-      // The norm is global: every rank stops here, at the same step, before
-      // anything is checkpointed.
-      return agent->Fail(absl::StrCat("non-finite gradient norm (", Num(r->grad_norm), ") at step ",
-                                      step + 1, " (loss ", Num(l), "); stopping (lower --lr)"));
-    }
-    if (agreed->nonfinite_rank >= 0) {
-      return agent->Fail(!std::isfinite(l) ? absl::StrCat("non-finite loss (", Num(l), ") at step ",
-                                                          step + 1, "; stopping (lower --lr)")
-                                           : absl::StrCat("rank ", agreed->nonfinite_rank,
-                                                          " had a non-finite loss at step ",
-                                                          step + 1, "; stopping"));
+    if (int rc = CheckFinite(agent, step, l, r->grad_norm, agreed->nonfinite_rank); rc >= 0) {
+      return rc;
     }
     agent->FinishStep(step + 1, *r, l);
     ++window_steps;

@@ -138,6 +138,69 @@ int SlowestRank(const v1::GetJobResponse& job) {
   return known >= 2 && job.ranks(best).samples_per_s() < hi ? job.ranks(best).rank() : -1;
 }
 
+namespace {
+
+// Which ranks fit: all, or the ones that matter (slowest, named slow, dead)
+// and then the lowest ranks, in rank order, plus one summary line.
+std::vector<int> ShownRanks(const v1::GetJobResponse* job, int n, int slowest, int room) {
+  std::vector<int> shown;  // indexes into job->ranks()
+  if (room >= n) {
+    for (int i = 0; i < n; ++i) shown.push_back(i);
+  } else if (room >= 2) {
+    const int take = room - 1;
+    std::vector<bool> chosen(n, false);
+    auto pick = [&](auto pred) {
+      for (int i = 0; i < n && static_cast<int>(shown.size()) < take; ++i) {
+        if (!chosen[i] && pred(job->ranks(i))) {
+          chosen[i] = true;
+          shown.push_back(i);
+        }
+      }
+    };
+    pick([&](const v1::RankStatus& r) { return r.rank() == slowest; });
+    pick([&](const v1::RankStatus& r) { return r.slow(); });
+    pick([&](const v1::RankStatus& r) { return Dead(*job, r); });
+    pick([](const v1::RankStatus&) { return true; });
+    std::sort(shown.begin(), shown.end());
+  }
+  return shown;
+}
+
+// One rank's line of the frame, cut to the width (and highlighted when asked).
+std::string RankLine(const v1::GetJobResponse* job, const v1::RankStatus& r, int slowest,
+                     const TopViewOptions& o) {
+  std::vector<std::string> notes;
+  if (r.rank() == slowest) notes.push_back("slowest");
+  if (r.slow())
+    notes.push_back(r.slow_reason().empty() ? "SLOW" : "SLOW: " + Printable(r.slow_reason()));
+  if (!Joined(r)) notes.push_back("not joined");
+  const char marker = r.rank() == slowest ? '*' : r.slow() ? '!' : ' ';
+  std::string line;
+  if (!Joined(r)) {
+    line = Row(marker, absl::StrCat(r.rank()), "-", "-", "-", "-", "-", "-", "-", "-",
+               absl::StrJoin(notes, ", "));
+  } else {
+    const v1::RankMetrics& m = r.metrics();
+    const std::string hb = Dead(*job, r) ? "DEAD"
+                           : r.seconds_since_heartbeat() < 0
+                               ? "-"
+                               : absl::StrFormat("%.1fs", r.seconds_since_heartbeat());
+    line = Row(marker, absl::StrCat(r.rank()), absl::StrCat(r.step()),
+               TopSeconds(r.step_seconds_p50()), TopSeconds(r.step_seconds_max()),
+               Known(r.samples_per_s()) ? absl::StrFormat("%.1f", r.samples_per_s()) : "-",
+               TopSeconds(m.comm_wait_seconds()), TopSeconds(m.update_seconds()),
+               TopBytes(MemoryBytes(m)), hb, absl::StrJoin(notes, ", "));
+  }
+  line = Cut(line, o.width);
+  if (o.highlight && r.rank() == slowest) {
+    if (o.width > 0) line.resize(o.width, ' ');
+    line = absl::StrCat(kReverse, line, kPlain);
+  }
+  return line;
+}
+
+}  // namespace
+
 std::vector<std::string> RenderTopView(const v1::GetJobResponse* job, const TopViewOptions& o) {
   std::vector<std::string> lines;
   auto finish = [&]() {
@@ -165,61 +228,10 @@ std::vector<std::string> RenderTopView(const v1::GetJobResponse* job, const TopV
   }
   const int slowest = SlowestRank(*job);
 
-  // Which ranks fit: all, or the ones that matter (slowest, named slow, dead)
-  // and then the lowest ranks, in rank order, plus one summary line.
-  std::vector<int> shown;  // indexes into job->ranks()
   const int room = o.height > 0 ? o.height - static_cast<int>(lines.size()) : n;
-  if (room >= n) {
-    for (int i = 0; i < n; ++i) shown.push_back(i);
-  } else if (room >= 2) {
-    const int take = room - 1;
-    std::vector<bool> chosen(n, false);
-    auto pick = [&](auto pred) {
-      for (int i = 0; i < n && static_cast<int>(shown.size()) < take; ++i) {
-        if (!chosen[i] && pred(job->ranks(i))) {
-          chosen[i] = true;
-          shown.push_back(i);
-        }
-      }
-    };
-    pick([&](const v1::RankStatus& r) { return r.rank() == slowest; });
-    pick([&](const v1::RankStatus& r) { return r.slow(); });
-    pick([&](const v1::RankStatus& r) { return Dead(*job, r); });
-    pick([](const v1::RankStatus&) { return true; });
-    std::sort(shown.begin(), shown.end());
-  }
+  const std::vector<int> shown = ShownRanks(job, n, slowest, room);
 
-  for (int i : shown) {
-    const v1::RankStatus& r = job->ranks(i);
-    std::vector<std::string> notes;
-    if (r.rank() == slowest) notes.push_back("slowest");
-    if (r.slow())
-      notes.push_back(r.slow_reason().empty() ? "SLOW" : "SLOW: " + Printable(r.slow_reason()));
-    if (!Joined(r)) notes.push_back("not joined");
-    const char marker = r.rank() == slowest ? '*' : r.slow() ? '!' : ' ';
-    std::string line;
-    if (!Joined(r)) {
-      line = Row(marker, absl::StrCat(r.rank()), "-", "-", "-", "-", "-", "-", "-", "-",
-                 absl::StrJoin(notes, ", "));
-    } else {
-      const v1::RankMetrics& m = r.metrics();
-      const std::string hb = Dead(*job, r) ? "DEAD"
-                             : r.seconds_since_heartbeat() < 0
-                                 ? "-"
-                                 : absl::StrFormat("%.1fs", r.seconds_since_heartbeat());
-      line = Row(marker, absl::StrCat(r.rank()), absl::StrCat(r.step()),
-                 TopSeconds(r.step_seconds_p50()), TopSeconds(r.step_seconds_max()),
-                 Known(r.samples_per_s()) ? absl::StrFormat("%.1f", r.samples_per_s()) : "-",
-                 TopSeconds(m.comm_wait_seconds()), TopSeconds(m.update_seconds()),
-                 TopBytes(MemoryBytes(m)), hb, absl::StrJoin(notes, ", "));
-    }
-    line = Cut(line, o.width);
-    if (o.highlight && r.rank() == slowest) {
-      if (o.width > 0) line.resize(o.width, ' ');
-      line = absl::StrCat(kReverse, line, kPlain);
-    }
-    lines.push_back(std::move(line));
-  }
+  for (int i : shown) lines.push_back(RankLine(job, job->ranks(i), slowest, o));
   if (static_cast<int>(shown.size()) < n && room >= 1) {
     const int more = n - static_cast<int>(shown.size());
     lines.push_back(
