@@ -18,10 +18,9 @@ absl::Status CollectiveWaiter::Wait(const CommHandlePtr& handle, const char* wha
   waited_ns_ += NowNs() - t0;
   if (s.ok()) return s;
   comm_->Abort(s);
-  return absl::Status(s.code(),
-                      absl::StrCat("rank ", comm_->rank(), ": ", what,
-                                   bucket >= 0 ? absl::StrCat(" of bucket ", bucket) : "",
-                                   " failed: ", s.message()));
+  return absl::Status(s.code(), absl::StrCat("rank ", comm_->rank(), ": ", what,
+                                             bucket >= 0 ? absl::StrCat(" of bucket ", bucket) : "",
+                                             " failed: ", s.message()));
 }
 
 }  // namespace shardopt

@@ -48,7 +48,7 @@ class CoordinatorSession {
 
 // What a rank (client/rank_agent.h) and the rendezvous store need of the
 // coordinator: the gRPC CoordinatorClient below, or a fake in tests
-// (tests/fake_coordinator.h). Implementations are thread-safe.
+// (tests/testing/fake_coordinator.h). Implementations are thread-safe.
 class CoordinatorApi {
  public:
   virtual ~CoordinatorApi() = default;

@@ -44,8 +44,8 @@ class FullGradientReducer : public GradientReducer {
   // Offset of bucket `bucket`'s owned range among this rank's ranges.
   int64_t OwnedOffset(int bucket) const;
 
-  torch::Tensor grad_flat_;     // model dtype, flat_size elements
-  torch::Tensor comm_scratch_;  // bf16 gradients for communication, if converting
+  torch::Tensor grad_flat_;                // model dtype, flat_size elements
+  torch::Tensor comm_scratch_;             // bf16 gradients for communication, if converting
   std::vector<torch::Tensor> grad_views_;  // the parameters' gradients: views of grad_flat_
   // grad_flat_'s version after the last gradient arrived (BeginStep checks
   // nothing wrote to it since).

@@ -195,7 +195,7 @@ class GradientReducer {
   bool accumulated_while_syncing_ ABSL_GUARDED_BY(hooks_->mu) = false;
   // A backward with sync on since the last fold / ZeroGrad / Step.
   bool synced_backward_ ABSL_GUARDED_BY(hooks_->mu) = false;
-  absl::Status hook_error_ ABSL_GUARDED_BY(hooks_->mu);  // a reduction failed in backward
+  absl::Status hook_error_ ABSL_GUARDED_BY(hooks_->mu);   // a reduction failed in backward
   int64_t hook_wait_ns_ ABSL_GUARDED_BY(hooks_->mu) = 0;  // backward blocked (exposed)
 };
 

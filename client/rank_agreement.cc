@@ -86,7 +86,8 @@ absl::Status RankAgreement::BroadcastText(const std::string& mine, const char* w
                                           std::string* theirs) {
   int64_t len = static_cast<int64_t>(mine.size());
   // Host buffers: the communicator stages them where it moves device memory (NCCL).
-  SHARDOPT_RETURN_IF_ERROR(waiter_->Wait(comm_->Broadcast(&len, sizeof(len), DType::kByte, 0), what));
+  SHARDOPT_RETURN_IF_ERROR(
+      waiter_->Wait(comm_->Broadcast(&len, sizeof(len), DType::kByte, 0), what));
   if (len < 0 || len > (int64_t{1} << 30)) {
     return absl::DataLossError(absl::StrCat(what, ": rank 0 sent a corrupt description length"));
   }

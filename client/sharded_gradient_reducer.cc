@@ -139,10 +139,9 @@ void ShardedGradientReducer::Prepare() {
   for (int i = 0; i < setup_.staging_buffers && i < static_cast<int>(stages.size()); ++i) {
     largest_k += stages[i];
   }
-  arena_.set_size(
-      stages.empty()
-          ? 0
-          : std::max(stages[0], std::min(largest_k, setup_.staging_buffers * cap_stage)));
+  arena_.set_size(stages.empty() ? 0
+                                 : std::max(stages[0], std::min(largest_k, setup_.staging_buffers *
+                                                                               cap_stage)));
   UpdateGradBytesLocked();
 }
 
@@ -306,7 +305,7 @@ void ShardedGradientReducer::AcquireStagingLocked(int b) {
 }
 
 torch::Tensor ShardedGradientReducer::StageLocked(int64_t length, Region* region,
-                                            torch::Tensor* own_buffer, bool in_arena) {
+                                                  torch::Tensor* own_buffer, bool in_arena) {
   const auto opts = staging_options();
   int64_t begin = 0;
   bool placed = in_arena && PlaceLocked(length, &begin);
@@ -487,7 +486,7 @@ void ShardedGradientReducer::LaunchPiecesLocked(int b, const torch::Tensor& flat
 
 // One piece's reduce-scatter; the bucket's handle is its last piece's.
 void ShardedGradientReducer::LaunchPieceLocked(const std::vector<void*>& chunks, int64_t count,
-                                         StagedPiece piece) {
+                                               StagedPiece piece) {
   piece.handle = comm_->ReduceScatterChunks(chunks, count, setup_.comm_type, ReduceOp::kAverage);
   rs_handles_[piece.bucket] = piece.handle;
   pieces_.push_back(std::move(piece));

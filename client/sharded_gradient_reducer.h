@@ -78,8 +78,7 @@ class ShardedGradientReducer : public GradientReducer {
   std::vector<torch::Tensor> StagedChunks(int bucket, const torch::Tensor& buf);
   void CompactStagingLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(hooks_->mu);
   int64_t StageLength(int bucket) const;
-  bool PlaceLocked(int64_t length, int64_t* begin) const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(hooks_->mu);
+  bool PlaceLocked(int64_t length, int64_t* begin) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(hooks_->mu);
   std::vector<Region> PieceRegionsLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(hooks_->mu);
   void FreeStagingLocked(int bucket) ABSL_EXCLUSIVE_LOCKS_REQUIRED(hooks_->mu);
   // Calls fn(chunk slice, offset into the range, length) for each chunk that
@@ -124,7 +123,7 @@ class ShardedGradientReducer : public GradientReducer {
   bool split_own_ = false;  // this rank's chunk reduced in place in owned_grad_flat_
   torch::Tensor staging_
       ABSL_GUARDED_BY(hooks_->mu);  // the arena, in comm_type (allocated at first use)
-  StagingArena arena_ ABSL_GUARDED_BY(hooks_->mu);  // the regions of staging_
+  StagingArena arena_ ABSL_GUARDED_BY(hooks_->mu);        // the regions of staging_
   bool arena_sized_ ABSL_GUARDED_BY(hooks_->mu) = false;  // grown after the second step
   // A bucket of one tensor whose reduce-scatter does not fit a staging piece
   // is reduced in pieces of piece_elements_ of every rank's chunk, staged in
@@ -133,8 +132,8 @@ class ShardedGradientReducer : public GradientReducer {
   std::deque<StagedPiece> pieces_ ABSL_GUARDED_BY(hooks_->mu);
   int64_t piece_elements_ = 0;  // per rank; 0: no bucket is reduced in pieces
   std::vector<torch::Tensor> overflow_buf_
-      ABSL_GUARDED_BY(hooks_->mu);                          // per bucket: a buffer of its own
-  int64_t overflow_bytes_ ABSL_GUARDED_BY(hooks_->mu) = 0;  // held by overflow_buf_ now
+      ABSL_GUARDED_BY(hooks_->mu);                               // per bucket: a buffer of its own
+  int64_t overflow_bytes_ ABSL_GUARDED_BY(hooks_->mu) = 0;       // held by overflow_buf_ now
   int64_t overflow_peak_bytes_ ABSL_GUARDED_BY(hooks_->mu) = 0;  // the most ever held at once
   int64_t overflow_shortfall_ ABSL_GUARDED_BY(hooks_->mu) =
       0;  // elements the arena's end lacked for one

@@ -100,7 +100,7 @@ common_srcs=(server/kernels/update_slice.cc common/optimizer_config.cc server/ke
 # `bazel query` that every source the GPU targets depend on is named in this
 # script, so this list cannot silently fall behind the BUILD files.
 if [[ $have_absl == 1 ]]; then
-  for s in "${common_srcs[@]}" tests/gpu_kernels_test.cc; do
+  for s in "${common_srcs[@]}" tests/gpu/gpu_kernels_test.cc; do
     n=$(basename "$s" .cc); compile "$n" $CXX "${CXXFLAGS[@]}" -c "$s" -o "$b/$n.o"
   done
   compile cpu_kernels $CXX "${CXXFLAGS[@]}" -fopenmp -c server/kernels/cpu/cpu_kernels.cc -o "$b/cpu_kernels.o"
@@ -110,14 +110,14 @@ if [[ $have_absl == 1 ]]; then
   compile k_avx512 $CXX "${CXXFLAGS[@]}" "${kflags[@]}" -mavx512f -mavx512bw -mavx512vl -mavx2 -mfma \
     -mprefer-vector-width=512 -c server/kernels/cpu/cpu_kernels_avx512.cc -o "$b/k_avx512.o"
   if [[ -n $nccl_lib ]]; then
-    for s in client/comm/nccl_communicator.cc tests/gpu_nccl_test.cc; do
+    for s in client/comm/nccl_communicator.cc tests/gpu/gpu_nccl_test.cc; do
       n=$(basename "$s" .cc); compile "$n" $CXX "${CXXFLAGS[@]}" -I"$nccl_inc" -c "$s" -o "$b/$n.o"
     done
     if [[ $torch_cuda == 1 || ${BUILD_TORCH_TEST:-0} == 1 ]]; then
       tinc=(); for d in $torch_inc; do tinc+=(-isystem "$d"); done
       for s in client/sharded_optimizer.cc client/gradient_reducer.cc client/full_gradient_reducer.cc \
                client/sharded_gradient_reducer.cc client/grad_norm.cc \
-               server/shard_owner.cc client/checkpoint/checkpoint.cc tests/gpu_sharded_optimizer_test.cc \
+               server/shard_owner.cc client/checkpoint/checkpoint.cc tests/gpu/gpu_sharded_optimizer_test.cc \
                tools/bench/bench_gpu_step.cc; do
         n=$(basename "$s" .cc)
         # LibTorch's headers may need C++20 (newer PyTorch): try 17, then 20.

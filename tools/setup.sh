@@ -22,10 +22,10 @@ PACKAGES=(
   python3-grpcio python3-protobuf openssl python3-torch
   # tests: network namespaces (multi-host test), pgrep (end-to-end tests)
   iproute2 procps
-  # tests: a real terminal for shardctl top (tests/shardctl_top_test.sh)
+  # tests: a real terminal for shardctl top (tests/e2e/shardctl_top_test.sh)
   tmux
   # metrics: the Prometheus client library (shardrun --metrics-port); the
-  # Prometheus server and promtool for tests/prometheus_test.sh
+  # Prometheus server and promtool for tests/e2e/prometheus_test.sh
   prometheus-cpp-dev prometheus
   # Python API: the pybind11 extension (python/), its tests and the Python benchmark
   pybind11-dev python3-pytest python3-torchvision

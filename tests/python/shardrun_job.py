@@ -1,4 +1,4 @@
-"""A Python job for tests/python_shardrun_test.sh: shardopt under shardrun,
+"""A Python job for tests/e2e/python_shardrun_test.sh: shardopt under shardrun,
 with the script's own torch.distributed process group next to it."""
 import argparse
 import sys

@@ -31,6 +31,7 @@
 #include "common/file_system.h"
 #include "nlohmann/json.hpp"
 #include "tools/cli/flags.h"
+#include "tools/cli/plan_command.h"
 #include "tools/cli/top_live.h"
 #include "tools/cli/top_view.h"
 
@@ -40,6 +41,9 @@ namespace {
 constexpr char kUsage[] = R"(usage: shardctl [flags] COMMAND
 
 commands:
+  plan          predict step time and memory per rank of DDP, OSS, ZeRO and shardopt
+                for a model on a cluster, and recommend buckets and gradient sharding
+                (offline; its flags: shardctl plan --help)
   status        job state, step, and every rank's heartbeat, loss and throughput
   layout        which rank owns what: per rank and bucket, elements and parameters
   memory        per rank: fp32 master, optimizer state, gradients, parameters, RSS
@@ -658,6 +662,8 @@ std::string ArityError(const JobCommand& c, const std::vector<std::string>& posi
 }
 
 int Main(int argc, char** argv) {
+  // The advisor works offline and has flags of its own.
+  if (argc >= 2 && std::string(argv[1]) == "plan") return PlanMain(argc - 1, argv + 1);
   auto flags = Flags::Parse(
       argc, argv,
       {"coordinator", "token-file", "json", "wait", "rate", "duration", "tls-ca", "tls-cert",

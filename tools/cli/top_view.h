@@ -1,7 +1,7 @@
 // The frame of `shardctl top`: a pure function from a job's status (the
 // coordinator's GetJobResponse) and a terminal size to the lines to show.
 // No I/O and no clock: shardctl.cc owns the terminal, the refresh loop and the
-// RPCs; tests/top_view_test.cc checks the frames.
+// RPCs; tests/unit/top_view_test.cc checks the frames.
 //
 // A frame is
 //   job J  running  2 ranks  step 40  lr 0.0001  up 47s  slow ranks: none

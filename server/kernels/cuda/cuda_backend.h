@@ -2,7 +2,7 @@
 // default stream (the one LibTorch uses unless told otherwise). Pass it to a
 // ShardedOptimizer whose parameters are on a GPU:
 //   options.kernel_backend = MakeCudaKernelBackend();
-// Tested on one H200 by tools/gpu_check.sh (tests/gpu_sharded_optimizer_test.cc).
+// Tested on one H200 by tools/gpu_check.sh (tests/gpu/gpu_sharded_optimizer_test.cc).
 #ifndef SHARDOPT_SERVER_KERNELS_CUDA_CUDA_BACKEND_H_
 #define SHARDOPT_SERVER_KERNELS_CUDA_CUDA_BACKEND_H_
 
