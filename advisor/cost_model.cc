@@ -247,11 +247,16 @@ absl::StatusOr<Prediction> Predict(const ModelInfo& model, const Cluster& cluste
   Prediction p;
   p.strategy = strategy;
   p.compute_s = compute.forward_s + compute.backward_s;
-  auto ar = [&](double b) { return AllReduceSeconds(b, n, link); };
-  auto rs = [&](double b) { return ReduceScatterSeconds(b, n, link); };
-  auto ag = [&](double b) { return AllGatherSeconds(b, n, link); };
-  auto bc = [&](double b) { return BroadcastSeconds(b, n, link); };
-  auto rd = [&](double b) { return ReduceSeconds(b, n, link); };
+  // The wire (bandwidth and latency) overlaps compute; the per-call cost is
+  // host time (launch, synchronisation) on the thread that also drives
+  // compute: it never overlaps, and is added per collective below.
+  Link wire = link;
+  wire.per_call = 0.0;
+  auto ar = [&](double b) { return AllReduceSeconds(b, n, wire); };
+  auto rs = [&](double b) { return ReduceScatterSeconds(b, n, wire); };
+  auto ag = [&](double b) { return AllGatherSeconds(b, n, wire); };
+  auto bc = [&](double b) { return BroadcastSeconds(b, n, wire); };
+  auto rd = [&](double b) { return ReduceSeconds(b, n, wire); };
   // Communication during backward, then after the update.
   std::vector<double> backward_msgs, after_msgs;
   double backward_comm = 0.0, after_comm = 0.0, exposed_backward = 0.0, exposed_after = 0.0;
@@ -292,8 +297,10 @@ absl::StatusOr<Prediction> Predict(const ModelInfo& model, const Cluster& cluste
       exposed_backward = ExposedAfterBackward(backward_msgs, compute.backward_s, rs);
       p.bytes_sent += double(n - 1) / n * S;
       if (strategy == Strategy::kShardoptZero2) {
-        double largest = 0.0;
-        for (double b : backward_msgs) largest = std::max(largest, b);
+        double largest = 0.0;  // a bucket staged whole
+        for (double b : backward_msgs) {
+          if (b <= double(cap) || !options.zero2_pieces) largest = std::max(largest, b);
+        }
         m.grads = S / n;
         m.staging = std::max(largest, double(options.zero2_staging_buckets) * double(cap)) *
                     double(n - 1) / n;
@@ -365,8 +372,9 @@ absl::StatusOr<Prediction> Predict(const ModelInfo& model, const Cluster& cluste
     }
     p.bytes_sent += double(model.buffer_bytes) / n;
   }
-  p.comm_s = backward_comm + after_comm + buffer_comm;
   p.collectives = static_cast<int64_t>(backward_msgs.size() + after_msgs.size()) + buffer_calls;
+  const double host_calls = double(p.collectives) * link.per_call;
+  p.comm_s = backward_comm + after_comm + buffer_comm + host_calls;
   if (n == 1) {
     p.exposed_comm_s = 0.0;
     p.comm_s = 0.0;
@@ -374,7 +382,7 @@ absl::StatusOr<Prediction> Predict(const ModelInfo& model, const Cluster& cluste
   } else if (cluster.comm_on_compute_cores) {
     p.exposed_comm_s = p.comm_s;  // nothing overlaps
   } else {
-    p.exposed_comm_s = exposed_backward + exposed_after + buffer_comm;
+    p.exposed_comm_s = exposed_backward + exposed_after + buffer_comm + host_calls;
   }
   p.step_s = p.compute_s + p.exposed_comm_s + p.optimizer_s;
   return p;

@@ -14,7 +14,9 @@
 // - overlap: backward produces gradients at a uniform rate in reverse
 //   registration order; a bucket's collective starts when its last gradient
 //   is in and the previous collective is done; what ends after backward is
-//   exposed. Where communication runs on the cores that compute (CPU
+//   exposed. A collective's fixed per-call cost is host time (launch,
+//   synchronisation) and never overlaps: per-parameter schemes pay it per
+//   tensor. Where communication runs on the cores that compute (CPU
 //   training with every core busy), nothing overlaps: its time adds;
 // - the optimizer: elements x seconds per element (fused: one pass;
 //   torch.optim: several passes) + tensors x a fixed cost per tensor.
@@ -108,6 +110,10 @@ struct Options {
   int64_t bucket_bytes = int64_t{25} << 20;       // DDP's and shardopt's gradient buckets
   int64_t zero2_bucket_bytes = int64_t{8} << 20;  // shardopt_zero2's buckets
   int zero2_staging_buckets = 2;                  // staging arena, in buckets
+  // shardopt_zero2 reduces a tensor larger than a bucket in pieces of a
+  // bucket's share (reduce_large_gradients_in_pieces): staging stays the
+  // arena's; false: such a tensor is staged whole.
+  bool zero2_pieces = true;
   // ZeroRedundancyOptimizer: broadcast parameters per tensor (0, its
   // default) or in buckets of this size (parameters_as_bucket_view).
   int64_t broadcast_bucket_bytes = 0;

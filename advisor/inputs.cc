@@ -2,7 +2,13 @@
 
 #include <nlohmann/json.hpp>
 
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 
 namespace shardopt {
 namespace advisor {
@@ -85,6 +91,61 @@ absl::StatusOr<double> ComputeFromBenchOss(const std::string& json_text, const s
   }
   return absl::NotFoundError(
       absl::StrCat("bench_oss result has no compute_only row for '", model, "'"));
+}
+
+absl::StatusOr<Link> LinkFromSpec(const std::string& spec) {
+  const size_t colon = spec.rfind(':');
+  const std::string file = spec.substr(0, colon == std::string::npos ? spec.size() : colon);
+  if (!absl::EndsWith(file, ".json")) return FindLink(spec);
+  if (colon == std::string::npos) {
+    return absl::InvalidArgumentError(absl::StrCat("'", spec, "': say FILE.json:gloo or :shm"));
+  }
+  std::ifstream in(file, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot read '", file, "'"));
+  std::ostringstream text;
+  text << in.rdbuf();
+  return LinkFromBenchComm(text.str(), spec.substr(colon + 1));
+}
+
+absl::StatusOr<std::vector<ParamSpec>> StandardModel(const std::string& spec) {
+  auto gpt = [&](int l, int h, int v, int s) { return GptShapes(l, h, v, s); };
+  if (spec == "gpt2-small") return gpt(12, 768, 50257, 1024);
+  if (spec == "gpt-1.3b") return gpt(24, 2048, 50257, 2048);
+  if (spec == "gpt-7b") return gpt(32, 4096, 50257, 2048);
+  if (spec.rfind("mlp:", 0) == 0) {  // Linear layers: weights [out, in], biases [out]
+    std::vector<std::string> f = absl::StrSplit(spec.substr(4), ',');
+    std::vector<int64_t> w;
+    for (const std::string& x : f) {
+      int64_t v = 0;
+      if (!absl::SimpleAtoi(x, &v) || v < 1 || v > (int64_t{1} << 24)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("mlp:...: '", x, "' is not an integer in [1, 16777216]"));
+      }
+      w.push_back(v);
+    }
+    if (w.size() < 2)
+      return absl::InvalidArgumentError("mlp:IN,HIDDEN...,OUT: at least two widths");
+    std::vector<ParamSpec> out;
+    for (size_t i = 0; i + 1 < w.size(); ++i) {
+      out.push_back(ParamSpec{absl::StrCat(i, ".weight"), {w[i + 1], w[i]}, DType::kFloat32, true});
+      out.push_back(ParamSpec{absl::StrCat(i, ".bias"), {w[i + 1]}, DType::kFloat32, true});
+    }
+    return out;
+  }
+  if (spec.rfind("gpt:", 0) == 0) {
+    std::vector<std::string> f = absl::StrSplit(spec.substr(4), ',');
+    int v[4];
+    if (f.size() != 4)
+      return absl::InvalidArgumentError("gpt:LAYERS,HIDDEN,VOCAB,SEQ: four integers");
+    for (int i = 0; i < 4; ++i) {
+      if (!absl::SimpleAtoi(f[i], &v[i]) || v[i] < 1 || v[i] > (1 << 24)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("gpt:...: '", f[i], "' is not an integer in [1, 16777216]"));
+      }
+    }
+    return gpt(v[0], v[1], v[2], v[3]);
+  }
+  return absl::NotFoundError(absl::StrCat("no standard model '", spec, "'"));
 }
 
 std::vector<ParamSpec> GptShapes(int layers, int hidden, int vocab, int seq) {

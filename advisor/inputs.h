@@ -5,6 +5,7 @@
 #define SHARDOPT_ADVISOR_INPUTS_H_
 
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -31,6 +32,14 @@ absl::StatusOr<OptimizerCost> OptimizerCostFromBenchKernels(const std::string& j
 // Forward + backward seconds of `model`'s compute_only row in a bench_oss
 // --json result.
 absl::StatusOr<double> ComputeFromBenchOss(const std::string& json_text, const std::string& model);
+
+// A link named by a profile (NamedLinks) or FILE.json:gloo|shm (a bench_comm
+// --json result, fitted with LinkFromBenchComm).
+absl::StatusOr<Link> LinkFromSpec(const std::string& spec);
+
+// gpt:LAYERS,HIDDEN,VOCAB,SEQ, mlp:IN,HIDDEN,...,OUT, gpt2-small, gpt-1.3b,
+// gpt-7b; NotFound for anything else (a file, for the caller to read).
+absl::StatusOr<std::vector<ParamSpec>> StandardModel(const std::string& spec);
 
 // GPT-2-style shapes: token and position embeddings, `layers` blocks of
 // (layer norm, fused QKV, attention projection, layer norm, 4x MLP), a final

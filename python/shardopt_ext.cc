@@ -29,6 +29,8 @@
 #include "client/comm/kv_store.h"
 #include "client/checkpoint/full_state.h"
 #include "client/sharded_optimizer.h"
+#include "advisor/cost_model.h"
+#include "advisor/inputs.h"
 #include "common/file_system.h"
 #include "common/hyper_params.h"
 
@@ -619,6 +621,110 @@ class PyOptimizer {
   bool step_open_ = false;
 };
 
+// shardopt.advise (python/src/shardopt/advisor.py): the cost model of
+// advisor/cost_model.h for a model given by its parameter shapes, or by
+// `model` (a standard model name); a dict per strategy and the
+// recommendation.
+// Every error of advise()'s inputs is a bad argument (ValueError).
+void CheckArgument(const absl::Status& s) {
+  if (!s.ok()) Raise(absl::InvalidArgumentError(s.message()));
+}
+
+py::dict Advise(const std::vector<std::vector<int64_t>>& shapes,
+                const std::vector<std::vector<int64_t>>& buffer_shapes, const std::string& model,
+                int world_size, int ranks_per_node, const std::string& intra,
+                const std::string& inter, bool cpu, double forward_s, double backward_s,
+                double fused_s, double unfused_s, double per_tensor_s, const std::string& precision,
+                const std::string& optimizer, double bucket_mb, double zero2_bucket_mb,
+                double activation_bytes, double memory_limit_bytes) {
+  std::vector<ParamSpec> params, buffers;
+  if (!model.empty()) {
+    auto specs = advisor::StandardModel(model);
+    CheckArgument(specs.status());
+    params = *specs;
+  }
+  for (size_t i = 0; i < shapes.size(); ++i) params.push_back({absl::StrCat(i), shapes[i]});
+  for (size_t i = 0; i < buffer_shapes.size(); ++i) {
+    buffers.push_back({absl::StrCat(i), buffer_shapes[i]});
+  }
+  const advisor::ModelInfo info = advisor::ModelOf(model, params, buffers);
+  advisor::Cluster c;
+  c.world_size = world_size;
+  c.ranks_per_node = ranks_per_node;
+  auto a = advisor::LinkFromSpec(intra);
+  CheckArgument(a.status());
+  auto b = advisor::LinkFromSpec(inter);
+  CheckArgument(b.status());
+  c.intra = *a;
+  c.inter = *b;
+  c.comm_on_compute_cores = cpu;
+  advisor::Compute k{forward_s, backward_s, fused_s, unfused_s, per_tensor_s};
+  advisor::Precision pr;
+  if (precision == "mixed") {
+    pr = advisor::Precision{2, 2, 4, 8};
+  } else if (precision != "fp32") {
+    CheckArgument(absl::InvalidArgumentError("precision must be 'fp32' or 'mixed'"));
+  }
+  if (optimizer != "adam" && optimizer != "adamw" && optimizer != "rmsprop" && optimizer != "sgd") {
+    CheckArgument(absl::InvalidArgumentError("optimizer must be adam, adamw, rmsprop or sgd"));
+  }
+  pr.state = optimizer == "sgd" ? 4 : 8;
+  if (!(bucket_mb > 0) || !(zero2_bucket_mb > 0)) {
+    CheckArgument(absl::InvalidArgumentError("bucket sizes must be > 0 MiB"));
+  }
+  advisor::Options o;
+  o.bucket_bytes = std::max<int64_t>(1, static_cast<int64_t>(bucket_mb * (1 << 20)));
+  o.zero2_bucket_bytes = std::max<int64_t>(1, static_cast<int64_t>(zero2_bucket_mb * (1 << 20)));
+  o.activation_bytes = activation_bytes;
+  o.broadcast_buffers = !buffer_shapes.empty();
+  py::list rows;
+  for (advisor::Strategy st : advisor::AllStrategies()) {
+    auto p = advisor::Predict(info, c, k, pr, o, st);
+    CheckArgument(p.status());
+    py::dict d, mem;
+    d["strategy"] = advisor::StrategyName(st);
+    d["step_s"] = p->step_s;
+    d["compute_s"] = p->compute_s;
+    d["exposed_comm_s"] = p->exposed_comm_s;
+    d["optimizer_s"] = p->optimizer_s;
+    d["bytes_sent"] = p->bytes_sent;
+    d["collectives"] = p->collectives;
+    mem["params"] = p->memory.params;
+    mem["grads"] = p->memory.grads;
+    mem["state"] = p->memory.state;
+    mem["master"] = p->memory.master;
+    mem["staging"] = p->memory.staging;
+    mem["activations"] = p->memory.activations;
+    mem["total"] = p->memory.total();
+    d["memory"] = mem;
+    rows.append(d);
+  }
+  auto r = advisor::Recommend(info, c, k, pr, memory_limit_bytes);
+  CheckArgument(r.status());
+  py::dict out, rec;
+  rec["strategy"] = advisor::StrategyName(r->strategy);
+  rec["bucket_bytes"] = r->bucket_bytes;
+  rec["shard_gradients"] = r->shard_gradients;
+  rec["why"] = r->why;
+  out["parameters"] = info.elements();
+  out["tensors"] = info.numel.size();
+  out["world_size"] = world_size;
+  out["nodes"] = advisor::Nodes(c);
+  out["ring_bandwidth"] = advisor::RingLink(c).bandwidth;
+  out["strategies"] = rows;
+  out["recommended"] = rec;
+  return out;
+}
+
+void BindAdvisor(py::module_& m) {
+  m.def("advise", &Advise, py::arg("shapes"), py::arg("buffer_shapes"), py::arg("model"),
+        py::arg("world_size"), py::arg("ranks_per_node"), py::arg("intra"), py::arg("inter"),
+        py::arg("cpu"), py::arg("forward_s"), py::arg("backward_s"), py::arg("fused_s"),
+        py::arg("unfused_s"), py::arg("per_tensor_s"), py::arg("precision"), py::arg("optimizer"),
+        py::arg("bucket_mb"), py::arg("zero2_bucket_mb"), py::arg("activation_bytes"),
+        py::arg("memory_limit_bytes"));
+}
+
 // The module's bindings, in the order PYBIND11_MODULE registers them (a
 // type is bound before the functions whose signatures name it).
 void BindHyperParameters(py::module_& m) {
@@ -736,4 +842,5 @@ PYBIND11_MODULE(_C, m) {
   BindCommunicator(m);
   BindOptimizerArgs(m);
   BindOptimizer(m);
+  BindAdvisor(m);
 }

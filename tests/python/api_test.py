@@ -193,5 +193,45 @@ class ParityTest(unittest.TestCase):
         self.assertIn("refusing to train", r["differs"])
 
 
+
+class AdviseTest(unittest.TestCase):
+    """shardopt.advise: the same cost model as `shardctl plan`, from a model."""
+
+    def test_module_and_standard_model(self):
+        import shardopt
+        model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.BatchNorm1d(32),
+                                    torch.nn.Linear(32, 8))
+        adv = shardopt.advise(model, world_size=4, network="pcie4-p2p", forward_ms=10,
+                              backward_ms=20, cpu=False)
+        self.assertEqual(adv["parameters"], sum(p.numel() for p in model.parameters()))
+        self.assertEqual(adv["tensors"], 6)
+        rows = {r["strategy"]: r for r in adv["strategies"]}
+        self.assertEqual(set(rows), {"ddp", "ddp_fused", "oss_ddp", "oss_sharded_ddp", "zero",
+                                     "shardopt", "shardopt_overlap", "shardopt_zero2"})
+        # fp32 Adam: 8 bytes of state per parameter, 1/N of it when sharded.
+        self.assertEqual(rows["ddp"]["memory"]["state"], 8 * adv["parameters"])
+        self.assertEqual(rows["shardopt"]["memory"]["state"], 2 * adv["parameters"])
+        self.assertIn(adv["recommended"]["strategy"], ("shardopt_overlap", "shardopt_zero2"))
+        self.assertIn("recommended:", shardopt.format_advice(adv))
+        gpt = shardopt.advise("gpt2-small", world_size=8, network="nvlink4", forward_ms=30,
+                              backward_ms=60, precision="mixed")
+        self.assertEqual(gpt["parameters"], 124439808)
+
+    def test_bad_arguments(self):
+        import shardopt
+        model = torch.nn.Linear(4, 4)
+        for kwargs, what in (({"network": "carrier-pigeon"}, "carrier-pigeon"),
+                             ({"optimizer": "lamb"}, "optimizer"),
+                             ({"world_size": 0}, "world_size"),
+                             ({"backward_ms": 0}, "backward_ms"),
+                             ({"precision": "fp8"}, "precision")):
+            args = {"forward_ms": 1, "backward_ms": 2, **kwargs}
+            with self.assertRaises(ValueError) as e:
+                shardopt.advise(model, **args)
+            self.assertIn(what, str(e.exception))
+        with self.assertRaises(ValueError):
+            shardopt.advise("gpt:1,2,3", forward_ms=1, backward_ms=2)
+
+
 if __name__ == "__main__":
     unittest.main(verbosity=2)

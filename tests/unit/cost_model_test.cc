@@ -161,6 +161,7 @@ TEST(PredictTest, MixedPrecisionMemoryIsTheZeroPapers) {
   o.ddp_bucket_copy = false;
   o.zero2_staging_buckets = 1;
   o.zero2_bucket_bytes = 1;  // (staging: the largest bucket, (n-1)/n of it)
+  o.zero2_pieces = false;    // (staged whole)
   const double P = 1 << 20;
   const int n = 64;
   Cluster c = TwoRanks(100);
@@ -173,6 +174,14 @@ TEST(PredictTest, MixedPrecisionMemoryIsTheZeroPapers) {
   EXPECT_DOUBLE_EQ(z1->memory.total(), (2 + 2 + 12.0 / n) * P);                   // ZeRO-1 (P_os)
   EXPECT_DOUBLE_EQ(z2->memory.total() - z2->memory.staging, (2 + 14.0 / n) * P);  // P_os+g
   EXPECT_DOUBLE_EQ(z2->memory.staging, 2 * P * (n - 1) / n);
+  // Reduced in pieces, a tensor larger than a bucket stages no more than the
+  // arena (staging buckets x cap).
+  o.zero2_pieces = true;
+  o.zero2_bucket_bytes = 1 << 10;
+  o.zero2_staging_buckets = 2;
+  auto pieces = Predict(m, c, Backward(0.1, 0.2), mixed, o, Strategy::kShardoptZero2);
+  ASSERT_TRUE(pieces.ok());
+  EXPECT_DOUBLE_EQ(pieces->memory.staging, 2.0 * (1 << 10) * (n - 1) / n);
 }
 
 TEST(PredictTest, RefusesBadInput) {

@@ -84,41 +84,8 @@ absl::StatusOr<std::string> ReadText(const std::string& path) {
 absl::StatusOr<std::vector<ParamSpec>> LoadModel(const std::string& spec, std::string* name,
                                                  std::vector<ParamSpec>* buffers) {
   *name = spec;
-  auto gpt = [&](int l, int h, int v, int s) { return advisor::GptShapes(l, h, v, s); };
-  if (spec == "gpt2-small") return gpt(12, 768, 50257, 1024);
-  if (spec == "gpt-1.3b") return gpt(24, 2048, 50257, 2048);
-  if (spec == "gpt-7b") return gpt(32, 4096, 50257, 2048);
-  if (spec.rfind("mlp:", 0) == 0) {  // Linear layers: weights [out, in], biases [out]
-    std::vector<std::string> f = absl::StrSplit(spec.substr(4), ',');
-    std::vector<int64_t> w;
-    for (const std::string& x : f) {
-      int64_t v = 0;
-      if (!absl::SimpleAtoi(x, &v) || v < 1 || v > (int64_t{1} << 24)) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("--model=mlp:...: '", x, "' is not an integer in [1, 16777216]"));
-      }
-      w.push_back(v);
-    }
-    if (w.size() < 2) return absl::InvalidArgumentError("--model=mlp:IN,HIDDEN...,OUT");
-    std::vector<ParamSpec> out;
-    for (size_t i = 0; i + 1 < w.size(); ++i) {
-      out.push_back(ParamSpec{absl::StrCat(i, ".weight"), {w[i + 1], w[i]}, DType::kFloat32, true});
-      out.push_back(ParamSpec{absl::StrCat(i, ".bias"), {w[i + 1]}, DType::kFloat32, true});
-    }
-    return out;
-  }
-  if (spec.rfind("gpt:", 0) == 0) {
-    std::vector<std::string> f = absl::StrSplit(spec.substr(4), ',');
-    int v[4];
-    if (f.size() != 4) return absl::InvalidArgumentError("--model=gpt:LAYERS,HIDDEN,VOCAB,SEQ");
-    for (int i = 0; i < 4; ++i) {
-      if (!absl::SimpleAtoi(f[i], &v[i]) || v[i] < 1 || v[i] > (1 << 24)) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("--model=gpt:...: '", f[i], "' is not an integer in [1, 16777216]"));
-      }
-    }
-    return gpt(v[0], v[1], v[2], v[3]);
-  }
+  auto standard = advisor::StandardModel(spec);
+  if (standard.ok() || !absl::IsNotFound(standard.status())) return standard;
   if (absl::EndsWith(spec, ".safetensors")) {
     auto header = ReadSafetensorsHeader(PosixFileSystem(), spec);
     if (!header.ok()) return header.status();
@@ -133,19 +100,6 @@ absl::StatusOr<std::vector<ParamSpec>> LoadModel(const std::string& spec, std::s
   if (!shapes->model.empty()) *name = shapes->model;
   *buffers = shapes->buffers;
   return shapes->params;
-}
-
-absl::StatusOr<advisor::Link> ParseLink(const std::string& v) {
-  const size_t colon = v.rfind(':');
-  if (absl::EndsWith(v.substr(0, colon == std::string::npos ? v.size() : colon), ".json")) {
-    if (colon == std::string::npos) {
-      return absl::InvalidArgumentError(absl::StrCat("'", v, "': say FILE.json:gloo or :shm"));
-    }
-    auto text = ReadText(v.substr(0, colon));
-    if (!text.ok()) return text.status();
-    return advisor::LinkFromBenchComm(*text, v.substr(colon + 1));
-  }
-  return advisor::FindLink(v);
 }
 
 struct PlanFlags {
@@ -218,9 +172,9 @@ absl::Status ReadPlanFlags(const Flags& f, PlanFlags* p) {
   auto rpn = f.Int("ranks-per-node", 0, 1, 1 << 20);
   if (!rpn.ok()) return rpn.status();
   p->cluster.ranks_per_node = static_cast<int>(*rpn);
-  auto intra = ParseLink(f.Str("intra", "pcie4-p2p"));
+  auto intra = advisor::LinkFromSpec(f.Str("intra", "pcie4-p2p"));
   if (!intra.ok()) return intra.status();
-  auto inter = ParseLink(f.Str("inter", "ib400"));
+  auto inter = advisor::LinkFromSpec(f.Str("inter", "ib400"));
   if (!inter.ok()) return inter.status();
   p->cluster.intra = *intra;
   p->cluster.inter = *inter;

@@ -18,7 +18,8 @@ See docs/python.md (API reference) and docs/migration.md.
 
 # The package's modules: _launch (init, Context, the environment), _allocator
 # (the host allocator), optimizer (ShardedOptimizer, StepStats), _options (its
-# arguments), _state (state_dict, checkpoints), _exit (excepthook / atexit).
+# arguments), _state (state_dict, checkpoints), _exit (excepthook / atexit),
+# advisor (advise: the partition advisor's predictions).
 
 import torch
 
@@ -26,9 +27,10 @@ from . import _C  # the C++ core (built against this torch)
 from . import _exit
 from ._allocator import host_allocator_stats, install_host_allocator
 from ._launch import Context, init
+from .advisor import advise, format_advice
 from .optimizer import ShardedOptimizer, StepStats
 
 __all__ = ["init", "Context", "ShardedOptimizer", "StepStats", "install_host_allocator",
-           "host_allocator_stats"]
+           "host_allocator_stats", "advise", "format_advice"]
 
 _exit._install()
