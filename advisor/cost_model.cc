@@ -416,11 +416,18 @@ absl::StatusOr<Recommendation> Recommend(const ModelInfo& model, const Cluster& 
   const bool needed = memory_limit_bytes > 0 && best_full.memory.total() > memory_limit_bytes;
   best.shard_gradients = needed || (saved > 0 && cost <= 0.03);
   best.strategy = best.shard_gradients ? Strategy::kShardoptZero2 : Strategy::kShardoptOverlap;
-  best.why = absl::StrFormat(
-      "buckets of %d MiB (predicted step %.1f ms); gradient sharding saves %.0f MiB per rank at "
-      "%+.1f%% step time%s",
-      best.bucket_bytes >> 20, best_step * 1e3, saved / (1 << 20), cost * 100,
-      needed ? ", and the memory limit needs it" : "");
+  if (saved > 0) {
+    best.why = absl::StrFormat(
+        "buckets of %d MiB (predicted step %.1f ms); gradient sharding saves %.1f MiB per rank at "
+        "%+.1f%% step time%s",
+        best.bucket_bytes >> 20, best_step * 1e3, saved / (1 << 20), cost * 100,
+        needed ? ", and the memory limit needs it" : "");
+  } else {
+    best.why = absl::StrFormat(
+        "buckets of %d MiB (predicted step %.1f ms); gradient sharding would save no memory "
+        "(its staging exceeds the gradients it frees)%s",
+        best.bucket_bytes >> 20, best_step * 1e3, needed ? ", but the memory limit needs it" : "");
+  }
   return best;
 }
 

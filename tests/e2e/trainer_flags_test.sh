@@ -35,6 +35,7 @@ train() {  # train NAME TEXT FLAGS...
     $B/shardopt_train --model=tiny "$@"
 }
 train "--log-every=0" "--log-every must be an integer in [1, " --log-every=0
+train "--advise=maybe" "--advise" --advise=maybe
 train "--log-every=abc" "--log-every" --log-every=abc
 train "--ckpt-every=abc" "--ckpt-every" --ckpt-dir="$tmp/ck" --ckpt-every=abc
 train "--ckpt-keep=abc" "--ckpt-keep" --ckpt-dir="$tmp/ck" --ckpt-keep=abc
@@ -182,6 +183,17 @@ check "nan on one rank: the other stops at the same step" \
   "$tmp/nanrank.log"
 check "nan on one rank: checkpoints up to step 2 only" \
   bash -c "test -d '$tmp/nanr/step-2' && ! test -e '$tmp/nanr/step-3'"
+
+# --advise: the partition advisor's two lines for the live run, from rank 0 only.
+timeout 120 $B/shardrun --nproc 2 -- $B/shardopt_train --model=tiny --steps=6 --advise \
+  >"$tmp/advise.log" 2>&1
+check "--advise: the run succeeds" test $? -eq 0
+check "--advise: rank 0 prints the prediction for this run" \
+  grep -qE '^\[rank 0\] advisor: this run \(shardopt_overlap\) [0-9.]+ ms/step predicted, .*DDP [0-9.]+ ms .*link measured' \
+  "$tmp/advise.log"
+check "--advise: and the recommendation" \
+  grep -qE '^\[rank 0\] advisor: recommended shardopt_(overlap|zero2), buckets of [0-9]+ MiB' "$tmp/advise.log"
+check "--advise: rank 1 prints nothing of it" bash -c "! grep -q '^\[rank 1\] advisor' '$tmp/advise.log'"
 
 if [[ $fails -ne 0 ]]; then
   echo "---- logs"; tail -n 20 "$tmp"/*.log

@@ -26,6 +26,7 @@
 #include "client/host_allocator.h"
 #include "common/malloc_tuning.h"
 #include "tools/cli/flags.h"
+#include "tools/cli/train_advice.h"
 
 namespace shardopt {
 namespace {
@@ -79,6 +80,9 @@ flags (a malformed or out-of-range value is refused, naming the flag; exit statu
   --tls-cert=PEM       client certificate for mutual TLS (default $SHARDOPT_TLS_CERT)
   --tls-key=PEM        its key (default $SHARDOPT_TLS_KEY)
   --log-every=N        progress line every N steps, 1..100000000 (default: about 10 lines per run)
+  --advise             measure the link at start and, after 4 steps, print (rank 0) what the
+                       partition advisor predicts for this run against DDP and OSS, and its
+                       recommendation (docs/advisor.md)
   --ckpt-dir=DIR       write sharded checkpoints under DIR (step-N/, LATEST)
   --ckpt-every=K       ... every K steps, 0..100000000 (default 0: only at the end;
                        needs --ckpt-dir)
@@ -164,6 +168,7 @@ struct Config {
   int64_t ckpt_every = 0, ckpt_keep = 0;
   double lr = 0, clip = 0;
   bool has_lr = false, has_batch = false, overlap = true, shard_gradients = false;
+  bool advise = false;  // --advise: the partition advisor's line for this run
   absl::Duration collective_timeout;
   int64_t stall_rank = -1, stall_step = -1, nan_rank = -1, nan_step = -1, slow_rank = -1,
           slow_ms = 0;
@@ -234,6 +239,7 @@ absl::Status ReadConfig(const Flags& flags, Config* c) {
   ReadTrainingFlags(flags, c, &bad);
   const std::string malloc_flag = Take(flags.Choice("malloc", "tuned", {"tuned", "default"}), &bad);
   c->overlap = Take(flags.Choice("overlap", "on", {"on", "off"}), &bad) == "on";
+  c->advise = Take(flags.Bool("advise", false), &bad);
   c->coordinator = Take(flags.NonEmpty("coordinator", EnvStr("SHARDOPT_COORDINATOR", "")), &bad);
   c->job_id = Take(flags.NonEmpty("job-id", EnvStr("SHARDOPT_JOB_ID", "job")), &bad);
   const std::string token_file =
@@ -279,6 +285,7 @@ int ParseConfig(int argc, char** argv, Config* c) {
                              "bind",
                              "transport",
                              "log-every",
+                             "advise",
                              "tls-ca",
                              "tls-cert",
                              "tls-key",
@@ -293,7 +300,8 @@ int ParseConfig(int argc, char** argv, Config* c) {
                              "debug-nan-step",
                              "debug-slow-rank",
                              "debug-slow-ms",
-                             "help"});
+                             "help"},
+                            {"help", "advise"});
   if (!flags.ok()) return UsageError(flags.status().message());
   if (flags->Has("help")) {
     std::printf("%s", kUsage);
@@ -456,8 +464,15 @@ int CheckFinite(RankAgent* agent, int64_t step, double l, double grad_norm, int 
 
 // The training loop: steps [first_step, c.steps). Returns -1 when every step
 // ran, else the exit status (the agent has reported the failure).
+// --advise: the link measured at start, and the run's measured steps.
+struct Advice {
+  advisor::Link link;
+  int64_t at_step = -1;                      // print after this step (0-based); -1: off
+  double fwd_bwd_s = 1e30, update_s = 1e30;  // the fastest step's
+};
+
 int TrainLoop(const Config& c, TrainModel& model, int64_t batch, ShardedOptimizer* o,
-              RankAgent* agent, int64_t first_step) {
+              RankAgent* agent, int64_t first_step, Advice* advice) {
   auto t_window = std::chrono::steady_clock::now();
   int64_t window_steps = 0;
   for (int64_t step = first_step; step < c.steps; ++step) {
@@ -468,7 +483,10 @@ int TrainLoop(const Config& c, TrainModel& model, int64_t batch, ShardedOptimize
     }
     o->ZeroGrad();
     torch::Tensor loss;
+    const auto t_fb = std::chrono::steady_clock::now();
     if (int rc = ForwardBackward(c, model, batch, agent, step, &loss); rc >= 0) return rc;
+    const double fb_s =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t_fb).count();
     double l = loss.item<double>();
     if (c.rank == c.nan_rank && step + 1 == c.nan_step) l = std::nan("");  // --debug-nan-rank
     // Control actions and non-finite losses are agreed before the update, so
@@ -488,6 +506,16 @@ int TrainLoop(const Config& c, TrainModel& model, int64_t batch, ShardedOptimize
       return rc;
     }
     agent->FinishStep(step + 1, *r, l);
+    if (step > first_step && step <= advice->at_step) {  // (the first step warms up)
+      advice->fwd_bwd_s = std::min(advice->fwd_bwd_s, fb_s);
+      advice->update_s = std::min(advice->update_s, r->update_seconds);
+    }
+    if (step == advice->at_step && c.rank == 0) {
+      auto lines = AdviceLines(*o, advice->link, advice->fwd_bwd_s, advice->update_s);
+      std::printf("%s\n", lines.ok() ? lines->c_str()
+                                     : absl::StrCat("advisor: ", lines.status().message()).c_str());
+      std::fflush(stdout);
+    }
     ++window_steps;
     const auto now = std::chrono::steady_clock::now();
     const double secs = std::chrono::duration<double>(now - t_window).count();
@@ -594,8 +622,20 @@ int Main(int argc, char** argv) {
     first_step = *resumed;
     (*agent)->Resumed(first_step);
   }
+  Advice advice;
+  if (c.advise) {
+    auto link = MeasureLink(comm->get(), c.collective_timeout);
+    if (!link.ok()) {
+      return (*agent)->Fail(
+          absl::StrCat("--advise: measuring the link failed: ", link.status().message()));
+    }
+    advice.link = *link;
+    advice.at_step = first_step + 3;
+  }
   const auto t_start = std::chrono::steady_clock::now();
-  if (int rc = TrainLoop(c, **model, batch, o, agent->get(), first_step); rc >= 0) return rc;
+  if (int rc = TrainLoop(c, **model, batch, o, agent->get(), first_step, &advice); rc >= 0) {
+    return rc;
+  }
   const double total =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
   return Conclude(c, o, agent->get(), first_step, total);
