@@ -28,6 +28,7 @@
 #include "client/comm/in_process_communicator.h"
 #include "client/comm/kv_store.h"
 #include "client/checkpoint/full_state.h"
+#include "client/advice.h"
 #include "client/sharded_optimizer.h"
 #include "advisor/cost_model.h"
 #include "advisor/inputs.h"
@@ -596,6 +597,21 @@ class PyOptimizer {
     return d;
   }
 
+  // ShardedOptimizer(advise=True): the job's link, measured with all-reduces
+  // over its communicator (collective), then the advisor's two lines.
+  void MeasureLink() {
+    absl::StatusOr<advisor::Link> l;
+    {
+      py::gil_scoped_release release;
+      l = shardopt::MeasureLink(comm_->comm.get(), opt_->options().timeout);
+    }
+    Check(l.status());
+    link_ = *l;
+  }
+  std::string AdviceLines(double fwd_bwd_s, double update_s) const {
+    return Take(shardopt::AdviceLines(*opt_, link_, fwd_bwd_s, update_s));
+  }
+
   py::dict Memory() const {
     const MemoryReport m = opt_->memory();
     py::dict d;
@@ -617,6 +633,7 @@ class PyOptimizer {
   std::unique_ptr<ShardedOptimizer> opt_;
   double samples_per_rank_ = 0;
   std::optional<std::chrono::steady_clock::time_point> last_step_end_;
+  advisor::Link link_;                // MeasureLink's
   std::unique_ptr<RankAgent> agent_;  // declared last: stopped first
   bool step_open_ = false;
 };
@@ -824,6 +841,8 @@ void BindOptimizer(py::module_& m) {
       .def("load_state", &PyOptimizer::LoadState, py::arg("state"), py::arg("step"),
            py::arg("param_steps") = std::map<std::string, int64_t>())
       .def("layout", &PyOptimizer::Layout)
+      .def("measure_link", &PyOptimizer::MeasureLink)
+      .def("advice_lines", &PyOptimizer::AdviceLines, py::arg("fwd_bwd_s"), py::arg("update_s"))
       .def("memory", &PyOptimizer::Memory);
 }
 

@@ -43,3 +43,17 @@ grep -q "lr 0.5 from --lr (the checkpoint saved 0.01)" "$tmp/lr.log" || { cat "$
 
 # Real PyTorch files (written here by python3-torch) into shardopt and back.
 /usr/bin/python3 tests/testing/torch_import.py tools/shardctl "$tmp/import"
+
+# The advisor reads a model's state_dict saved by torch.save: float tensors
+# are parameters, batch-norm statistics buffers.
+/usr/bin/python3 -c "
+import torch
+m = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.BatchNorm1d(4))
+torch.save({'model': m.state_dict()}, '$tmp/advise.pt')"
+tools/shardctl plan --model="$tmp/advise.pt" --world=2 --forward-ms=1 --backward-ms=2 --json \
+  >"$tmp/plan.json" || { echo "shardctl plan failed on a torch.save file"; exit 1; }
+/usr/bin/python3 -c "
+import json, sys
+r = json.load(open('$tmp/plan.json'))[0]
+assert r['parameters'] == 44 and r['tensors'] == 4, r
+print('shardctl plan read the torch.save state_dict: 44 parameters in 4 tensors')"

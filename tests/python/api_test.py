@@ -4,6 +4,8 @@ MASTER_ADDR, MASTER_PORT). Run by Bazel (//tests:python_api_test) with
 PYTHONPATH pointing at the built package."""
 import json
 import os
+import subprocess
+import sys
 import tempfile
 import unittest
 
@@ -216,6 +218,33 @@ class AdviseTest(unittest.TestCase):
         gpt = shardopt.advise("gpt2-small", world_size=8, network="nvlink4", forward_ms=30,
                               backward_ms=60, precision="mixed")
         self.assertEqual(gpt["parameters"], 124439808)
+
+    def test_live_run_prints_its_advice(self):
+        # advise=True: after the fourth step rank 0 prints the advisor's two lines, once.
+        script = """
+import torch, shardopt
+shardopt.init()
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+opt = shardopt.ShardedOptimizer(model.named_parameters(), optimizer="adam", lr=1e-3, advise=True)
+for _ in range(6):
+    opt.zero_grad()
+    model(torch.randn(8, 16)).sum().backward()
+    opt.step()
+try:
+    shardopt.ShardedOptimizer(torch.nn.Linear(2, 2).named_parameters(), advise="yes")
+except ValueError as e:
+    print("refused:", e)
+"""
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("RANK", "WORLD_SIZE", "SHARDOPT_COORDINATOR")}
+        out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                             text=True, timeout=120)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        print(out.stdout)
+        self.assertEqual(out.stdout.count("advisor: this run (shardopt"), 1, out.stdout)
+        self.assertEqual(out.stdout.count("advisor: recommended shardopt_"), 1, out.stdout)
+        self.assertIn("refused: advise must be True or False", out.stdout)
 
     def test_bad_arguments(self):
         import shardopt

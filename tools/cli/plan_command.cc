@@ -16,6 +16,7 @@
 #include "advisor/cost_model.h"
 #include "advisor/inputs.h"
 #include "client/checkpoint/manifest.h"
+#include "client/checkpoint/torch_pickle.h"
 #include "common/file_system.h"
 #include "tools/cli/flags.h"
 #include "tools/models/model_shapes.h"
@@ -33,7 +34,9 @@ terms: docs/advisor.md.
 
 model:
   --model=M             a parameter-shape fixture (tests/fixtures/*.json), a
-                        .safetensors file (its header: every tensor is a parameter),
+                        .safetensors file (its header: every tensor is a parameter), a
+                        model state_dict saved by torch.save (.pt/.pth; batch-norm
+                        statistics count as buffers),
                         gpt:LAYERS,HIDDEN,VOCAB,SEQ (GPT-2-style shapes),
                         mlp:IN,HIDDEN,...,OUT (Linear layers), or one of gpt2-small,
                         gpt-1.3b, gpt-7b
@@ -81,11 +84,47 @@ absl::StatusOr<std::string> ReadText(const std::string& path) {
   return s.str();
 }
 
+// A model's state_dict saved by torch.save (also {"model": ...},
+// {"model_state_dict": ...}, {"state_dict": ...}), read by the data-only
+// unpickler: float tensors are parameters, batch-norm statistics buffers.
+absl::StatusOr<std::vector<ParamSpec>> TorchStateDict(const std::string& path,
+                                                      std::vector<ParamSpec>* buffers) {
+  auto top = ReadTorchFile(path);
+  if (!top.ok()) return top.status();
+  const PyValue* sd = top->get();
+  for (const char* key : {"model", "model_state_dict", "state_dict"}) {
+    if (const PyValue* v = sd->Find(key); v != nullptr && v->kind == PyValue::Kind::kDict) sd = v;
+  }
+  if (sd->kind != PyValue::Kind::kDict) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ": not a state_dict (", sd->Describe(), ")"));
+  }
+  std::vector<ParamSpec> out;
+  for (const auto& [k, v] : sd->entries) {
+    if (k->kind != PyValue::Kind::kString || v->kind != PyValue::Kind::kTensor) continue;
+    ParamSpec p{k->s, v->tensor.sizes().vec(), DType::kFloat32, true};
+    const bool stat = absl::EndsWith(k->s, "running_mean") || absl::EndsWith(k->s, "running_var") ||
+                      absl::EndsWith(k->s, "num_batches_tracked");
+    if (stat || !v->tensor.is_floating_point()) {
+      buffers->push_back(std::move(p));
+    } else {
+      out.push_back(std::move(p));
+    }
+  }
+  if (out.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": no float tensors in its state_dict"));
+  }
+  return out;
+}
+
 absl::StatusOr<std::vector<ParamSpec>> LoadModel(const std::string& spec, std::string* name,
                                                  std::vector<ParamSpec>* buffers) {
   *name = spec;
   auto standard = advisor::StandardModel(spec);
   if (standard.ok() || !absl::IsNotFound(standard.status())) return standard;
+  if (absl::EndsWith(spec, ".pt") || absl::EndsWith(spec, ".pth")) {
+    return TorchStateDict(spec, buffers);
+  }
   if (absl::EndsWith(spec, ".safetensors")) {
     auto header = ReadSafetensorsHeader(PosixFileSystem(), spec);
     if (!header.ok()) return header.status();

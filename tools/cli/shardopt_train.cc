@@ -22,11 +22,11 @@
 #include "client/coordinator_client.h"
 #include "tools/models/models.h"
 #include "client/rank_agent.h"
+#include "client/advice.h"
 #include "client/sharded_optimizer.h"
 #include "client/host_allocator.h"
 #include "common/malloc_tuning.h"
 #include "tools/cli/flags.h"
-#include "tools/cli/train_advice.h"
 
 namespace shardopt {
 namespace {

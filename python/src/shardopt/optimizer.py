@@ -4,6 +4,7 @@ the ranks) and StepStats, what one step did."""
 import contextlib
 import os
 import sys
+import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -62,6 +63,12 @@ class ShardedOptimizer(_StateMixin, Optimizer):
     `p.grad` is None after backward: clip with max_grad_norm=, not with
     torch.nn.utils.clip_grad_norm_. Under no_sync() micro-batches accumulate
     in a full-size buffer that lives only until the next step.
+
+    `advise=True` (every rank alike: it measures the link collectively at
+    construction): after the fourth step, rank 0 prints what the partition
+    advisor predicts for this run against DDP and OSS, and its
+    recommendation (docs/advisor.md), from the run's own forward + backward
+    (zero_grad() to step()) and update times.
     """
 
     def __init__(self, params, optimizer="adamw", lr: float = _UNSET,
@@ -77,6 +84,7 @@ class ShardedOptimizer(_StateMixin, Optimizer):
                  context: Optional[Context] = None,
                  broadcast_buffers: Optional[bool] = None,
                  batch_size: int = 0,
+                 advise: bool = False,
                  optim=None, optimizer_class=None, **torch_kwargs):
         # fairscale OSS (optim=torch.optim.X) and ZeroRedundancyOptimizer
         # (optimizer_class=torch.optim.X, or second positional) signatures.
@@ -139,6 +147,8 @@ class ShardedOptimizer(_StateMixin, Optimizer):
             except OverflowError:  # an int past float64
                 fv = float("inf")
             _C.validate_hyper_parameter(name, fv)
+        if not isinstance(advise, bool):
+            raise ValueError(f"advise must be True or False, got {advise!r}")
         if not isinstance(batch_size, int) or batch_size < 0:
             raise ValueError(f"batch_size must be an int >= 0 (samples per rank per step), "
                              f"got {batch_size!r}")
@@ -267,6 +277,11 @@ class ShardedOptimizer(_StateMixin, Optimizer):
         args.external_update = self._external_step if generic_class else None
         args.allow_cut = generic_class is None
         self._core = _C.Optimizer(comm, names, tensors, args)
+        # advise=True: [steps seen, best forward + backward, best update, zero_grad's time]
+        self._advice = None
+        if advise:
+            self._core.measure_link()
+            self._advice = [0, float("inf"), float("inf"), None]
         if generic_class is not None:
             self._build_local(probe_kwargs)
         self._pushed = [self._hyper(g) for g in self.param_groups]
@@ -467,6 +482,7 @@ class ShardedOptimizer(_StateMixin, Optimizer):
         value = None
         if loss is not None:
             value = float(loss.detach().item() if isinstance(loss, torch.Tensor) else loss)
+        t_step = time.perf_counter()
         r = self._core.step(value)
         new_lr = r.pop("new_lr", None)
         if new_lr is not None:
@@ -475,6 +491,8 @@ class ShardedOptimizer(_StateMixin, Optimizer):
                 self._pushed[g] = self._hyper(group)
         self._consolidated = None
         self.last_stats = StepStats(loss=loss, **r)
+        if self._advice is not None:
+            self._advise_after_step(t_step, r)
         # torch.optim's contract: step(closure) returns the closure's loss.
         return loss if closure is not None else self.last_stats
 
@@ -496,6 +514,21 @@ class ShardedOptimizer(_StateMixin, Optimizer):
         (parameters have no .grad then)."""
         self._core.zero_grad(set_to_none)
         self._core.before_step()  # the step's clock starts (heartbeats, slow-rank detection)
+        if self._advice is not None:
+            self._advice[3] = time.perf_counter()
+
+    def _advise_after_step(self, t_step, r) -> None:
+        """advise=True: the run's best forward + backward and update over steps 2-4, then
+        the advisor's lines (rank 0)."""
+        a = self._advice
+        a[0] += 1
+        if a[0] >= 2 and a[3] is not None:  # (the first step warms up)
+            a[1] = min(a[1], t_step - a[3])
+            a[2] = min(a[2], r.get("update_seconds", 0.0))
+        if a[0] == 4:
+            if self._core.rank == 0 and a[1] != float("inf"):
+                print(self._core.advice_lines(a[1], a[2]), flush=True)
+            self._advice = None
 
     @contextlib.contextmanager
     def no_sync(self):

@@ -1,10 +1,11 @@
-// shardopt_train --advise: the partition advisor (advisor/cost_model.h) for
-// the live run. The link is measured at start (all-reduces of two sizes over
-// the job's own communicator; collective), compute and the update from the
-// run's first steps; rank 0 then prints the prediction for this run and the
-// recommendation in two lines.
-#ifndef SHARDOPT_TOOLS_CLI_TRAIN_ADVICE_H_
-#define SHARDOPT_TOOLS_CLI_TRAIN_ADVICE_H_
+// The partition advisor (advisor/cost_model.h) for a live run (shardopt_train
+// --advise, Python's ShardedOptimizer(advise=True)): the link is measured at
+// start (all-reduces of two sizes over the job's own communicator;
+// collective), compute and the update from the run's first steps; rank 0
+// then prints the prediction for this run and the recommendation in two
+// lines.
+#ifndef SHARDOPT_CLIENT_ADVICE_H_
+#define SHARDOPT_CLIENT_ADVICE_H_
 
 #include <string>
 
@@ -28,4 +29,4 @@ absl::StatusOr<std::string> AdviceLines(const ShardedOptimizer& o, const advisor
 
 }  // namespace shardopt
 
-#endif  // SHARDOPT_TOOLS_CLI_TRAIN_ADVICE_H_
+#endif  // SHARDOPT_CLIENT_ADVICE_H_

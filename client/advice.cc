@@ -1,4 +1,4 @@
-#include "tools/cli/train_advice.h"
+#include "client/advice.h"
 
 #include <algorithm>
 #include <chrono>
@@ -74,13 +74,17 @@ absl::StatusOr<std::string> AdviceLines(const ShardedOptimizer& o, const advisor
   if (!oss.ok()) return oss.status();
   auto r = advisor::Recommend(model, c, k, p);
   if (!r.ok()) return r.status();
+  const std::string measured = c.world_size == 1
+                                   ? std::string("one rank: no communication")
+                                   : absl::StrFormat("link measured %.2f GB/s, %.0f us per call",
+                                                     link.bandwidth / 1e9, link.per_call * 1e6);
   return absl::StrFormat(
       "advisor: this run (%s) %.1f ms/step predicted, %.1f MiB per rank; DDP %.1f ms (this run "
-      "%.2fx), OSS+DDP %.1f ms; link measured %.2f GB/s, %.0f us per call\n"
+      "%.2fx), OSS+DDP %.1f ms; %s\n"
       "advisor: recommended %s, %s (docs/advisor.md)",
       advisor::StrategyName(mine), self->step_s * 1e3, self->memory.total() / (1 << 20),
-      ddp->step_s * 1e3, ddp->step_s / self->step_s, oss->step_s * 1e3, link.bandwidth / 1e9,
-      link.per_call * 1e6, advisor::StrategyName(r->strategy), r->why);
+      ddp->step_s * 1e3, ddp->step_s / self->step_s, oss->step_s * 1e3, measured,
+      advisor::StrategyName(r->strategy), r->why);
 }
 
 }  // namespace shardopt
