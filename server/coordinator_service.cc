@@ -623,6 +623,13 @@ grpc::ServerUnaryReactor* CoordinatorService::GetLayout(grpc::CallbackServerCont
   resp->set_cut_tensors(l.num_cut_tensors());
   for (int64_t o : l.owned_elements()) resp->add_owned_elements(o);
   for (const Bucket& b : l.buckets()) resp->add_bucket_capacity(b.capacity_per_rank);
+  for (const ParamSpec& p : l.params()) {
+    v1::ParamInfo* info = resp->add_params();
+    info->set_name(p.name);
+    for (int64_t d : p.shape) info->add_shape(d);
+    info->set_dtype(DTypeName(p.dtype));
+    info->set_trainable(p.trainable);
+  }
   // One row per (bucket, rank) with the pieces it holds.
   std::map<std::pair<int, int>, v1::BucketRank*> rows;
   for (const Bucket& b : l.buckets()) {

@@ -47,6 +47,16 @@ ctl layout >"$tmp/layout.txt"
 check "layout lists buckets and ranks" grep -q 'owned per rank: 0:' "$tmp/layout.txt"
 ctl layout --json >"$tmp/layout.json"
 check "layout json" python3 -c "import json,sys; d=json.load(open('$tmp/layout.json')); assert d['worldSize']==2"
+# The advisor on the live job's model (the layout names every parameter and its shape).
+timeout 30 $B/shardctl plan --model="$tmp/layout.json" --world=2,4 --forward-ms=10 --backward-ms=20 \
+  --json >"$tmp/plan.json"
+check "plan reads the live job's layout" python3 -c "
+import json, math
+d = json.load(open('$tmp/layout.json')); p = json.load(open('$tmp/plan.json'))
+n = sum(math.prod(int(x) for x in q['shape']) for q in d['params'] if q.get('trainable'))
+assert n > 0 and [r['world_size'] for r in p] == [2, 4], p
+assert p[0]['parameters'] == n, (p[0]['parameters'], n)
+assert p[0]['tensors'] == len([q for q in d['params'] if q.get('trainable')]), p[0]"
 ctl memory >"$tmp/memory.txt"
 check "memory per rank" grep -q '^total' "$tmp/memory.txt"
 check "health" test "$(ctl health)" = "SERVING"

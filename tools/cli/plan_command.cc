@@ -33,7 +33,8 @@ shardopt's bucket size and whether to shard gradients. The model and its
 terms: docs/advisor.md.
 
 model:
-  --model=M             a parameter-shape fixture (tests/fixtures/*.json), a
+  --model=M             a parameter-shape fixture (tests/fixtures/*.json), a live job's
+                        `shardctl layout --json` output (its model), a
                         .safetensors file (its header: every tensor is a parameter), a
                         model state_dict saved by torch.save (.pt/.pth; batch-norm
                         statistics count as buffers),
@@ -117,6 +118,36 @@ absl::StatusOr<std::vector<ParamSpec>> TorchStateDict(const std::string& path,
   return out;
 }
 
+// A live job's model: what `shardctl layout --json` printed (its params,
+// trainable ones in registration order; proto3 JSON writes int64 as strings).
+absl::StatusOr<std::vector<ParamSpec>> LiveLayout(const nlohmann::json& j, const std::string& path,
+                                                  std::string* name) {
+  std::vector<ParamSpec> out;
+  for (const auto& p : j["params"]) {
+    if (!p.is_object() || !p.contains("name") || !p["name"].is_string()) {
+      return absl::InvalidArgumentError(absl::StrCat(path, ": a param without a name"));
+    }
+    ParamSpec s{p["name"].get<std::string>(), {}, DType::kFloat32, p.value("trainable", false)};
+    for (const auto& d : p.value("shape", nlohmann::json::array())) {
+      int64_t v = 0;
+      if (!(d.is_string() ? absl::SimpleAtoi(d.get<std::string>(), &v)
+                          : (d.is_number_integer() && (v = d.get<int64_t>(), true))) ||
+          v < 0) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(path, ": parameter '", s.name, "' has a bad shape"));
+      }
+      s.shape.push_back(v);
+    }
+    if (s.trainable) out.push_back(std::move(s));
+  }
+  if (out.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        path, ": no trainable parameters (a `shardctl layout --json` of a job that reports them)"));
+  }
+  *name = absl::StrCat("the job's model (", path, ")");
+  return out;
+}
+
 absl::StatusOr<std::vector<ParamSpec>> LoadModel(const std::string& spec, std::string* name,
                                                  std::vector<ParamSpec>* buffers) {
   *name = spec;
@@ -133,6 +164,14 @@ absl::StatusOr<std::vector<ParamSpec>> LoadModel(const std::string& spec, std::s
       out.push_back(ParamSpec{e.name, e.shape, DType::kFloat32, true});
     }
     return out;
+  }
+  if (absl::EndsWith(spec, ".json")) {
+    auto text = ReadText(spec);
+    if (!text.ok()) return text.status();
+    nlohmann::json j = nlohmann::json::parse(*text, nullptr, /*allow_exceptions=*/false);
+    if (j.is_object() && j.contains("layoutHash") && j.contains("params")) {
+      return LiveLayout(j, spec, name);
+    }
   }
   auto shapes = LoadModelShapes(spec);
   if (!shapes.ok()) return shapes.status();
