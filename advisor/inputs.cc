@@ -2,13 +2,11 @@
 
 #include <nlohmann/json.hpp>
 
-#include <fstream>
-#include <sstream>
-
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "common/file_system.h"
 
 namespace shardopt {
 namespace advisor {
@@ -100,11 +98,9 @@ absl::StatusOr<Link> LinkFromSpec(const std::string& spec) {
   if (colon == std::string::npos) {
     return absl::InvalidArgumentError(absl::StrCat("'", spec, "': say FILE.json:gloo or :shm"));
   }
-  std::ifstream in(file, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat("cannot read '", file, "'"));
-  std::ostringstream text;
-  text << in.rdbuf();
-  return LinkFromBenchComm(text.str(), spec.substr(colon + 1));
+  auto text = ReadConfigFile(file, kMaxInputBytes);
+  if (!text.ok()) return text.status();
+  return LinkFromBenchComm(*text, spec.substr(colon + 1));
 }
 
 absl::StatusOr<std::vector<ParamSpec>> StandardModel(const std::string& spec) {

@@ -4,6 +4,7 @@
 #ifndef SHARDOPT_ADVISOR_INPUTS_H_
 #define SHARDOPT_ADVISOR_INPUTS_H_
 
+#include <cstdint>
 #include <string>
 #include <utility>
 #include <vector>
@@ -32,6 +33,9 @@ absl::StatusOr<OptimizerCost> OptimizerCostFromBenchKernels(const std::string& j
 // Forward + backward seconds of `model`'s compute_only row in a bench_oss
 // --json result.
 absl::StatusOr<double> ComputeFromBenchOss(const std::string& json_text, const std::string& model);
+
+// The most an input file (a benchmark result, a layout) may hold.
+constexpr int64_t kMaxInputBytes = int64_t{256} << 20;
 
 // A link named by a profile (NamedLinks) or FILE.json:gloo|shm (a bench_comm
 // --json result, fitted with LinkFromBenchComm).

@@ -110,7 +110,7 @@ void FullGradientReducer::LaunchLocked(int b) {
                                           ReduceOp::kAverage);
     return;
   }
-  const DType t = grad_flat_.scalar_type() == torch::kBFloat16 ? DType::kBFloat16 : DType::kFloat32;
+  const DType t = DTypeOf(grad_flat_.scalar_type());
   char* base = static_cast<char*>(grad_flat_.data_ptr()) + bk.flat_offset * DTypeSize(t);
   rs_handles_[b] = comm_->ReduceScatter(base, bk.capacity_per_rank, t, ReduceOp::kAverage);
 }

@@ -52,6 +52,15 @@ namespace shardopt {
 
 class GradientReducer;
 
+// The element types tensors of the optimizer's buffers have (float32 or
+// bfloat16) as the communicators name them, and back.
+inline DType DTypeOf(torch::ScalarType t) {
+  return t == torch::kBFloat16 ? DType::kBFloat16 : DType::kFloat32;
+}
+inline torch::ScalarType ScalarTypeOf(DType t) {
+  return t == DType::kBFloat16 ? torch::kBFloat16 : torch::kFloat;
+}
+
 // What backward's hooks share with the reducer: the lock, and the reducer
 // they call while it is attached (Detach clears it under mu, so a hook never
 // runs on a destroyed reducer).

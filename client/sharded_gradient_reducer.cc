@@ -10,13 +10,8 @@
 namespace shardopt {
 namespace {
 
-torch::ScalarType ScalarTypeOf(DType t) {
-  return t == DType::kBFloat16 ? torch::kBFloat16 : torch::kFloat;
-}
-
 DType DTypeOf(const torch::TensorOptions& o) {
-  return c10::typeMetaToScalarType(o.dtype()) == torch::kBFloat16 ? DType::kBFloat16
-                                                                  : DType::kFloat32;
+  return DTypeOf(c10::typeMetaToScalarType(o.dtype()));
 }
 
 }  // namespace

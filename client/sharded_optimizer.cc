@@ -17,10 +17,6 @@
 namespace shardopt {
 namespace {
 
-DType DTypeOf(torch::ScalarType t) {
-  return t == torch::kBFloat16 ? DType::kBFloat16 : DType::kFloat32;
-}
-
 std::string ShapeString(const std::vector<int64_t>& shape) {
   return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
 }
@@ -121,7 +117,7 @@ absl::StatusOr<ParamSpec> SpecOf(const std::string& name, const torch::Tensor& t
   ParamSpec s;
   s.name = name;
   s.shape = t.sizes().vec();
-  s.dtype = t.scalar_type() == torch::kBFloat16 ? DType::kBFloat16 : DType::kFloat32;
+  s.dtype = DTypeOf(t.scalar_type());
   s.trainable = t.requires_grad();
   if (s.trainable) {
     if (*have_dtype && t.scalar_type() != *dtype) {

@@ -1,8 +1,6 @@
 #include "tools/cli/plan_command.h"
 
 #include <cstdio>
-#include <fstream>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -76,14 +74,6 @@ output:
   --json                one JSON object per world size on stdout
   --help                this text
 )";
-
-absl::StatusOr<std::string> ReadText(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat("cannot read '", path, "'"));
-  std::ostringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
 
 // A model's state_dict saved by torch.save (also {"model": ...},
 // {"model_state_dict": ...}, {"state_dict": ...}), read by the data-only
@@ -166,7 +156,7 @@ absl::StatusOr<std::vector<ParamSpec>> LoadModel(const std::string& spec, std::s
     return out;
   }
   if (absl::EndsWith(spec, ".json")) {
-    auto text = ReadText(spec);
+    auto text = ReadConfigFile(spec, advisor::kMaxInputBytes);
     if (!text.ok()) return text.status();
     nlohmann::json j = nlohmann::json::parse(*text, nullptr, /*allow_exceptions=*/false);
     if (j.is_object() && j.contains("layoutHash") && j.contains("params")) {
@@ -197,7 +187,7 @@ absl::Status ReadCompute(const Flags& f, advisor::Compute* k) {
     if (colon == std::string::npos) {
       return absl::InvalidArgumentError("--compute-json=FILE:MODEL (bench_oss's model name)");
     }
-    auto text = ReadText(v.substr(0, colon));
+    auto text = ReadConfigFile(v.substr(0, colon), advisor::kMaxInputBytes);
     if (!text.ok()) return text.status();
     auto fb = advisor::ComputeFromBenchOss(*text, v.substr(colon + 1));
     if (!fb.ok()) return fb.status();
@@ -221,7 +211,7 @@ absl::Status ReadCompute(const Flags& f, advisor::Compute* k) {
   if (!per_tensor.ok()) return per_tensor.status();
   k->per_tensor_s = *per_tensor * 1e-6;
   if (f.Has("kernels-json")) {
-    auto text = ReadText(f.Str("kernels-json", ""));
+    auto text = ReadConfigFile(f.Str("kernels-json", ""), advisor::kMaxInputBytes);
     if (!text.ok()) return text.status();
     auto c = advisor::OptimizerCostFromBenchKernels(*text);
     if (!c.ok()) return c.status();
