@@ -10,14 +10,15 @@
 namespace shardopt {
 namespace {
 
-DType DTypeOf(const torch::TensorOptions& o) {
+// The model's element type (of the setup's tensor options).
+DType ModelDType(const torch::TensorOptions& o) {
   return DTypeOf(c10::typeMetaToScalarType(o.dtype()));
 }
 
 }  // namespace
 
 ShardedGradientReducer::ShardedGradientReducer(const ReducerSetup& setup)
-    : GradientReducer(setup), model_travels_as_is_(setup.comm_type == DTypeOf(setup.options)) {
+    : GradientReducer(setup), model_travels_as_is_(setup.comm_type == ModelDType(setup.options)) {
   int64_t owned = 0;
   for (const Bucket& b : layout_.buckets()) owned += b.capacity_per_rank;
   absl::MutexLock lock(&hooks_->mu);  // (no hook yet: for the analysis)
