@@ -3,6 +3,7 @@
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 
+#include <algorithm>
 #include <condition_variable>
 #include <fstream>
 #include <sstream>
@@ -33,6 +34,11 @@ grpc::ChannelArguments KeepaliveArgs() {
   args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 5000);
   args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
   args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
+  // A coordinator not listening yet (srun starts every task at once) is
+  // retried soon, not after gRPC's default backoff of up to two minutes.
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
   return args;
 }
 }  // namespace
@@ -61,6 +67,21 @@ class GrpcCoordinatorSession final : public CoordinatorSession {
   std::unique_ptr<grpc::ClientReaderWriter<v1::HeartbeatRequest, v1::HeartbeatResponse>> stream_;
 };
 }  // namespace
+
+absl::Status CoordinatorClient::WaitUntilReachable(absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  while (true) {
+    const grpc_connectivity_state st = channel_->GetState(/*try_to_connect=*/true);
+    if (st == GRPC_CHANNEL_READY) return absl::OkStatus();
+    const absl::Time now = absl::Now();
+    if (now >= deadline) break;
+    // Wakes on any state change (a failed attempt too), at most 1 s later.
+    channel_->WaitForStateChange(st,
+                                 absl::ToChronoTime(std::min(deadline, now + absl::Seconds(1))));
+  }
+  return absl::UnavailableError(absl::StrCat("cannot reach the coordinator at ", address_,
+                                             " within ", absl::FormatDuration(timeout)));
+}
 
 std::unique_ptr<CoordinatorSession> CoordinatorClient::OpenSession() {
   auto ctx = std::make_unique<grpc::ClientContext>();

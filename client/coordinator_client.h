@@ -100,6 +100,10 @@ class CoordinatorClient final : public CoordinatorApi {
   std::unique_ptr<CoordinatorSession> OpenSession() override;
   // grpc.health.v1.Health/Check of the coordinator: "SERVING" or an error.
   absl::StatusOr<std::string> Health();
+  // Until a connection to the coordinator is up, at most `timeout` (retried
+  // every 0.1-1 s): ranks started by srun may start before the rank that
+  // hosts the coordinator listens. Unavailable naming the address after it.
+  absl::Status WaitUntilReachable(absl::Duration timeout);
 
  private:
   void Prepare(grpc::ClientContext* ctx, absl::Duration deadline) const;

@@ -1,10 +1,12 @@
 #include "client/launch_environment.h"
 
 #include <cstdlib>
+#include <initializer_list>
 #include <optional>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 
 namespace shardopt {
 namespace {
@@ -113,8 +115,9 @@ class Env {
     if (v == nullptr) return def;
     int64_t x = 0;
     if (!absl::SimpleAtoi(v, &x) || x < min || x > max) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(name, " must be an integer in [", min, ", ", max, "], got '", v, "'"));
+      return absl::InvalidArgumentError(absl::StrCat("environment variable ", name,
+                                                     " must be an integer in [", min, ", ", max,
+                                                     "], got '", v, "'"));
     }
     return x;
   }
@@ -147,29 +150,55 @@ absl::Status ReadTorchrun(const Env& env, LaunchEnvironment* e) {
   return absl::OkStatus();
 }
 
+// The first of `names` that is set, else nullptr (its name in *which).
+const char* FirstSet(const Env& env, std::initializer_list<const char*> names) {
+  for (const char* n : names) {
+    if (env.Has(n)) return n;
+  }
+  return nullptr;
+}
+
 absl::Status ReadSlurm(const Env& env, LaunchEnvironment* e) {
   e->launcher = "slurm";
-  if (!env.Has("SLURM_NTASKS")) {
+  const char* ntasks = FirstSet(env, {"SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"});
+  if (ntasks == nullptr) {
     return absl::InvalidArgumentError("SLURM_PROCID is set but SLURM_NTASKS is not");
   }
-  SHARDOPT_ENV_INT(e->world_size, env.Int("SLURM_NTASKS", 1, 1, kMaxWorld));
+  SHARDOPT_ENV_INT(e->world_size, env.Int(ntasks, 1, 1, kMaxWorld));
   SHARDOPT_ENV_INT(e->rank, env.Int("SLURM_PROCID", 0, 0, e->world_size - 1));
   SHARDOPT_ENV_INT(e->local_rank, env.Int("SLURM_LOCALID", 0, 0, kMaxWorld - 1));
-  std::optional<std::string> list = env.Str("SLURM_JOB_NODELIST");
-  if (!list) list = env.Str("SLURM_NODELIST");
-  if (list) {
-    auto nodes = ExpandHostlist(*list);
+  if (const char* var =
+          FirstSet(env, {"SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"})) {
+    const std::string list = *env.Str(var);
+    auto nodes = ExpandHostlist(list);
     if (!nodes.ok()) {
       return absl::InvalidArgumentError(
-          absl::StrCat("SLURM_JOB_NODELIST '", *list, "': ", nodes.status().message()));
+          absl::StrCat(var, " '", list, "': ", nodes.status().message()));
     }
     e->nodes = *std::move(nodes);
     e->master_addr = e->nodes.front();
   }
   const int64_t known = e->nodes.empty() ? kMaxWorld : static_cast<int64_t>(e->nodes.size());
-  SHARDOPT_ENV_INT(e->num_nodes, env.Int("SLURM_NNODES", known == kMaxWorld ? 1 : known, 1, known));
+  const char* nnodes = FirstSet(env, {"SLURM_STEP_NUM_NODES", "SLURM_NNODES"});
+  SHARDOPT_ENV_INT(e->num_nodes, env.Int(nnodes == nullptr ? "SLURM_NNODES" : nnodes,
+                                         known == kMaxWorld ? 1 : known, 1, known));
   SHARDOPT_ENV_INT(e->node_rank, env.Int("SLURM_NODEID", 0, 0, e->num_nodes - 1));
+  if (std::optional<std::string> tpn = env.Str("SLURM_STEP_TASKS_PER_NODE")) {
+    auto n = TasksOnNode(*tpn, e->node_rank);
+    if (!n.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("SLURM_STEP_TASKS_PER_NODE '", *tpn, "': ", n.status().message()));
+    }
+    e->local_world_size = *n;
+    if (e->local_rank >= e->local_world_size) {
+      return absl::InvalidArgumentError(absl::StrCat("SLURM_LOCALID ", e->local_rank,
+                                                     " is not below this node's ",
+                                                     e->local_world_size, " tasks"));
+    }
+  }
   e->job_id = env.Str("SLURM_JOB_ID").value_or("");
+  e->step_id = env.Str(env.Has("SLURM_STEP_ID") ? "SLURM_STEP_ID" : "SLURM_STEPID").value_or("");
+  e->node_name = env.Str("SLURMD_NODENAME").value_or("");
   return absl::OkStatus();
 }
 
@@ -212,13 +241,109 @@ absl::StatusOr<LaunchEnvironment> ReadLaunchEnvironment(
   absl::Status s;
   if (env.Has("RANK")) {
     s = ReadTorchrun(env, &e);
-  } else if (env.Has("SLURM_PROCID")) {
+  } else if (env.Has("WORLD_SIZE") && !env.Has("JOB_COMPLETION_INDEX") &&
+             !env.Has("SLURM_PROCID")) {
+    s = ReadTorchrun(env, &e);  // WORLD_SIZE alone: rank 0 of it
+  } else if (env.Has("SLURM_PROCID") && (env.Has("SLURM_STEP_ID") || env.Has("SLURM_STEPID"))) {
     s = ReadSlurm(env, &e);
+  } else if (env.Has("SLURM_PROCID")) {
+    // sbatch's batch script (or salloc's shell) sets SLURM_PROCID=0 and the
+    // allocation's SLURM_NTASKS without being one of its tasks: taking it
+    // for rank 0 of the job would wait for ranks nobody started.
+    e.note =
+        "SLURM_PROCID is set but SLURM_STEP_ID is not: this is sbatch's batch script (or "
+        "salloc's shell), not a task of an srun step, so this process runs alone; start the "
+        "ranks with srun";
   } else if (env.Has("JOB_COMPLETION_INDEX")) {
     s = ReadKubernetes(env, &e);
   }
   if (!s.ok()) return s;
   return e;
+}
+
+absl::StatusOr<int> TasksOnNode(absl::string_view tasks_per_node, int node) {
+  // Comma-separated "N" or "N(xR)".
+  int64_t first = 0;
+  for (absl::string_view part : absl::StrSplit(tasks_per_node, ',')) {
+    int64_t tasks = 0, repeat = 1;
+    absl::string_view count = part;
+    if (const size_t open = part.find("(x"); open != absl::string_view::npos) {
+      if (part.back() != ')' ||
+          !absl::SimpleAtoi(part.substr(open + 2, part.size() - open - 3), &repeat) || repeat < 1) {
+        return absl::InvalidArgumentError(absl::StrCat("bad repeat in '", part, "'"));
+      }
+      count = part.substr(0, open);
+    }
+    if (!absl::SimpleAtoi(count, &tasks) || tasks < 1 || tasks > kMaxWorld) {
+      return absl::InvalidArgumentError(absl::StrCat("bad task count '", part, "'"));
+    }
+    if (node < first + repeat) return static_cast<int>(tasks);
+    first += repeat;
+    if (first > kMaxWorld) break;
+  }
+  return absl::InvalidArgumentError(absl::StrCat("no node ", node, " in it"));
+}
+
+int DefaultSlurmPort(absl::string_view job_id, absl::string_view step_id) {
+  // FNV-1a of "job.step": stable across tasks, processes and builds.
+  uint64_t h = 1469598103934665603ull;
+  for (absl::string_view part : {job_id, absl::string_view("."), step_id}) {
+    for (unsigned char ch : part) {
+      h ^= ch;
+      h *= 1099511628211ull;
+    }
+  }
+  return 20000 + static_cast<int>(h % 9000);
+}
+
+absl::StatusOr<Rendezvous> PlanRendezvous(const LaunchEnvironment& e,
+                                          const std::function<const char*(const char*)>& getenv) {
+  const Env env(getenv);
+  Rendezvous r;
+  const bool slurm = e.launcher == "slurm";
+  const bool kubernetes = e.launcher == "kubernetes";
+  r.job_id = env.Str("SHARDOPT_JOB_ID").value_or(slurm && !e.job_id.empty() ? e.job_id : "job");
+  if (r.job_id.empty()) return absl::InvalidArgumentError("SHARDOPT_JOB_ID is empty");
+  if (std::optional<std::string> b = env.Str("SHARDOPT_BIND"); b && !b->empty()) {
+    r.bind = *b;
+  } else if (std::optional<std::string> n = env.Str("SLURMD_NODENAME");
+             n && !n->empty() && env.Has("SLURM_JOB_ID")) {
+    r.bind = *n;  // also for shardrun's ranks inside a Slurm step
+  } else if (std::optional<std::string> h = env.Str("HOSTNAME"); kubernetes && h && !h->empty()) {
+    r.bind = *h;
+  } else {
+    r.bind = "127.0.0.1";
+  }
+  if (std::optional<std::string> c = env.Str("SHARDOPT_COORDINATOR")) {
+    if (c->empty()) return absl::InvalidArgumentError("SHARDOPT_COORDINATOR is empty");
+    r.coordinator = *c;
+    return r;
+  }
+  if (!slurm && !kubernetes) return r;
+  std::string host = env.Str("MASTER_ADDR").value_or(slurm ? e.master_addr : "");
+  if (host.empty()) {
+    return absl::InvalidArgumentError(
+        slurm ? "no node list (SLURM_STEP_NODELIST / SLURM_JOB_NODELIST) and no MASTER_ADDR: "
+                "cannot tell where the coordinator runs"
+              : "MASTER_ADDR is not set: set it in the Indexed Job's manifest to pod 0's name "
+                "through the headless Service (JOBNAME-0.SERVICE), or set SHARDOPT_COORDINATOR");
+  }
+  int64_t port = 0;
+  {
+    auto p =
+        env.Int("SHARDOPT_PORT",
+                slurm ? DefaultSlurmPort(e.job_id, e.step_id) : kDefaultKubernetesPort, 1, 65535);
+    if (!p.ok()) return p.status();
+    port = *p;
+  }
+  r.coordinator = absl::StrCat(host, ":", port);
+  r.host_coordinator = e.rank == 0;
+  if (r.host_coordinator) r.listen = absl::StrCat("0.0.0.0:", port);
+  return r;
+}
+
+absl::StatusOr<Rendezvous> PlanRendezvous(const LaunchEnvironment& env) {
+  return PlanRendezvous(env, [](const char* name) { return std::getenv(name); });
 }
 
 absl::StatusOr<LaunchEnvironment> ReadLaunchEnvironment() {

@@ -4,9 +4,14 @@
 // init(). Recognised, in this order (the first that sets a rank wins):
 // - shardrun and torchrun: RANK, WORLD_SIZE, LOCAL_RANK, (torchrun)
 //   MASTER_ADDR / MASTER_PORT, GROUP_RANK / NODE_RANK;
-// - Slurm (srun): SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_NODEID,
-//   SLURM_NNODES, SLURM_JOB_NODELIST (expanded as `scontrol show hostnames`
-//   does; the first node is the rendezvous host), SLURM_JOB_ID;
+// - Slurm (a task of an srun step: SLURM_PROCID and SLURM_STEP_ID set):
+//   SLURM_PROCID, SLURM_STEP_NUM_TASKS / SLURM_NTASKS, SLURM_LOCALID,
+//   SLURM_NODEID, SLURM_STEP_NUM_NODES / SLURM_NNODES, SLURM_STEP_NODELIST /
+//   SLURM_JOB_NODELIST (expanded as `scontrol show hostnames` does; the
+//   step's first node is the rendezvous host), SLURM_STEP_TASKS_PER_NODE,
+//   SLURMD_NODENAME, SLURM_JOB_ID, SLURM_STEP_ID. sbatch's batch script
+//   itself (SLURM_PROCID=0 and SLURM_NTASKS of the whole allocation, but no
+//   step) is one process, not rank 0 of the job: `note` says so;
 // - Kubernetes Indexed Jobs: JOB_COMPLETION_INDEX (the rank) with the world
 //   size from WORLD_SIZE or SHARDOPT_WORLD_SIZE (the Job's completions, set
 //   in the manifest: Kubernetes has no variable for it).
@@ -37,7 +42,55 @@ struct LaunchEnvironment {
   std::string master_addr;         // where rank 0 listens for the rendezvous ("" unknown)
   int master_port = 0;             // 0: unknown
   std::string job_id;              // Slurm's job id, else ""
+  std::string step_id;             // Slurm's step id (the srun), else ""
+  std::string node_name;           // Slurm: this node's name (SLURMD_NODENAME), else ""
+  int local_world_size = 0;        // ranks on this node, 0: unknown
+  // Why launcher variables present were not taken ("" when none were left
+  // out): a process in sbatch's batch script, outside any srun step.
+  std::string note;
 };
+
+// How this process reaches the job's coordinator, and what it serves.
+struct Rendezvous {
+  // host:port every rank dials; "" when the launcher gives none (a single
+  // process or a torchrun-style launcher: no shardopt control plane).
+  std::string coordinator;
+  // This process serves the coordinator (rank 0 under Slurm or Kubernetes,
+  // when no SHARDOPT_COORDINATOR is given), listening on `listen`.
+  bool host_coordinator = false;
+  std::string listen;
+  // The address of this rank's own services (shard owner, Gloo): reachable
+  // from the other ranks' hosts.
+  std::string bind;
+  std::string job_id;
+};
+
+// The coordinator port of a Slurm step when SHARDOPT_PORT is not given: a
+// function of the job and step ids in [20000, 29000), the same on every
+// task of the step (and different for two steps of one job).
+int DefaultSlurmPort(absl::string_view job_id, absl::string_view step_id);
+// Kubernetes' default coordinator port when SHARDOPT_PORT is not given.
+inline constexpr int kDefaultKubernetesPort = 29400;
+
+// The rendezvous for `env`:
+// - SHARDOPT_COORDINATOR set (shardrun, or given by hand): dial it;
+// - under Slurm or Kubernetes without it: rank 0 hosts the coordinator on
+//   0.0.0.0:PORT and every rank dials HOST:PORT, where HOST is $MASTER_ADDR,
+//   else (Slurm) the step's first node, and PORT is $SHARDOPT_PORT, else
+//   DefaultSlurmPort / kDefaultKubernetesPort;
+// - otherwise no coordinator.
+// bind: $SHARDOPT_BIND, else the Slurm node's name, else (Kubernetes) the
+// pod's $HOSTNAME, else 127.0.0.1. job_id: $SHARDOPT_JOB_ID, else Slurm's
+// job id, else "job". InvalidArgument naming the variable for a bad port or
+// a Kubernetes job without MASTER_ADDR.
+absl::StatusOr<Rendezvous> PlanRendezvous(const LaunchEnvironment& env,
+                                          const std::function<const char*(const char*)>& getenv);
+absl::StatusOr<Rendezvous> PlanRendezvous(const LaunchEnvironment& env);
+
+// Slurm's SLURM_STEP_TASKS_PER_NODE ("2(x3),1": 2 tasks on each of the
+// first 3 nodes, then 1): the tasks on node `node`. InvalidArgument when it
+// does not parse or has no such node.
+absl::StatusOr<int> TasksOnNode(absl::string_view tasks_per_node, int node);
 
 // `getenv` returns nullptr for an unset variable. InvalidArgument naming the
 // variable for a malformed or out-of-range value (a rank outside the world,

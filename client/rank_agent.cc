@@ -263,8 +263,9 @@ void RankAgent::HeartbeatLoop() {
     const v1::HeartbeatRequest hb = MakeHeartbeat();
     std::string reason;
     if (const int sig = StopSignal(); sig != 0) {
-      reason =
-          absl::StrCat("stopped by signal ", sig, " (shardrun is stopping the job, or it died)");
+      reason = absl::StrCat(
+          "stopped by signal ", sig,
+          " (the launcher is stopping the job: shardrun, srun or scancel; or shardrun died)");
     } else if (session_ok_.load() && session_->Send(hb)) {
       last_ok = absl::Now();
     } else {

@@ -24,6 +24,8 @@
 #include "client/comm/host_communicator.h"
 #include "client/host_allocator.h"
 #include "client/coordinator_client.h"
+#include "client/launch_environment.h"
+#include "server/hosted_coordinator.h"
 #include "client/rank_agent.h"
 #include "client/comm/in_process_communicator.h"
 #include "client/comm/kv_store.h"
@@ -135,6 +137,15 @@ std::shared_ptr<PyCommunicator> MakeCoordinatorCommunicator(
   if (!creds.ok()) Raise(creds.status());
   auto out = std::make_shared<PyCommunicator>();
   out->client = std::make_unique<CoordinatorClient>(address, token, *creds);
+  {
+    // Under srun, rank 0's process serves the coordinator: the others may
+    // start before it listens.
+    py::gil_scoped_release release;
+    if (absl::Status s = out->client->WaitUntilReachable(absl::Seconds(timeout_s)); !s.ok()) {
+      py::gil_scoped_acquire acquire;
+      Raise(s);
+    }
+  }
   out->job_id = job_id;
   GrpcKeyValueStore kv(out->client.get());
   PrefixKeyValueStore job_kv(&kv, job_id);
@@ -792,6 +803,74 @@ void BindCommunicator(py::module_& m) {
         py::arg("transport") = "auto");
 }
 
+// Who this process is (LaunchEnvironment) and where the job's coordinator is
+// (PlanRendezvous), for init(); ValueError naming a bad variable.
+py::dict LaunchEnvironmentDict() {
+  auto e = ReadLaunchEnvironment();
+  if (!e.ok()) throw py::value_error(std::string(e.status().message()));
+  py::dict d;
+  d["launcher"] = e->launcher;
+  d["rank"] = e->rank;
+  d["world_size"] = e->world_size;
+  d["local_rank"] = e->local_rank;
+  d["local_world_size"] = e->local_world_size;
+  d["node_rank"] = e->node_rank;
+  d["num_nodes"] = e->num_nodes;
+  d["nodes"] = e->nodes;
+  d["master_addr"] = e->master_addr;
+  d["master_port"] = e->master_port;
+  d["job_id"] = e->job_id;
+  d["step_id"] = e->step_id;
+  d["node_name"] = e->node_name;
+  d["note"] = e->note;
+  auto r = PlanRendezvous(*e);
+  if (!r.ok()) throw py::value_error(std::string(r.status().message()));
+  d["coordinator"] = r->coordinator;
+  d["host_coordinator"] = r->host_coordinator;
+  d["listen"] = r->listen;
+  d["bind"] = r->bind;
+  d["rendezvous_job_id"] = r->job_id;
+  return d;
+}
+
+void BindLaunch(py::module_& m) {
+  m.def("launch_environment", &LaunchEnvironmentDict);
+  py::class_<HostedCoordinator>(m, "HostedCoordinator")
+      .def_property_readonly("address", &HostedCoordinator::address)
+      .def(
+          "await_end",
+          [](HostedCoordinator& h, double timeout_s) {
+            JobStatus j;
+            {
+              py::gil_scoped_release release;
+              j = h.AwaitEnd(absl::Seconds(timeout_s));
+            }
+            return std::string(JobStateName(j.state));
+          },
+          py::arg("timeout_s"));
+  m.def(
+      "host_coordinator",
+      [](const std::string& listen, const std::string& advertised, const std::string& job_id,
+         int world_size, const std::string& token, double heartbeat_timeout_s) {
+        HostedCoordinatorOptions o;
+        o.listen = listen;
+        o.advertised = advertised;
+        o.job_id = job_id;
+        o.world_size = world_size;
+        o.token = token;
+        o.heartbeat_timeout = absl::Seconds(heartbeat_timeout_s);
+        o.on_event = [](const std::string& line) {
+          std::fprintf(stdout, "shardopt: coordinator: %s\n", line.c_str());
+          std::fflush(stdout);
+        };
+        auto h = HostedCoordinator::Start(std::move(o));
+        if (!h.ok()) Raise(h.status());
+        return std::unique_ptr<HostedCoordinator>(*std::move(h));
+      },
+      py::arg("listen"), py::arg("advertised"), py::arg("job_id"), py::arg("world_size"),
+      py::arg("token"), py::arg("heartbeat_timeout_s"));
+}
+
 void BindOptimizerArgs(py::module_& m) {
   py::class_<PyOptimizerArgs>(m, "OptimizerArgs")
       .def(py::init<>())
@@ -859,6 +938,7 @@ PYBIND11_MODULE(_C, m) {
   BindHyperParameters(m);
   BindHostAllocator(m);
   BindCommunicator(m);
+  BindLaunch(m);
   BindOptimizerArgs(m);
   BindOptimizer(m);
   BindAdvisor(m);

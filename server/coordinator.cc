@@ -497,6 +497,7 @@ absl::StatusOr<HeartbeatReply> Coordinator::Heartbeat(const HeartbeatInfo& info)
   }
   const absl::Time now = options_.now();
   r.last_heartbeat = now;
+  r.session_lost = absl::InfiniteFuture();
   r.step = info.step;
   r.loss = info.loss;
   r.samples_per_s = info.samples_per_s;
@@ -588,6 +589,14 @@ int Coordinator::CheckSlowRanks() {
   return static_cast<int>(events.size());
 }
 
+void Coordinator::SessionLost(int rank) {
+  if (options_.session_loss_grace <= absl::ZeroDuration()) return;
+  absl::MutexLock lock(&mu_);
+  if (rank < 0 || rank >= options_.world_size) return;
+  RankState& r = ranks_[rank];
+  if (r.joined && !r.finished) r.session_lost = options_.now();
+}
+
 bool Coordinator::CheckHeartbeats() {
   Completions ready;
   {
@@ -596,10 +605,20 @@ bool Coordinator::CheckHeartbeats() {
     const absl::Time now = options_.now();
     bool failed = false;
     for (const RankState& r : ranks_) {
+      if (r.joined && !r.finished && now - r.session_lost > options_.session_loss_grace) {
+        FailLocked(absl::StrCat("rank ", r.rank, " lost its connection to the coordinator at step ",
+                                r.step, " without finishing (on host ",
+                                r.address.substr(0, r.address.rfind(':')),
+                                "): its process ended or its node went down"),
+                   AbortCause::kHeartbeatTimeout, &ready);
+        failed = true;
+        break;
+      }
       if (r.joined && !r.finished && now - r.last_heartbeat > options_.heartbeat_timeout) {
         FailLocked(
             absl::StrCat("rank ", r.rank, " sent no heartbeat for ",
-                         absl::FormatDuration(now - r.last_heartbeat), " (last step ", r.step, ")"),
+                         absl::FormatDuration(now - r.last_heartbeat), " (last step ", r.step,
+                         "; on host ", r.address.substr(0, r.address.rfind(':')), ")"),
             AbortCause::kHeartbeatTimeout, &ready);
         failed = true;
         break;

@@ -60,6 +60,12 @@ struct CoordinatorOptions {
   int world_size = 1;
   // A rank that sends no heartbeat for this long is dead; the job fails.
   absl::Duration heartbeat_timeout = absl::Seconds(10);
+  // When set (> 0), a rank whose session ends (SessionLost) without its
+  // Finish and with no heartbeat within this grace is dead at once: its
+  // process exited or its node is gone. For the coordinator that rank 0
+  // serves under srun, where no launcher watches the ranks' processes
+  // (shardrun's supervisor names an exit with its signal itself).
+  absl::Duration session_loss_grace = absl::ZeroDuration();
   // Injectable clock for tests (heartbeat ages, step windows, slow-rank
   // windows; waits use the real clock).
   std::function<absl::Time()> now = [] { return absl::Now(); };
@@ -157,6 +163,9 @@ struct RankState {
   double learning_rate = 0;  // as last reported (join or heartbeat), 0 = never
   absl::Time last_heartbeat;
   bool finished = false;
+  // When its session ended without a Finish (InfiniteFuture: it has not);
+  // a heartbeat after it clears it.
+  absl::Time session_lost = absl::InfiniteFuture();
   // Observability: the last metrics reported (step_seconds left empty).
   bool has_metrics = false;
   RankMetricsInfo metrics;
@@ -252,6 +261,10 @@ class Coordinator {
   int pending_waits();
 
   absl::StatusOr<HeartbeatReply> Heartbeat(const HeartbeatInfo& info);
+  // Rank `rank`'s session stream ended (closed or broken). With
+  // session_loss_grace set, CheckHeartbeats fails the job once the grace
+  // has passed without a Finish or a heartbeat from it.
+  void SessionLost(int rank);
   // Marks the job failed if a joined rank missed heartbeats; returns whether
   // it did. Called periodically by the service's watchdog.
   bool CheckHeartbeats();

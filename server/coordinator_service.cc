@@ -112,10 +112,12 @@ class CoordinatorService::SessionReactor
 
   void OnReadDone(bool ok) override {
     if (!ok) {  // the rank closed its side, or the connection broke
+      if (rank_ >= 0) service_->coordinator_->SessionLost(rank_);
       Close(grpc::Status::OK);
       return;
     }
     auto r = service_->coordinator_->Heartbeat(FromProto(request_));
+    if (r.ok()) rank_ = request_.rank();
     if (!r.ok()) {
       Close(ToGrpc(r.status()));
       return;
@@ -184,6 +186,7 @@ class CoordinatorService::SessionReactor
   CoordinatorService* service_;
   v1::HeartbeatRequest request_;  // reads only, one at a time
   bool first_ = true;
+  int rank_ = -1;  // the rank whose heartbeats this session carries (-1: none yet)
   bool registered_ = false;
   bool done_reading_ = false;
   absl::Mutex mu_;

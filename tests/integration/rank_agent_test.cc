@@ -313,7 +313,8 @@ TEST(RankAgentTest, StopSignalAbortsTheJob) {
   EXPECT_EQ(job.agent(0).WaitForAbort(absl::Milliseconds(200)), "");
   sig = 15;
   EXPECT_EQ(job.agent(0).WaitForAbort(absl::Seconds(10)),
-            "stopped by signal 15 (shardrun is stopping the job, or it died)");
+            "stopped by signal 15 (the launcher is stopping the job: shardrun, srun or scancel; or "
+            "shardrun died)");
   float x = 1;
   EXPECT_EQ(
       job.comm(0).AllReduce(&x, 1, DType::kFloat32, ReduceOp::kSum)->Wait(absl::Seconds(5)).code(),

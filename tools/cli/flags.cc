@@ -226,6 +226,17 @@ absl::StatusOr<int64_t> EnvInt(const char* name, int64_t def, int64_t min, int64
   return v;
 }
 
+absl::StatusOr<double> EnvDouble(const char* name, double def, double min, double max) {
+  const char* e = std::getenv(name);
+  if (e == nullptr) return def;
+  double v;
+  if (!ParseDouble(e, &v) || !(v >= min) || !(v <= max)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "environment variable ", name, " must be a number in [", min, ", ", max, "], ", Got(e)));
+  }
+  return v;
+}
+
 absl::StatusOr<std::string> ReadTokenFile(const std::string& path) {
   auto read = ReadConfigFile(path);
   if (!read.ok()) return absl::NotFoundError(absl::StrCat("cannot read token file '", path, "'"));

@@ -75,6 +75,8 @@ class Flags {
 // An integer in [min, max] from the environment variable `name`, or `def`
 // when it is unset; errors read "RANK must be an integer in [0, 1], got 'x'".
 absl::StatusOr<int64_t> EnvInt(const char* name, int64_t def, int64_t min, int64_t max);
+// A number in [min, max] from the environment variable `name`, or `def`.
+absl::StatusOr<double> EnvDouble(const char* name, double def, double min, double max);
 
 // Reads a token from a file (trailing whitespace removed).
 absl::StatusOr<std::string> ReadTokenFile(const std::string& path);

@@ -20,12 +20,14 @@
 #include "client/comm/flight_recorder.h"
 #include "client/comm/host_communicator.h"
 #include "client/coordinator_client.h"
+#include "client/launch_environment.h"
 #include "tools/models/models.h"
 #include "client/rank_agent.h"
 #include "client/advice.h"
 #include "client/sharded_optimizer.h"
 #include "client/host_allocator.h"
 #include "common/malloc_tuning.h"
+#include "server/hosted_coordinator.h"
 #include "tools/cli/flags.h"
 
 namespace shardopt {
@@ -46,6 +48,11 @@ data. Normally started by shardrun, which sets RANK, WORLD_SIZE, LOCAL_RANK and
 SHARDOPT_COORDINATOR:
 
   shardrun --nproc 2 -- shardopt_train --model=mlp --steps=20
+
+or by srun (every task one rank; rank 0 serves the coordinator on the step's
+first node, see docs/slurm.md) or a Kubernetes Indexed Job (docs/kubernetes.md):
+
+  srun -N2 --ntasks-per-node=2 shardopt_train --model=mlp --steps=20
 
 flags (a malformed or out-of-range value is refused, naming the flag; exit status 2):
   --model=NAME         tiny | small | mlp | resnet101 (default tiny)
@@ -68,10 +75,15 @@ flags (a malformed or out-of-range value is refused, naming the flag; exit statu
                        it owns (1/N of the gradient memory, plus staging for two buckets'
                        other-rank chunks or the largest tensor's; see shardctl memory)
                        (default off)
-  --coordinator=H:P    coordinator address (default $SHARDOPT_COORDINATOR)
-  --job-id=ID          job id (default $SHARDOPT_JOB_ID or "job")
+  --coordinator=H:P    coordinator address (default $SHARDOPT_COORDINATOR; under srun or an
+                       Indexed Job without it: rank 0 serves one on $MASTER_ADDR (Slurm: the
+                       step's first node) and port $SHARDOPT_PORT (Slurm: from the job and
+                       step ids; Kubernetes: 29400), which every rank dials)
+  --job-id=ID          job id (default $SHARDOPT_JOB_ID, else Slurm's job id, else "job")
   --token-file=PATH    bearer token for the control plane (default $SHARDOPT_TOKEN_FILE)
-  --bind=HOST          address for this rank's shard-owner service and Gloo (default 127.0.0.1)
+  --bind=HOST          address for this rank's shard-owner service and Gloo (default
+                       $SHARDOPT_BIND, else the Slurm node's name, else the pod's $HOSTNAME
+                       under Kubernetes, else 127.0.0.1)
   --transport=auto|gloo|shm
                        how gradients and parameters move between ranks: shm (shared memory,
                        every rank on this host), gloo (TCP, any hosts) or auto: shm when every
@@ -105,7 +117,10 @@ flags (a malformed or out-of-range value is refused, naming the flag; exit statu
                        step, before its forward pass (a slow rank); -1: off (default)
   --help               this text
 
-Environment: RANK in [0, WORLD_SIZE), WORLD_SIZE in [1, 1048576] (defaults 0 and 1).
+Environment: RANK in [0, WORLD_SIZE), WORLD_SIZE in [1, 1048576] (defaults 0 and 1); or
+Slurm's (SLURM_PROCID, SLURM_NTASKS, SLURM_STEP_NODELIST, ... of an srun step) or a
+Kubernetes Indexed Job's (JOB_COMPLETION_INDEX with WORLD_SIZE). The coordinator that
+rank 0 serves fails a rank silent for $SHARDOPT_HEARTBEAT_TIMEOUT seconds (default 10).
 
 A step whose global gradient norm, or whose loss on any rank, is not finite
 (nan or inf) stops every rank at that step with a message naming it, before
@@ -161,6 +176,10 @@ std::string EnvStr(const char* name, const std::string& def) {
 // Every flag and environment variable, checked.
 struct Config {
   int world = 1, rank = 0;
+  LaunchEnvironment launch;  // who this process is, from its launcher's variables
+  Rendezvous rendezvous;     // where the coordinator is, and whether this process serves it
+  bool host_coordinator = false;
+  absl::Duration heartbeat_timeout = absl::Seconds(10);  // the served coordinator's
   std::string model_name, kind, coordinator, job_id, bind, ckpt_dir, resume, token;
   CpuTransport transport = CpuTransport::kAuto;
   ClientTls tls;
@@ -179,8 +198,9 @@ struct Config {
 // bad value landing in *bad. This one: WORLD_SIZE and RANK, then the model,
 // the optimizer and its buckets.
 void ReadTrainingFlags(const Flags& flags, Config* c, absl::Status* bad) {
-  c->world = static_cast<int>(Take(EnvInt("WORLD_SIZE", 1, 1, kMaxWorldSize), bad));
-  c->rank = static_cast<int>(Take(EnvInt("RANK", 0, 0, std::max(0, c->world - 1)), bad));
+  c->launch = Take(ReadLaunchEnvironment(), bad);
+  c->world = c->launch.world_size;
+  c->rank = c->launch.rank;
   c->model_name = Take(flags.Choice("model", "tiny", {"tiny", "small", "mlp", "resnet101"}), bad);
   c->steps = Take(flags.Int("steps", 20, 1, kMaxSteps), bad);
   c->lr = Take(flags.HyperParam("lr", HyperParameter::kLearningRate, 1e-4), bad);
@@ -240,11 +260,21 @@ absl::Status ReadConfig(const Flags& flags, Config* c) {
   const std::string malloc_flag = Take(flags.Choice("malloc", "tuned", {"tuned", "default"}), &bad);
   c->overlap = Take(flags.Choice("overlap", "on", {"on", "off"}), &bad) == "on";
   c->advise = Take(flags.Bool("advise", false), &bad);
-  c->coordinator = Take(flags.NonEmpty("coordinator", EnvStr("SHARDOPT_COORDINATOR", "")), &bad);
-  c->job_id = Take(flags.NonEmpty("job-id", EnvStr("SHARDOPT_JOB_ID", "job")), &bad);
+  if (bad.ok()) c->rendezvous = Take(PlanRendezvous(c->launch), &bad);
+  c->coordinator = Take(flags.NonEmpty("coordinator", c->rendezvous.coordinator), &bad);
+  c->host_coordinator = c->rendezvous.host_coordinator && !flags.Has("coordinator");
+  c->job_id = Take(flags.NonEmpty("job-id", c->rendezvous.job_id), &bad);
   const std::string token_file =
       Take(flags.NonEmpty("token-file", EnvStr("SHARDOPT_TOKEN_FILE", "")), &bad);
-  c->bind = Take(flags.NonEmpty("bind", "127.0.0.1"), &bad);
+  c->bind = Take(flags.NonEmpty("bind", c->rendezvous.bind), &bad);
+  {
+    auto hb = EnvDouble("SHARDOPT_HEARTBEAT_TIMEOUT", 10, 0.1, 86400);
+    if (hb.ok()) {
+      c->heartbeat_timeout = absl::Seconds(*hb);
+    } else if (bad.ok()) {
+      bad = hb.status();
+    }
+  }
   ReadTransportFlags(flags, c, &bad);
   ReadRunFlags(flags, c, &bad);
   if (!bad.ok()) return bad;
@@ -253,7 +283,8 @@ absl::Status ReadConfig(const Flags& flags, Config* c) {
   }
   if (c->coordinator.empty()) {
     return absl::InvalidArgumentError(
-        "no coordinator: run under shardrun, or pass --coordinator=HOST:PORT");
+        "no coordinator: run under shardrun, srun or a Kubernetes Indexed Job, or pass "
+        "--coordinator=HOST:PORT");
   }
   if (!token_file.empty()) {
     auto t = ReadTokenFile(token_file);
@@ -561,6 +592,57 @@ int Conclude(const Config& c, ShardedOptimizer* o, RankAgent* agent, int64_t fir
   return 0;
 }
 
+// Under srun or a Kubernetes Indexed Job (no shardrun), rank 0's process
+// serves the job's coordinator (Rendezvous::host_coordinator). Before this
+// rank exits, it waits until every rank has finished or the job has failed,
+// so that the others can still report their end to it (and hear why the job
+// failed) before it goes away.
+class CoordinatorHost {
+ public:
+  absl::Status Start(const Config& c) {
+    if (!c.host_coordinator) return absl::OkStatus();
+    HostedCoordinatorOptions o;
+    o.listen = c.rendezvous.listen;
+    o.advertised = c.coordinator;
+    o.job_id = c.job_id;
+    o.world_size = c.world;
+    o.token = c.token;
+    o.heartbeat_timeout = c.heartbeat_timeout;
+    o.on_event = [](const std::string& line) {
+      std::printf("shardopt_train: coordinator: %s\n", line.c_str());
+      std::fflush(stdout);
+    };
+    auto h = HostedCoordinator::Start(std::move(o));
+    if (!h.ok()) return h.status();
+    hosted_ = *std::move(h);
+    linger_ = c.collective_timeout + c.heartbeat_timeout;
+    std::printf(
+        "shardopt_train: coordinator listening on %s (%s job %s, %d ranks; shardctl "
+        "--coordinator=%s status)\n",
+        c.coordinator.c_str(), c.launch.launcher.c_str(), c.job_id.c_str(), c.world,
+        c.coordinator.c_str());
+    std::fflush(stdout);
+    return absl::OkStatus();
+  }
+  ~CoordinatorHost() {
+    if (!hosted_) return;
+    const JobStatus j = hosted_->AwaitEnd(linger_);
+    if (j.state == JobState::kFailed) {
+      // The others hear the verdict through their sessions within moments.
+      std::this_thread::sleep_for(std::chrono::seconds(2));
+    } else if (j.state != JobState::kFinished) {
+      std::fprintf(stderr,
+                   "shardopt_train: stopping the coordinator after %s with ranks still "
+                   "running\n",
+                   absl::FormatDuration(linger_).c_str());
+    }
+  }
+
+ private:
+  std::unique_ptr<HostedCoordinator> hosted_;
+  absl::Duration linger_;
+};
+
 void SetUpProcess() {
   setvbuf(stdout, nullptr, _IOLBF, 0);  // lines reach shardrun's pipe at once
   signal(SIGPIPE, SIG_IGN);             // a vanished launcher must not kill us mid-message
@@ -574,6 +656,9 @@ int Main(int argc, char** argv) {
   SetUpProcess();
   Config c;
   if (int rc = ParseConfig(argc, argv, &c); rc >= 0) return rc;
+  if (!c.launch.note.empty()) std::fprintf(stderr, "shardopt_train: %s\n", c.launch.note.c_str());
+  CoordinatorHost host;  // destroyed last: after this rank's own end is reported
+  if (absl::Status s = host.Start(c); !s.ok()) return Fail(c.rank, std::string(s.message()));
   if (absl::Status s = ApplyMallocMode(c.malloc_mode); !s.ok()) return Fail(c.rank, s.ToString());
   if (c.malloc_mode == MallocMode::kTuned) InstallHostAllocator();
   at::set_num_threads(static_cast<int>(c.threads));
@@ -594,6 +679,9 @@ int Main(int argc, char** argv) {
   auto creds = MakeChannelCredentials(c.tls);
   if (!creds.ok()) return Fail(c.rank, std::string(creds.status().message()));
   CoordinatorClient client(c.coordinator, c.token, *creds);
+  if (absl::Status s = client.WaitUntilReachable(c.collective_timeout); !s.ok()) {
+    return Fail(c.rank, std::string(s.message()));
+  }
   auto comm = Connect(c, &client);
   if (!comm.ok()) return Fail(c.rank, comm.status().ToString());
   auto optimizer = ShardedOptimizer::Create((*model)->NamedParameters(), opt, comm->get());

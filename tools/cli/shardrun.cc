@@ -27,6 +27,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "client/coordinator_client.h"
+#include "client/launch_environment.h"
 #include "server/coordinator.h"
 #include "server/coordinator_service.h"
 #include "server/flight_records.h"
@@ -80,6 +81,14 @@ flags (a malformed or out-of-range value is refused, naming the flag; exit statu
                          under X and it recovers; each change is one line here
   --slow-window=S        the length of one window, seconds in [0.1, 3600] (default 5)
   --help                 this text
+
+Under srun (one shardrun per node: srun --ntasks-per-node=1 shardrun --nproc K -- ...)
+or as the pods of a Kubernetes Indexed Job, --nnodes, --node-rank and --job-id come from
+the launcher (SLURM_NTASKS, SLURM_PROCID, SLURM_JOB_ID; JOB_COMPLETION_INDEX and
+WORLD_SIZE): node 0 serves the coordinator on 0.0.0.0:PORT and the others dial HOST:PORT,
+where HOST is $MASTER_ADDR, else the step's first node, and PORT is --port, else
+$SHARDOPT_PORT, else one derived from the Slurm job and step ids (Kubernetes: 29400).
+Giving --nnodes, --node-rank or --coordinator turns this off (docs/slurm.md).
 
 Exit status: 0 every rank finished, 1 the job failed, 2 a bad flag, 130 interrupted.
 )";
@@ -169,6 +178,7 @@ absl::StatusOr<int> MasterPort(Coordinator* own, const std::string& address,
   auto creds = MakeChannelCredentials(ClientTlsFromEnv());
   if (!creds.ok()) return creds.status();
   CoordinatorClient client(address, token, *creds);
+  if (absl::Status s = client.WaitUntilReachable(absl::Seconds(120)); !s.ok()) return s;
   auto v = client.KvGet(key, absl::Seconds(120));
   if (!v.ok()) {
     return absl::Status(v.status().code(),
@@ -190,6 +200,8 @@ struct RunConfig {
   int64_t node_rank = 0;
   int world = 0;            // nproc * nnodes
   std::string coordinator;  // --coordinator; empty: this shardrun starts one
+  std::string advertise;    // the address the ranks dial when it is not the listening one
+  std::string launcher;     // "slurm" or "kubernetes" when their variables set the nodes
   std::string bind;
   int port = 0;
   std::string port_file;
@@ -263,8 +275,9 @@ absl::Status CheckFlagCombinations(const Flags& flags, RunConfig* cfg) {
   if (!cfg->metrics_port_file.empty() && cfg->metrics_port < 0) {
     return absl::InvalidArgumentError("--metrics-port-file needs --metrics-port");
   }
-  if (!cfg->coordinator.empty()) {
-    // Metrics and slow ranks are the coordinator's: node 0's shardrun.
+  if (!cfg->coordinator.empty() && cfg->launcher.empty()) {
+    // Metrics and slow ranks are the coordinator's: node 0's shardrun (under
+    // srun every node gets the same flags, and node 0's take effect).
     for (const char* f :
          {"metrics-port", "metrics-port-file", "slow-factor", "slow-windows", "slow-window"}) {
       if (flags.Has(f)) {
@@ -278,7 +291,7 @@ absl::Status CheckFlagCombinations(const Flags& flags, RunConfig* cfg) {
   if (!flags.Has("nproc")) {
     return absl::InvalidArgumentError("--nproc is required (1..1024; see --help)");
   }
-  auto node_rank = flags.Int("node-rank", 0, 0, cfg->nnodes - 1);
+  auto node_rank = flags.Int("node-rank", cfg->node_rank, 0, cfg->nnodes - 1);
   if (!node_rank.ok()) return node_rank.status();
   cfg->node_rank = *node_rank;
   if (flags.rest().empty()) {
@@ -286,6 +299,50 @@ absl::Status CheckFlagCombinations(const Flags& flags, RunConfig* cfg) {
   }
   cfg->program = flags.rest();
   cfg->world = static_cast<int>(cfg->nproc * cfg->nnodes);  // at most 1024 * 1024
+  return absl::OkStatus();
+}
+
+// Under srun or a Kubernetes Indexed Job without --nnodes, --node-rank and
+// --coordinator: one shardrun per node, whose index, count and coordinator
+// come from the launcher (LaunchEnvironment, PlanRendezvous).
+absl::Status ApplyLaunchEnvironment(const Flags& flags, RunConfig* cfg) {
+  auto launch = ReadLaunchEnvironment();
+  if (!launch.ok()) return launch.status();
+  if (!launch->note.empty()) std::fprintf(stderr, "shardrun: %s\n", launch->note.c_str());
+  if (launch->launcher != "slurm" && launch->launcher != "kubernetes") return absl::OkStatus();
+  if (flags.Has("nnodes") || flags.Has("node-rank") || flags.Has("coordinator")) {
+    return absl::OkStatus();
+  }
+  if (launch->launcher == "slurm" && launch->world_size != launch->num_nodes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("under srun, shardrun starts its node's ranks itself: run one per node (srun "
+                     "--ntasks-per-node=1 shardrun --nproc K ...); this step has ",
+                     launch->world_size, " tasks on ", launch->num_nodes, " nodes"));
+  }
+  auto rdv = PlanRendezvous(*launch);
+  if (!rdv.ok()) return rdv.status();
+  if (launch->world_size > kMaxNnodes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(launch->world_size, " nodes: at most ", kMaxNnodes));
+  }
+  cfg->launcher = launch->launcher;
+  cfg->nnodes = launch->world_size;
+  cfg->node_rank = launch->rank;
+  if (!flags.Has("job-id")) cfg->job_id = rdv->job_id;
+  // --port (the same on every node under srun) wins over the planned one.
+  const size_t colon = rdv->coordinator.rfind(':');
+  const std::string host = rdv->coordinator.substr(0, colon);
+  int port = cfg->port;
+  if (!flags.Has("port") && !absl::SimpleAtoi(rdv->coordinator.substr(colon + 1), &port)) {
+    return absl::InternalError(absl::StrCat("bad coordinator address ", rdv->coordinator));
+  }
+  if (!rdv->host_coordinator) {
+    cfg->coordinator = absl::StrCat(host, ":", port);
+    return absl::OkStatus();
+  }
+  cfg->port = port;
+  cfg->advertise = absl::StrCat(host, ":", port);
+  if (!flags.Has("bind")) cfg->bind = "0.0.0.0";
   return absl::OkStatus();
 }
 
@@ -310,6 +367,9 @@ std::optional<int> ParseFlags(int argc, char** argv, RunConfig* cfg) {
                      "' (the program goes after --: shardrun --nproc N -- PROGRAM ARGS...)"));
   }
   if (absl::Status s = ReadFlagValues(*flags, cfg); !s.ok()) return Fail(std::string(s.message()));
+  if (absl::Status s = ApplyLaunchEnvironment(*flags, cfg); !s.ok()) {
+    return Fail(std::string(s.message()));
+  }
   if (absl::Status s = CheckFlagCombinations(*flags, cfg); !s.ok()) {
     return Fail(std::string(s.message()));
   }
@@ -387,7 +447,7 @@ absl::Status StartCoordinator(const RunConfig& cfg, CoordinatorServers* servers)
   auto s = RpcServer::Start(sopt, {servers->service.get()});
   if (!s.ok()) return WithCode(s.status());
   servers->server = std::move(*s);
-  servers->address = servers->server->address();
+  servers->address = cfg.advertise.empty() ? servers->server->address() : cfg.advertise;
   return absl::OkStatus();
 }
 
@@ -407,8 +467,9 @@ absl::Status ServeCoordinator(const RunConfig& cfg, CoordinatorServers* servers)
     if (!m.ok()) return m.status();
     servers->metrics = std::move(*m);
   }
-  std::printf("shardrun: coordinator listening on %s (job %s, %d ranks)\n",
-              servers->address.c_str(), cfg.job_id.c_str(), cfg.world);
+  std::printf("shardrun: coordinator listening on %s (%sjob %s, %d ranks)\n",
+              servers->address.c_str(), cfg.launcher.empty() ? "" : (cfg.launcher + " ").c_str(),
+              cfg.job_id.c_str(), cfg.world);
   if (servers->metrics) {
     std::printf("shardrun: metrics on http://%s/metrics\n", servers->metrics->address().c_str());
   }

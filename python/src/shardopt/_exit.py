@@ -9,6 +9,9 @@ import sys
 import weakref
 
 _live = weakref.WeakSet()
+# Run after every optimizer has finished (in order): the coordinator rank 0
+# serves under srun waits there for the other ranks' end.
+_after_finish = []
 _previous_excepthook = None  # sys.excepthook as _install() found it
 
 
@@ -21,8 +24,12 @@ def _excepthook(kind, value, tb):
 
 
 def _at_exit():
-    for opt in list(_live):
-        opt.finish()
+    try:
+        for opt in list(_live):
+            opt.finish()
+    finally:
+        for fn in _after_finish:
+            fn()
 
 
 def _install():

@@ -17,7 +17,9 @@ class Context:
     rank: int
     world_size: int
     local_rank: int
-    launcher: str  # "shardrun", "torchrun", "torch.distributed" (a process group the script made) or "single"
+    # "shardrun", "slurm" (srun), "kubernetes" (an Indexed Job), "torchrun",
+    # "torch.distributed" (a process group the script made) or "single"
+    launcher: str
     control_plane: bool
     job_id: str = ""
     # How ranks exchange gradients and parameters: "auto" (shared memory when
@@ -44,6 +46,7 @@ class Context:
 
 
 _context: Optional[Context] = None
+_hosted = None  # the coordinator this process serves (rank 0 under srun / an Indexed Job)
 
 
 def _env_int(name: str, default: int) -> int:
@@ -99,6 +102,57 @@ def _default_store():
 _TRANSPORTS = ("auto", "gloo", "shm")
 
 
+def _env_seconds(name: str, default: float) -> float:
+    v = os.environ.get(name)
+    if v is None or v == "":
+        return default
+    try:
+        x = float(v)
+    except ValueError:
+        x = float("nan")
+    if not 0.1 <= x <= 86400:
+        raise ValueError(f"environment variable {name}={v!r} must be seconds in [0.1, 86400]")
+    return x
+
+
+def _release_hosted(linger_s: float) -> None:
+    """At exit (after this rank's own end is reported): wait until every rank
+    has finished or the job has failed, then stop serving."""
+    global _hosted
+    h, _hosted = _hosted, None
+    if h is None:
+        return
+    state = h.await_end(linger_s)
+    if state == "failed":
+        import time
+        time.sleep(2)  # the others hear the verdict through their sessions
+    elif state != "finished":
+        print(f"shardopt: stopping the coordinator after {linger_s:g} s with ranks still "
+              "running", file=sys.stderr)
+
+
+def _join_launcher(env: dict, timeout: float, transport: str) -> Context:
+    """Under srun or a Kubernetes Indexed Job (no shardrun): rank 0 serves the
+    job's coordinator at the address every rank derives from the launcher's
+    variables, and every rank joins its control plane."""
+    global _hosted
+    from . import _exit
+    rank, world = env["rank"], env["world_size"]
+    job_id = env["rendezvous_job_id"]
+    if env["host_coordinator"] and _hosted is None:
+        _hosted = _C.host_coordinator(env["listen"], env["coordinator"], job_id, world, _token(),
+                                      _env_seconds("SHARDOPT_HEARTBEAT_TIMEOUT", 10.0))
+        print(f"shardopt: coordinator listening on {env['coordinator']} ({env['launcher']} job "
+              f"{job_id}, {world} ranks; shardctl --coordinator={env['coordinator']} status)",
+              file=sys.stderr, flush=True)
+        _exit._after_finish.append(lambda: _release_hosted(timeout + 10.0))
+    # What the rest of the package (and the script's own subprocesses) read.
+    os.environ["SHARDOPT_COORDINATOR"] = env["coordinator"]
+    os.environ["SHARDOPT_JOB_ID"] = job_id
+    os.environ.setdefault("SHARDOPT_BIND", env["bind"])
+    return Context(rank, world, env["local_rank"], env["launcher"], True, job_id, transport)
+
+
 def init(timeout: float = 300.0, transport: Optional[str] = None) -> Context:
     """Joins the job this process was launched into, once per process.
 
@@ -113,6 +167,14 @@ def init(timeout: float = 300.0, transport: Optional[str] = None) -> Context:
     (shardctl status/layout/memory, heartbeats, set-lr, checkpoint requests).
     torch.distributed stays the script's own (shardrun gives it a
     MASTER_PORT of its own).
+
+    Under srun (each task a rank: SLURM_PROCID, SLURM_NTASKS, the step's
+    node list) or a Kubernetes Indexed Job (JOB_COMPLETION_INDEX, WORLD_SIZE,
+    MASTER_ADDR): rank 0 serves the job's coordinator on $MASTER_ADDR (Slurm:
+    the step's first node) and port $SHARDOPT_PORT (Slurm: derived from the
+    job and step ids; Kubernetes: 29400), and every rank joins its control
+    plane as under shardrun (docs/slurm.md, docs/kubernetes.md). Rank 0's
+    process waits at exit until the other ranks have finished.
 
     Under a torchrun-style launcher (RANK, WORLD_SIZE, LOCAL_RANK,
     MASTER_ADDR, MASTER_PORT): ranks meet through torch.distributed's store;
@@ -133,6 +195,20 @@ def init(timeout: float = 300.0, transport: Optional[str] = None) -> Context:
             raise ValueError(f"SHARDOPT_TRANSPORT={transport!r} is not one of {', '.join(_TRANSPORTS)}")
     elif transport not in _TRANSPORTS:
         raise ValueError(f"transport {transport!r} is not one of {', '.join(_TRANSPORTS)}")
+    launch = _C.launch_environment()  # the C++ trainer's and shardrun's reading, ValueError if bad
+    if launch["note"]:
+        print(f"shardopt: {launch['note']}", file=sys.stderr)
+    if launch["launcher"] in ("slurm", "kubernetes"):
+        if _torch_world() > 0:
+            import torch.distributed as dist
+            if (dist.get_rank(), dist.get_world_size()) != (launch["rank"], launch["world_size"]):
+                raise ValueError(f"torch.distributed's default process group is rank "
+                                 f"{dist.get_rank()} of {dist.get_world_size()}, but "
+                                 f"{launch['launcher']} says rank {launch['rank']} of "
+                                 f"{launch['world_size']}: launch and init_process_group must "
+                                 "agree")
+        _context = _join_launcher(launch, timeout, transport)
+        return _context
     world = _env_int("WORLD_SIZE", 1)
     rank = _env_int("RANK", 0)
     # A default process group the script initialised (mp.spawn with
