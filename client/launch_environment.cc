@@ -338,7 +338,11 @@ absl::StatusOr<Rendezvous> PlanRendezvous(const LaunchEnvironment& e,
   }
   r.coordinator = absl::StrCat(host, ":", port);
   r.host_coordinator = e.rank == 0;
-  if (r.host_coordinator) r.listen = absl::StrCat("0.0.0.0:", port);
+  if (r.host_coordinator) {
+    std::string listen_host = env.Str("SHARDOPT_LISTEN").value_or("0.0.0.0");
+    if (listen_host.empty()) return absl::InvalidArgumentError("SHARDOPT_LISTEN is empty");
+    r.listen = absl::StrCat(listen_host, ":", port);
+  }
   return r;
 }
 

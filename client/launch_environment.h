@@ -75,7 +75,7 @@ inline constexpr int kDefaultKubernetesPort = 29400;
 // The rendezvous for `env`:
 // - SHARDOPT_COORDINATOR set (shardrun, or given by hand): dial it;
 // - under Slurm or Kubernetes without it: rank 0 hosts the coordinator on
-//   0.0.0.0:PORT and every rank dials HOST:PORT, where HOST is $MASTER_ADDR,
+//   $SHARDOPT_LISTEN (default 0.0.0.0):PORT and every rank dials HOST:PORT, where HOST is $MASTER_ADDR,
 //   else (Slurm) the step's first node, and PORT is $SHARDOPT_PORT, else
 //   DefaultSlurmPort / kDefaultKubernetesPort;
 // - otherwise no coordinator.

@@ -22,6 +22,10 @@ PACKAGES=(
   python3-grpcio python3-protobuf openssl python3-torch
   # tests: network namespaces (multi-host test), pgrep (end-to-end tests)
   iproute2 procps
+  # tests: Slurm for real (tests/e2e/slurm_test.sh: slurmctld, slurmd, srun,
+  # sbatch, scancel; munged for their authentication); the Kubernetes
+  # manifest's check reads YAML (tests/e2e/kubernetes_env_test.sh)
+  slurm-wlm munge python3-yaml
   # tests: a real terminal for shardctl top (tests/e2e/shardctl_top_test.sh)
   tmux
   # metrics: the Prometheus client library (shardrun --metrics-port); the

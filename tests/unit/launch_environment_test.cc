@@ -241,6 +241,11 @@ TEST(RendezvousTest, KubernetesIndexedJob) {
   EXPECT_TRUE(r->host_coordinator);
   EXPECT_EQ(r->listen, "0.0.0.0:29400");
   EXPECT_EQ(r->bind, "train-0");
+  vars["SHARDOPT_LISTEN"] = "127.0.0.1";
+  r = Plan(vars);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->listen, "127.0.0.1:29400");
+  vars.erase("SHARDOPT_LISTEN");
   vars.erase("MASTER_ADDR");
   r = Plan(vars);
   ASSERT_FALSE(r.ok());
