@@ -75,8 +75,8 @@ inline constexpr int kDefaultKubernetesPort = 29400;
 // The rendezvous for `env`:
 // - SHARDOPT_COORDINATOR set (shardrun, or given by hand): dial it;
 // - under Slurm or Kubernetes without it: rank 0 hosts the coordinator on
-//   $SHARDOPT_LISTEN (default 0.0.0.0):PORT and every rank dials HOST:PORT, where HOST is $MASTER_ADDR,
-//   else (Slurm) the step's first node, and PORT is $SHARDOPT_PORT, else
+//   $SHARDOPT_LISTEN (default 0.0.0.0):PORT and every rank dials HOST:PORT, where HOST is
+//   $MASTER_ADDR, else (Slurm) the step's first node, and PORT is $SHARDOPT_PORT, else
 //   DefaultSlurmPort / kDefaultKubernetesPort;
 // - otherwise no coordinator.
 // bind: $SHARDOPT_BIND, else the Slurm node's name, else (Kubernetes) the
