@@ -45,7 +45,9 @@ JobStatus HostedCoordinator::AwaitEnd(absl::Duration timeout) {
   const absl::Time deadline = absl::Now() + timeout;
   while (true) {
     JobStatus j = coordinator_->GetJob();
-    if (j.state == JobState::kFinished || j.state == JobState::kFailed || absl::Now() >= deadline) {
+    // kStarting: this rank never joined (it failed before, or made no
+    // optimizer), so the job cannot start; nobody is left to wait for.
+    if (j.state != JobState::kRunning || absl::Now() >= deadline) {
       return j;
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));

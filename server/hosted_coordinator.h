@@ -42,9 +42,10 @@ class HostedCoordinator {
   int port() const { return server_->port(); }
   Coordinator* coordinator() { return coordinator_.get(); }
 
-  // Waits until every rank has finished or the job has failed, at most
-  // `timeout`: the hosting rank calls it before it exits, so that the other
-  // ranks can still report their end to it. Returns the job's state then.
+  // Waits until every rank has finished or the job has failed (at once when
+  // the job never started: this rank did not join), at most `timeout`: the hosting rank calls it
+  // before it exits, so that the other ranks can still report their end to it. Returns the job's
+  // state then.
   JobStatus AwaitEnd(absl::Duration timeout);
 
  private:

@@ -19,22 +19,13 @@ cleanup() {
   rm -rf "$tmp"
 }
 trap cleanup EXIT
-if ! ip netns add "$h1" 2>"$tmp/err"; then
-  echo "SKIPPED: cannot create network namespaces here: $(cat "$tmp/err")"
-  exit 0
-fi
-set -e
-ip netns add "$h2"
-ip link add "veth-a$id" type veth peer name "veth-b$id"
-ip link set "veth-a$id" netns "$h1"
-ip link set "veth-b$id" netns "$h2"
-ip -n "$h1" addr add "$net.1/24" dev "veth-a$id"
-ip -n "$h2" addr add "$net.2/24" dev "veth-b$id"
-for h in "$h1" "$h2"; do ip -n "$h" link set lo up; done
-ip -n "$h1" link set "veth-a$id" up
-ip -n "$h2" link set "veth-b$id" up
+two_hosts "$h1" "$h2" "$net" "mh$id"
+case $? in
+  0) ;;
+  2) echo "SKIPPED: cannot create network namespaces here: $two_hosts_error"; exit 0 ;;
+  *) echo "FAIL: setting up the two hosts"; exit 1 ;;
+esac
 echo "hosts: $h1 at $net.1, $h2 at $net.2"
-set +e
 
 run_job() {  # run_job NPROC_PER_HOST STEPS LOG [trainer flags...]
   local nproc=$1 steps=$2 log=$3; shift 3

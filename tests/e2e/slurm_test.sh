@@ -59,20 +59,13 @@ cleanup() {
   rm -rf "$tmp"
 }
 trap cleanup EXIT
-if ! ip netns add "$h1" 2>"$tmp/err"; then
-  echo "SKIPPED: cannot create network namespaces here: $(cat "$tmp/err")"
-  exit 0
-fi
+two_hosts "$h1" "$h2" "$net" "sl$id"
+case $? in
+  0) ;;
+  2) echo "SKIPPED: cannot create network namespaces here: $two_hosts_error"; exit 0 ;;
+  *) echo "FAIL: setting up the two nodes"; exit 1 ;;
+esac
 set -e
-ip netns add "$h2"
-ip link add "vsl-a$id" type veth peer name "vsl-b$id"
-ip link set "vsl-a$id" netns "$h1"
-ip link set "vsl-b$id" netns "$h2"
-ip -n "$h1" addr add "$net.1/24" dev "vsl-a$id"
-ip -n "$h2" addr add "$net.2/24" dev "vsl-b$id"
-for h in "$h1" "$h2"; do ip -n "$h" link set lo up; done
-ip -n "$h1" link set "vsl-a$id" up
-ip -n "$h2" link set "vsl-b$id" up
 printf '127.0.0.1 localhost\n%s n1\n%s n2\n' "$net.1" "$net.2" >"$tmp/hosts"
 
 # in_node NS CMD...: CMD in node NS's network, where n1 and n2 resolve (a
@@ -167,6 +160,10 @@ check "1: node 0's shardrun serves the coordinator on n1" \
   "$tmp/nested.log"
 consolidate "$tmp/ck_nested/step-6" "$tmp/nested.st"
 check "1: ... bit for bit the same as well" cmp "$tmp/nested.st" "$tmp/shardrun.st"
+login timeout 60 srun -N1 --ntasks-per-node=2 "$B/shardrun" --nproc 2 -- "$B/shardopt_train" \
+  >"$tmp/two_per_node.log" 2>&1
+check "1: two shardruns on one node refused (exit $?)" \
+  grep -q "run one per node (srun --ntasks-per-node=1 shardrun" "$tmp/two_per_node.log"
 echo "1 done ($(($(date +%s) - started)) s)"
 
 # 2. Python: shardopt.init() under srun.

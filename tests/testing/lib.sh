@@ -103,3 +103,21 @@ job_past_step() {
   s=$(job_step "$1" "${@:3}")
   [[ -n $s ]] && ((s > $2))
 }
+
+# two_hosts NS1 NS2 NET TAG: two "hosts", network namespaces NS1 (at NET.1)
+# and NS2 (at NET.2, a /24) joined by a veth pair named after TAG, loopback
+# up. Needs root (CAP_NET_ADMIN); when the first namespace cannot be made it
+# returns 2 with the reason in $two_hosts_error (tests say SKIPPED), on any
+# later failure 1. The caller deletes the namespaces (ip netns del).
+two_hosts() {
+  local ns1=$1 ns2=$2 net=$3 tag=$4
+  if ! two_hosts_error=$(ip netns add "$ns1" 2>&1); then return 2; fi
+  ip netns add "$ns2" &&
+    ip link add "va$tag" type veth peer name "vb$tag" &&
+    ip link set "va$tag" netns "$ns1" &&
+    ip link set "vb$tag" netns "$ns2" &&
+    ip -n "$ns1" addr add "$net.1/24" dev "va$tag" &&
+    ip -n "$ns2" addr add "$net.2/24" dev "vb$tag" &&
+    ip -n "$ns1" link set lo up && ip -n "$ns2" link set lo up &&
+    ip -n "$ns1" link set "va$tag" up && ip -n "$ns2" link set "vb$tag" up
+}

@@ -261,6 +261,15 @@ TEST(RendezvousTest, NoLauncherNoCoordinator) {
   EXPECT_EQ(r->job_id, "job");
 }
 
+// WORLD_SIZE alone (a launcher that sets no RANK for rank 0): rank 0 of it,
+// never silently one rank.
+TEST(LaunchEnvironmentTest, WorldSizeAloneIsRankZeroOfIt) {
+  auto e = Read({{"WORLD_SIZE", "3"}});
+  ASSERT_TRUE(e.ok()) << e.status();
+  EXPECT_EQ(e->world_size, 3);
+  EXPECT_EQ(e->rank, 0);
+}
+
 TEST(LaunchEnvironmentTest, KubernetesIndexedJob) {
   auto e = Read({{"JOB_COMPLETION_INDEX", "2"},
                  {"SHARDOPT_WORLD_SIZE", "3"},
