@@ -337,6 +337,7 @@ absl::StatusOr<Rendezvous> PlanRendezvous(const LaunchEnvironment& e,
     port = *p;
   }
   r.coordinator = absl::StrCat(host, ":", port);
+  r.served_by_rank0 = true;
   r.host_coordinator = e.rank == 0;
   if (r.host_coordinator) {
     std::string listen_host = env.Str("SHARDOPT_LISTEN").value_or("0.0.0.0");

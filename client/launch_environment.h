@@ -59,6 +59,9 @@ struct Rendezvous {
   // when no SHARDOPT_COORDINATOR is given), listening on `listen`.
   bool host_coordinator = false;
   std::string listen;
+  // Rank 0's process serves it (this one or another): under Slurm or
+  // Kubernetes without SHARDOPT_COORDINATOR.
+  bool served_by_rank0 = false;
   // The address of this rank's own services (shard owner, Gloo): reachable
   // from the other ranks' hosts.
   std::string bind;

@@ -275,7 +275,12 @@ void RankAgent::HeartbeatLoop() {
         last_ok = absl::Now();
         reason = HandleNotice(*r);
       } else if (absl::Now() - last_ok > options_.coordinator_lost_after) {
-        reason = "lost the coordinator: " + std::string(r.status().message());
+        reason = options_.coordinator_rank >= 0
+                     ? absl::StrCat("lost the coordinator, which rank ", options_.coordinator_rank,
+                                    "'s process served (it ended, or its node or the network "
+                                    "went down): ",
+                                    r.status().message())
+                     : "lost the coordinator: " + std::string(r.status().message());
       }
     }
     if (!reason.empty()) {
@@ -426,6 +431,7 @@ std::string RankAgent::Diagnose(const absl::Status& status, absl::Time since) {
   // A peer that left its training loop (called Finish) while this rank
   // still waits in a collective: no verdict is coming, say so at once.
   if (auto finished = FinishedRanks(status)) return *finished;
+  if (auto host = CoordinatorHostGone(status)) return *host;
   std::string reason = WaitForAbort(options_.verdict_wait);
   if (!reason.empty()) return reason;
   if (auto silent = SilentRanks(status)) return *silent;
@@ -439,6 +445,20 @@ std::string RankAgent::Diagnose(const absl::Status& status, absl::Time since) {
                       absl::FormatDuration(absl::Trunc(took, absl::Milliseconds(1))),
                       ", before its ", absl::FormatDuration(options_.collective_timeout),
                       " timeout (a peer's connection broke) [", status.message(), "]");
+}
+
+std::optional<std::string> RankAgent::CoordinatorHostGone(const absl::Status& status) {
+  if (options_.coordinator_rank < 0 || options_.coordinator_rank == options_.rank) {
+    return std::nullopt;
+  }
+  auto job = client_->GetJob(absl::Seconds(2));
+  if (job.ok() || job.status().code() != absl::StatusCode::kUnavailable) return std::nullopt;
+  const std::string& a = options_.coordinator_address;
+  return absl::StrCat("rank ", options_.coordinator_rank,
+                      a.empty() ? "" : absl::StrCat(" (on host ", a.substr(0, a.rfind(':')), ")"),
+                      ", whose process served the job's coordinator, is gone: its process ended "
+                      "or its node went down [",
+                      status.message(), "]");
 }
 
 std::optional<std::string> RankAgent::FinishedRanks(const absl::Status& status) {

@@ -106,6 +106,12 @@ struct RankAgentOptions {
   // means ckpt_dir, else $TMPDIR (or /tmp).
   std::string flight_record_dir;
 
+  // The rank whose process serves the coordinator (0 under srun or an
+  // Indexed Job; -1: another process, shardrun's). When the coordinator
+  // cannot be reached, Diagnose names that rank as gone.
+  int coordinator_rank = -1;
+  std::string coordinator_address;  // host:port, for that message
+
   // Timing of heartbeats and of the diagnosis.
   absl::Duration heartbeat_interval = absl::Seconds(1);
   // Without a session and without an answered heartbeat for this long, the
@@ -270,6 +276,9 @@ class RankAgent {
 
   // Diagnosis.
   std::optional<std::string> FinishedRanks(const absl::Status& status);
+  // The rank that served the coordinator (options_.coordinator_rank), when
+  // the coordinator no longer answers.
+  std::optional<std::string> CoordinatorHostGone(const absl::Status& status);
   std::optional<std::string> SilentRanks(const absl::Status& status);
   std::optional<std::string> StalledRanks(const absl::Status& status, absl::Time since);
 

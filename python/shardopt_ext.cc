@@ -302,7 +302,7 @@ class PyOptimizer {
   // checkpoint requests. Returns the job's layout hash as the coordinator has it.
   // samples_per_rank: the batch size on this rank (0: not known).
   void StartAgent(const std::string& host, const std::string& token, const std::string& ckpt_dir,
-                  int ckpt_keep, int64_t samples_per_rank, double timeout_s) {
+                  int ckpt_keep, int64_t samples_per_rank, double timeout_s, int coordinator_rank) {
     if (samples_per_rank < 0) throw py::value_error("batch_size must be >= 0");
     samples_per_rank_ = static_cast<double>(samples_per_rank);
     const int64_t samples_per_step = samples_per_rank * comm_->comm->world_size();
@@ -319,6 +319,8 @@ class PyOptimizer {
     o.ckpt_keep = ckpt_keep;
     o.samples_per_step = samples_per_step;
     o.log_name = "shardopt";
+    o.coordinator_rank = coordinator_rank;
+    o.coordinator_address = comm_->client->address();
     absl::StatusOr<std::unique_ptr<RankAgent>> a;
     {
       py::gil_scoped_release release;
@@ -827,6 +829,7 @@ py::dict LaunchEnvironmentDict() {
   if (!r.ok()) throw py::value_error(std::string(r.status().message()));
   d["coordinator"] = r->coordinator;
   d["host_coordinator"] = r->host_coordinator;
+  d["served_by_rank0"] = r->served_by_rank0;
   d["listen"] = r->listen;
   d["bind"] = r->bind;
   d["rendezvous_job_id"] = r->job_id;
@@ -897,7 +900,9 @@ void BindOptimizer(py::module_& m) {
       .def("wait_all", &PyOptimizer::WaitAll)
       .def("buckets_of", &PyOptimizer::BucketsOf)
       .def("step", &PyOptimizer::Step, py::arg("loss") = py::none())
-      .def("start_agent", &PyOptimizer::StartAgent)
+      .def("start_agent", &PyOptimizer::StartAgent, py::arg("host"), py::arg("token"),
+           py::arg("ckpt_dir"), py::arg("ckpt_keep"), py::arg("samples_per_rank"),
+           py::arg("timeout_s"), py::arg("coordinator_rank") = -1)
       .def("has_agent", &PyOptimizer::has_agent)
       .def("before_step", &PyOptimizer::BeforeStep)
       .def("finish", &PyOptimizer::Finish)

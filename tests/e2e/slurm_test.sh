@@ -225,6 +225,26 @@ check "3: srun reports the failure" test "$rc" -ne 0
 check "3: the last checkpoint verifies" \
   bash -c "'$B/shardctl' inspect '$tmp/ck_kill' | grep -q 'verify: every CRC matches'"
 
+# kill -9 of rank 0, whose process serves the coordinator.
+login timeout 120 srun -N2 --ntasks-per-node=2 "$B/shardopt_train" "${long[@]}" \
+  --ckpt-dir="$tmp/ck_kill0" >"$tmp/kill0.log" 2>&1 &
+srun_pid=$!
+past_step_file() { grep -q 'step [0-9]*/100000' "$tmp/kill0.log"; }
+check "3: a job trains" wait_until 60 "the job's first progress line" past_step_file
+victim=""
+for p in $(pgrep -x shardopt_train); do
+  if tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -qx SLURM_PROCID=0; then victim=$p; fi
+done
+killed_at=$(_lib_now_us)
+kill -9 "$victim"
+wait "$srun_pid"
+took_ms=$((($(_lib_now_us) - killed_at) / 1000))
+echo "3: srun ended $took_ms ms after kill -9 of rank 0"
+check "3: within the heartbeat timeout" test "$took_ms" -lt 10000
+check "3: the others name rank 0 on n1, which served the coordinator" \
+  grep -q "rank 0 (on host n1), whose process served the job's coordinator, is gone" \
+  "$tmp/kill0.log"
+
 SHARDOPT_TOKEN_FILE=$tmp/token login timeout 120 srun -N2 --ntasks-per-node=2 \
   "$B/shardopt_train" "${long[@]}" --ckpt-dir="$tmp/ck_cancel" >"$tmp/cancel.log" 2>&1 &
 srun_pid=$!

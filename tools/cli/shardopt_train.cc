@@ -382,6 +382,10 @@ RankAgentOptions AgentOptions(const Config& c, int64_t batch) {
   a.samples_per_step = batch * c.world;
   a.stop_signal = [] { return g_signal.load(); };
   a.log_name = "shardopt_train";
+  if (c.rendezvous.served_by_rank0 && c.coordinator == c.rendezvous.coordinator) {
+    a.coordinator_rank = 0;
+    a.coordinator_address = c.coordinator;
+  }
   return a;
 }
 

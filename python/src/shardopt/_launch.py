@@ -25,6 +25,9 @@ class Context:
     # How ranks exchange gradients and parameters: "auto" (shared memory when
     # every rank is on one host, else Gloo over TCP), "gloo" or "shm".
     transport: str = "auto"
+    # The rank whose process serves the coordinator (0 under srun or an
+    # Indexed Job), -1 for shardrun's own process.
+    _coordinator_rank: int = field(repr=False, default=-1)
     _prefixes: int = field(repr=False, default=0)
     _agent_taken: bool = field(repr=False, default=False)
 
@@ -150,7 +153,8 @@ def _join_launcher(env: dict, timeout: float, transport: str) -> Context:
     os.environ["SHARDOPT_COORDINATOR"] = env["coordinator"]
     os.environ["SHARDOPT_JOB_ID"] = job_id
     os.environ.setdefault("SHARDOPT_BIND", env["bind"])
-    return Context(rank, world, env["local_rank"], env["launcher"], True, job_id, transport)
+    return Context(rank, world, env["local_rank"], env["launcher"], True, job_id, transport,
+                   _coordinator_rank=0 if env["served_by_rank0"] else -1)
 
 
 def init(timeout: float = 300.0, transport: Optional[str] = None) -> Context:

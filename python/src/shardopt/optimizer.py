@@ -306,7 +306,8 @@ class ShardedOptimizer(_StateMixin, Optimizer):
             # shardctl checkpoint requests write under checkpoint_dir.
             ctx._agent_taken = True
             self._core.start_agent(_hostname(), _token(), os.fspath(checkpoint_dir or ""),
-                                   int(checkpoint_keep), int(batch_size), float(timeout))
+                                   int(checkpoint_keep), int(batch_size), float(timeout),
+                                   ctx._coordinator_rank)
             _live.add(self)
         elif ctx.control_plane:
             print("shardopt: only the first ShardedOptimizer of a process joins the control "
