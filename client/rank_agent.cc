@@ -157,6 +157,9 @@ int RankAgent::Finish() {
 int RankAgent::Fail(const std::string& message,
                     const std::optional<std::string>& coordinator_reason) {
   const std::string& reason = coordinator_reason.has_value() ? *coordinator_reason : message;
+  // The step this rank reached and its last checkpoint, for whoever reads
+  // the job's end (shardrun --max-restarts says how many steps were lost).
+  (void)client_->Heartbeat(MakeHeartbeat());
   if (!reason.empty()) (void)client_->Abort(reason, options_.rank);
   failure_ = message;
   PrintError(message);

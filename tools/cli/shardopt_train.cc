@@ -26,6 +26,7 @@
 #include "client/advice.h"
 #include "client/sharded_optimizer.h"
 #include "client/host_allocator.h"
+#include "common/file_system.h"
 #include "common/malloc_tuning.h"
 #include "server/hosted_coordinator.h"
 #include "tools/cli/flags.h"
@@ -100,7 +101,8 @@ flags (a malformed or out-of-range value is refused, naming the flag; exit statu
                        needs --ckpt-dir)
   --ckpt-keep=N        keep only the newest N checkpoints, 0..1000000 (default 0: keep all;
                        needs --ckpt-dir)
-  --resume=PATH        resume from a checkpoint directory, a root with LATEST, a consolidated
+  --resume=PATH        (started again by shardrun --max-restarts, i.e. $SHARDOPT_RESTART > 0:
+                       --ckpt-dir when it holds a checkpoint) resume from a checkpoint directory, a root with LATEST, a consolidated
                        .safetensors file or a torch.save file (.pt, see shardctl import); the
                        saved step and hyper-parameters are restored (an explicit --lr wins),
                        at any world size; training continues at the saved step
@@ -179,6 +181,7 @@ struct Config {
   LaunchEnvironment launch;  // who this process is, from its launcher's variables
   Rendezvous rendezvous;     // where the coordinator is, and whether this process serves it
   bool host_coordinator = false;
+  int restart = 0;  // $SHARDOPT_RESTART: how many times shardrun restarted the job
   absl::Duration heartbeat_timeout = absl::Seconds(10);  // the served coordinator's
   std::string model_name, kind, coordinator, job_id, bind, ckpt_dir, resume, token;
   CpuTransport transport = CpuTransport::kAuto;
@@ -278,6 +281,14 @@ absl::Status ReadConfig(const Flags& flags, Config* c) {
   ReadTransportFlags(flags, c, &bad);
   ReadRunFlags(flags, c, &bad);
   if (!bad.ok()) return bad;
+  // Started again by shardrun --max-restarts: continue from the last
+  // complete checkpoint of --ckpt-dir, if there is one.
+  c->restart = static_cast<int>(Take(EnvInt("SHARDOPT_RESTART", 0, 0, 1000), &bad));
+  if (!bad.ok()) return bad;
+  if (c->restart > 0 && c->resume.empty() && !c->ckpt_dir.empty() &&
+      PosixFileSystem()->FileSize(c->ckpt_dir + "/LATEST").ok()) {
+    c->resume = c->ckpt_dir;
+  }
   if (c->ckpt_dir.empty() && (c->ckpt_every > 0 || c->ckpt_keep > 0)) {
     return absl::InvalidArgumentError("--ckpt-every and --ckpt-keep need --ckpt-dir");
   }
@@ -713,6 +724,15 @@ int Main(int argc, char** argv) {
     }
     first_step = *resumed;
     (*agent)->Resumed(first_step);
+    if (c.restart > 0 && c.rank == 0) {
+      auto reached = EnvInt("SHARDOPT_RESTART_STEP", -1, 0, kMaxSteps);
+      if (reached.ok() && *reached >= first_step) {
+        std::printf("shardopt_train: restart %d: the job had reached step %lld; %lld steps lost\n",
+                    c.restart, static_cast<long long>(*reached),
+                    static_cast<long long>(*reached - first_step));
+        std::fflush(stdout);
+      }
+    }
   }
   Advice advice;
   if (c.advise) {

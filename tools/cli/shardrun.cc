@@ -8,6 +8,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -80,6 +81,13 @@ flags (a malformed or out-of-range value is refused, naming the flag; exit statu
   --slow-windows=K       ... for K windows in a row, 1..1000 (default 3); as many windows
                          under X and it recovers; each change is one line here
   --slow-window=S        the length of one window, seconds in [0.1, 3600] (default 5)
+  --max-restarts=N       when the job fails (a rank exits or is killed, or the coordinator
+                         fails it), start it again up to N times, 0..1000 (default 0): the
+                         ranks that failed first are left out, the others start again with
+                         SHARDOPT_RESTART=K set, and shardopt_train (or a script that reads
+                         it) resumes from its --ckpt-dir's last complete checkpoint; one line
+                         says which ranks were lost and how many steps. One node only
+  --min-ranks=M          restart only with at least M ranks, 1..1024 (default 1)
   --help                 this text
 
 Under srun (one shardrun per node: srun --ntasks-per-node=1 shardrun --nproc K -- ...)
@@ -216,6 +224,11 @@ struct RunConfig {
   double slow_factor = 1.5;
   int64_t slow_windows = 3;
   absl::Duration slow_window;
+  int64_t max_restarts = 0;  // --max-restarts
+  int restart = 0;           // this attempt: 0, then 1.. after each restart
+  int64_t failed_step = 0;   // the step the ranks had reached when the last attempt failed
+  int64_t saved_step = -1;   // the newest checkpoint rank 0 reported in any attempt (-1: none)
+  int64_t min_ranks = 1;     // --min-ranks
   std::vector<std::string> program;  // PROGRAM ARGS...
 };
 
@@ -240,12 +253,28 @@ absl::Status ReadFlagValues(const Flags& flags, RunConfig* cfg) {
   auto slow_factor = flags.Double("slow-factor", 1.5, 1, 1000, /*min_exclusive=*/true);
   auto slow_windows = flags.Int("slow-windows", 3, 1, 1000);
   auto slow_window = flags.Seconds("slow-window", 5, 0.1, 3600);
-  for (const absl::Status& s :
-       {nproc.status(), nnodes.status(), port.status(), hb.status(), coordinator_flag.status(),
-        bind.status(), port_file.status(), job_id_flag.status(), token_file_flag.status(),
-        tls_cert.status(), tls_key.status(), tls_client_ca.status(), metrics_port.status(),
-        metrics_port_file.status(), slow_factor.status(), slow_windows.status(),
-        slow_window.status(), master_port_flag.status()}) {
+  auto max_restarts = flags.Int("max-restarts", 0, 0, 1000);
+  auto min_ranks = flags.Int("min-ranks", 1, 1, kMaxNproc);
+  for (const absl::Status& s : {nproc.status(),
+                                nnodes.status(),
+                                port.status(),
+                                hb.status(),
+                                coordinator_flag.status(),
+                                bind.status(),
+                                port_file.status(),
+                                job_id_flag.status(),
+                                token_file_flag.status(),
+                                tls_cert.status(),
+                                tls_key.status(),
+                                tls_client_ca.status(),
+                                metrics_port.status(),
+                                metrics_port_file.status(),
+                                slow_factor.status(),
+                                slow_windows.status(),
+                                slow_window.status(),
+                                master_port_flag.status(),
+                                max_restarts.status(),
+                                min_ranks.status()}) {
     if (!s.ok()) return s;
   }
   cfg->nproc = *nproc;
@@ -266,6 +295,8 @@ absl::Status ReadFlagValues(const Flags& flags, RunConfig* cfg) {
   cfg->slow_factor = *slow_factor;
   cfg->slow_windows = *slow_windows;
   cfg->slow_window = *slow_window;
+  cfg->max_restarts = *max_restarts;
+  cfg->min_ranks = *min_ranks;
   return absl::OkStatus();
 }
 
@@ -299,6 +330,15 @@ absl::Status CheckFlagCombinations(const Flags& flags, RunConfig* cfg) {
   }
   cfg->program = flags.rest();
   cfg->world = static_cast<int>(cfg->nproc * cfg->nnodes);  // at most 1024 * 1024
+  if (cfg->max_restarts > 0 && (cfg->nnodes > 1 || !cfg->coordinator.empty())) {
+    return absl::InvalidArgumentError(
+        "--max-restarts works on one node (--nnodes=1, no --coordinator): the shardrun that "
+        "restarts the job must start every rank");
+  }
+  if (cfg->min_ranks > cfg->world) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--min-ranks=", cfg->min_ranks, " is more than the job's ", cfg->world, " ranks"));
+  }
   return absl::OkStatus();
 }
 
@@ -355,7 +395,8 @@ std::optional<int> ParseFlags(int argc, char** argv, RunConfig* cfg) {
       {"nproc",       "nnodes",       "node-rank",     "coordinator",  "bind",
        "port",        "port-file",    "job-id",        "token-file",   "heartbeat-timeout",
        "tls-cert",    "tls-key",      "tls-client-ca", "metrics-port", "metrics-port-file",
-       "slow-factor", "slow-windows", "slow-window",   "master-port",  "help"});
+       "slow-factor", "slow-windows", "slow-window",   "master-port",  "max-restarts",
+       "min-ranks",   "help"});
   if (!flags.ok()) return Fail(std::string(flags.status().message()));
   if (flags->Has("help")) {
     std::printf("%s", kUsage);
@@ -507,6 +548,8 @@ std::vector<std::string> RankEnv(const RunConfig& cfg, int rank, int local,
       "MASTER_ADDR=" + master_addr,       "MASTER_PORT=" + master_port,
       "SHARDOPT_COORDINATOR=" + address,  "SHARDOPT_JOB_ID=" + cfg.job_id};
   if (!cfg.token_file.empty()) env.push_back("SHARDOPT_TOKEN_FILE=" + cfg.token_file);
+  if (cfg.max_restarts > 0) env.push_back(absl::StrCat("SHARDOPT_RESTART=", cfg.restart));
+  if (cfg.restart > 0) env.push_back(absl::StrCat("SHARDOPT_RESTART_STEP=", cfg.failed_step));
   if (!cfg.tls_cert.empty()) {  // the ranks' shard-owner services use TLS as the coordinator does
     env.push_back("SHARDOPT_OWNER_TLS_CERT=" + cfg.tls_cert);
     env.push_back("SHARDOPT_OWNER_TLS_KEY=" + cfg.tls_key);
@@ -567,6 +610,13 @@ class Supervisor {
         children_(children),
         remaining_(static_cast<int>(children->size())) {}
 
+  // The ranks whose own exit failed the job (empty when the coordinator or
+  // a signal stopped it).
+  const std::vector<int>& lost() const { return lost_; }
+  // The job as the coordinator saw it when it was stopped (the steps the
+  // ranks had reached, the last checkpoint).
+  const JobStatus& at_failure() const { return at_failure_; }
+
   // The reason the job was stopped; empty when every rank finished.
   std::string Run() {
     while (remaining_ > 0) {
@@ -582,6 +632,8 @@ class Supervisor {
       SignalRemaining();
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }
+    // Every rank has exited: the survivors' last heartbeats are in.
+    if (stopping_ && coordinator_) at_failure_ = coordinator_->GetJob();
     return failure_;
   }
 
@@ -605,7 +657,15 @@ class Supervisor {
       c.status = status;
       --remaining_;
       const bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
-      if (!ok && !stopping_) StopAll(ExitReason(c.rank, status), false, AbortCause::kRankExit);
+      if (!ok && !stopping_) {
+        // Lost: killed (by nobody here), or ended with an error before the
+        // coordinator failed the job. A rank that exits after the job's
+        // verdict (a NaN, an exception it reported) is not: its process and
+        // node are sound, and a restart keeps it.
+        const bool verdict = coordinator_ && coordinator_->GetJob().state == JobState::kFailed;
+        if (WIFSIGNALED(status) || !verdict) lost_.push_back(c.rank);
+        StopAll(ExitReason(c.rank, status), false, AbortCause::kRankExit);
+      }
     }
   }
 
@@ -645,6 +705,8 @@ class Supervisor {
   std::vector<Child>* const children_;
   int remaining_;
   std::string failure_;
+  std::vector<int> lost_;
+  JobStatus at_failure_;
   bool stopping_ = false;
   bool terminated_ = false;
   absl::Time term_deadline_, kill_deadline_;
@@ -674,29 +736,98 @@ int Report(const std::string& failure, const CoordinatorServers& servers, size_t
   return 0;
 }
 
-int Main(int argc, char** argv) {
-  RunConfig cfg;
-  if (std::optional<int> exit_status = ParseFlags(argc, argv, &cfg)) return *exit_status;
+// One run of the job: the coordinator, the ranks, until they have all
+// exited. The failure ("" when every rank finished), with the supervisor's
+// view of it in *lost and *at_failure; the exit status in *exit_status when
+// shardrun must stop now (a setup error).
+std::string RunOnce(const RunConfig& cfg, std::vector<int>* lost, JobStatus* at_failure,
+                    std::optional<int>* exit_status) {
   CoordinatorServers servers;
   if (absl::Status s = ServeCoordinator(cfg, &servers); !s.ok()) {
-    return Fail(std::string(s.message()));
+    *exit_status = Fail(std::string(s.message()));
+    return "";
   }
   // MASTER_PORT is torch.distributed's (its TCPStore listens there on rank
   // 0), not the coordinator's: node 0 picks a free port (or --master-port)
   // and publishes it in the coordinator's key-value store for other nodes.
   auto master_port = MasterPort(servers.coordinator.get(), servers.address, cfg.token, cfg.job_id,
                                 cfg.master_port);
-  if (!master_port.ok()) return Fail(std::string(master_port.status().message()));
+  if (!master_port.ok()) {
+    *exit_status = Fail(std::string(master_port.status().message()));
+    return "";
+  }
   InstallSignalHandlers();
   const std::string master_port_str = std::to_string(*master_port);
   Ranks ranks;
   for (int local = 0; local < cfg.nproc; ++local) {
     absl::Status s = SpawnRank(cfg, local, servers.address, master_port_str, &ranks);
-    if (!s.ok()) return Fail(std::string(s.message()));
+    if (!s.ok()) {
+      *exit_status = Fail(std::string(s.message()));
+      return "";
+    }
   }
-  const std::string failure = Supervisor(servers.coordinator.get(), &ranks.children).Run();
+  Supervisor supervisor(servers.coordinator.get(), &ranks.children);
+  const std::string failure = supervisor.Run();
   ShutDown(&ranks, &servers);
-  return Report(failure, servers, ranks.children.size());
+  *lost = supervisor.lost();
+  *at_failure = supervisor.at_failure();
+  const bool restarting = !failure.empty() && g_signal.load() == 0 &&
+                          cfg.restart < cfg.max_restarts &&
+                          cfg.world - static_cast<int>(lost->size()) >= cfg.min_ranks;
+  if (!restarting && !failure.empty() && g_signal.load() == 0 && cfg.max_restarts > 0) {
+    std::fprintf(stderr, "shardrun: not restarting: %s\n",
+                 cfg.restart >= cfg.max_restarts
+                     ? absl::StrCat("--max-restarts=", cfg.max_restarts, " used up").c_str()
+                     : absl::StrCat(cfg.world - static_cast<int>(lost->size()),
+                                    " ranks would be left, under --min-ranks=", cfg.min_ranks)
+                           .c_str());
+  }
+  if (!restarting) *exit_status = Report(failure, servers, ranks.children.size());
+  return failure;
+}
+
+// The line that says what a restart lost: which ranks, and the steps since
+// the last complete checkpoint.
+std::string RestartLine(const RunConfig& cfg, const std::string& failure,
+                        const std::vector<int>& lost, int survivors) {
+  const int64_t reached = cfg.failed_step;
+  const int64_t saved = std::max<int64_t>(0, cfg.saved_step);
+  std::string who = "no rank lost";
+  if (!lost.empty()) {
+    who = "lost rank";
+    if (lost.size() > 1) who += "s";
+    for (size_t i = 0; i < lost.size(); ++i) absl::StrAppend(&who, i ? ", " : " ", lost[i]);
+  }
+  return absl::StrCat("job failed at step ", reached, ": ", failure, "; ", who, "; restart ",
+                      cfg.restart + 1, " of ", cfg.max_restarts, " with ", survivors,
+                      " ranks from ",
+                      cfg.saved_step >= 0 ? absl::StrCat("the checkpoint of step ", saved)
+                                          : std::string("the start (no checkpoint yet)"),
+                      " (", std::max<int64_t>(0, reached - saved), " steps lost)");
+}
+
+int Main(int argc, char** argv) {
+  RunConfig cfg;
+  if (std::optional<int> exit_status = ParseFlags(argc, argv, &cfg)) return *exit_status;
+  while (true) {
+    std::vector<int> lost;
+    JobStatus at_failure;
+    std::optional<int> exit_status;
+    const std::string failure = RunOnce(cfg, &lost, &at_failure, &exit_status);
+    if (exit_status) return *exit_status;
+    // Restart with the ranks that did not fail by themselves.
+    const int survivors = cfg.world - static_cast<int>(lost.size());
+    cfg.failed_step = 0;
+    for (const RankState& r : at_failure.ranks) cfg.failed_step = std::max(cfg.failed_step, r.step);
+    if (at_failure.checkpoints_total > 0) {
+      cfg.saved_step = std::max(cfg.saved_step, at_failure.last_checkpoint_step);
+    }
+    std::printf("shardrun: %s\n", RestartLine(cfg, failure, lost, survivors).c_str());
+    std::fflush(stdout);
+    cfg.nproc = survivors;
+    cfg.world = survivors;
+    ++cfg.restart;
+  }
 }
 
 }  // namespace
