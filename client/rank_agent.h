@@ -172,6 +172,11 @@ class RankAgent {
   RankAgent(const RankAgent&) = delete;
   RankAgent& operator=(const RankAgent&) = delete;
 
+  // A checkpoint of step `step` the trainer saved itself at `dir` (Python's
+  // save_checkpoint), taking `seconds`: counted and reported as the agent's
+  // own (shardctl status, /metrics, shardrun --max-restarts' restart line).
+  void RecordCheckpoint(int64_t step, const std::string& dir, double seconds);
+
   // Training resumes after step `step` (a restored checkpoint).
   void Resumed(int64_t step);
   // Step `step` (1 for the first) begins now: before its forward pass (its
@@ -283,7 +288,6 @@ class RankAgent {
   std::optional<std::string> StalledRanks(const absl::Status& status, absl::Time since);
 
   // Checkpoints and failure.
-  void RecordCheckpoint(int64_t step, const std::string& dir, double seconds);
   CheckpointOutcome SaveFailed(int64_t step, const absl::Status& status, bool was_latest,
                                absl::Time t0);
   void ReportFlight();

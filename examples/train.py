@@ -72,6 +72,9 @@ def main() -> int:
         batch_size=a.batch)     # samples/s in shardctl status and /metrics
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=a.lr, total_steps=a.steps)
     first = 0
+    if not a.resume and ctx.restart and a.ckpt_dir and os.path.exists(
+            os.path.join(a.ckpt_dir, "LATEST")):
+        a.resume = a.ckpt_dir  # started again by shardrun --max-restarts
     if a.resume:
         info = opt.load_checkpoint(a.resume)
         first = info["step"]

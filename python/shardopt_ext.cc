@@ -523,7 +523,11 @@ class PyOptimizer {
     absl::StatusOr<std::string> dir;
     {
       py::gil_scoped_release release;
+      const absl::Time t0 = absl::Now();
       dir = shardopt::SaveCheckpoint(*opt_, root, co);
+      if (dir.ok() && agent_) {
+        agent_->RecordCheckpoint(opt_->step_count(), *dir, absl::ToDoubleSeconds(absl::Now() - t0));
+      }
       if (dir.ok() && keep > 0 && comm_->comm->rank() == 0) {
         (void)PruneCheckpoints(PosixFileSystem(), root, keep);
       }

@@ -53,6 +53,27 @@ check "parameters and optimizer state equal the by-hand resume bit for bit" \
 check "every checkpoint of the restarted run verifies" \
   bash -c "$B/shardctl inspect '$tmp/ck' | grep -q 'verify: every CRC matches'"
 
+# The same from Python: a script that resumes when ctx.restart > 0.
+export PYTHONPATH=$PWD/python
+job=(tests/python/launcher_job.py --steps=60 --ckpt-every=5)
+timeout 180 $B/shardrun --nproc 3 --max-restarts=1 --port-file="$tmp/addr3" --job-id=pyrestart -- \
+  /usr/bin/python3 "${job[@]}" --step-sleep=0.05 --ckpt-dir="$tmp/pyck" --out="$tmp/py.pt" \
+  >"$tmp/py.log" 2>&1 &
+run=$!
+check "Python job starts" wait_file "$tmp/addr3" 60
+check "... trains past step 12" wait_until 60 "step 12" job_past_step "$(cat "$tmp/addr3")" 12
+kill -9 $(rank_pid pyrestart 2 launcher_job)
+wait $run
+check "the restarted Python job finishes (exit 0)" test $? -eq 0
+pysaved=$(sed -n 's/.*from the checkpoint of step \([0-9]*\) .*/\1/p' "$tmp/py.log")
+check "the script resumed at 2 ranks where shardrun said" \
+  grep -q "restart 1: resumed at step $pysaved" "$tmp/py.log"
+timeout 120 $B/shardrun --nproc 2 -- /usr/bin/python3 "${job[@]}" \
+  --resume="$tmp/pyck/step-$pysaved" --out="$tmp/py_ref.pt" >"$tmp/py_ref.log" 2>&1
+check "by hand: the same checkpoint at 2 ranks" test $? -eq 0
+check "parameters, buffers and optimizer state bitwise the by-hand resume's" \
+  /usr/bin/python3 tests/python/compare_states.py "$tmp/py.pt" "$tmp/py_ref.pt"
+
 # --min-ranks: 2 ranks, one lost, 1 left under --min-ranks=2: no restart.
 timeout 120 $B/shardrun --nproc 2 --max-restarts=3 --min-ranks=2 --port-file="$tmp/addr2" \
   --job-id=minranks -- $B/shardopt_train --model=small --batch=64 --steps=100000 \

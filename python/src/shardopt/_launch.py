@@ -25,11 +25,17 @@ class Context:
     # How ranks exchange gradients and parameters: "auto" (shared memory when
     # every rank is on one host, else Gloo over TCP), "gloo" or "shm".
     transport: str = "auto"
+    # How many times shardrun --max-restarts has started this job again
+    # ($SHARDOPT_RESTART; 0 the first time): resume from the last checkpoint.
+    restart: int = 0
     # The rank whose process serves the coordinator (0 under srun or an
     # Indexed Job), -1 for shardrun's own process.
     _coordinator_rank: int = field(repr=False, default=-1)
     _prefixes: int = field(repr=False, default=0)
     _agent_taken: bool = field(repr=False, default=False)
+
+    def __post_init__(self):
+        self.restart = _env_int("SHARDOPT_RESTART", 0)
 
     def _new_communicator(self, timeout: float):
         """One communicator per optimizer (its own rendezvous keys)."""
