@@ -1,5 +1,9 @@
 #include "client/launch_environment.h"
 
+#include <netdb.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <cstdlib>
 #include <initializer_list>
 #include <optional>
@@ -347,8 +351,33 @@ absl::StatusOr<Rendezvous> PlanRendezvous(const LaunchEnvironment& e,
   return r;
 }
 
+namespace {
+
+bool Resolves(const std::string& host) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* res = nullptr;
+  const int rc = getaddrinfo(host.c_str(), nullptr, &hints, &res);
+  if (res != nullptr) freeaddrinfo(res);
+  return rc == 0;
+}
+
+}  // namespace
+
 absl::StatusOr<Rendezvous> PlanRendezvous(const LaunchEnvironment& env) {
-  return PlanRendezvous(env, [](const char* name) { return std::getenv(name); });
+  auto r = PlanRendezvous(env, [](const char* name) { return std::getenv(name); });
+  if (!r.ok()) return r;
+  // A Slurm node name that does not resolve here (NodeName differs from the
+  // host name, NodeHostname set): this host's own name, which Gloo and the
+  // shard-owner service can bind and the other nodes can usually reach.
+  const char* explicit_bind = std::getenv("SHARDOPT_BIND");
+  if ((explicit_bind == nullptr || *explicit_bind == '\0') && r->bind != "127.0.0.1" &&
+      !Resolves(r->bind)) {
+    char host[256] = {};
+    if (gethostname(host, sizeof(host) - 1) == 0 && Resolves(host)) r->bind = host;
+  }
+  return r;
 }
 
 absl::StatusOr<LaunchEnvironment> ReadLaunchEnvironment() {

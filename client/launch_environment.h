@@ -88,6 +88,8 @@ inline constexpr int kDefaultKubernetesPort = 29400;
 // a Kubernetes job without MASTER_ADDR.
 absl::StatusOr<Rendezvous> PlanRendezvous(const LaunchEnvironment& env,
                                           const std::function<const char*(const char*)>& getenv);
+// The process's own environment; a Slurm node name (or pod name) that does
+// not resolve here is replaced by this host's name (gethostname) for `bind`.
 absl::StatusOr<Rendezvous> PlanRendezvous(const LaunchEnvironment& env);
 
 // Slurm's SLURM_STEP_TASKS_PER_NODE ("2(x3),1": 2 tasks on each of the
