@@ -681,6 +681,8 @@ JobStatus Coordinator::GetJob() {
   s.start = start_;
   s.end = end_;
   s.failure_cause = failure_cause_;
+  s.restarts = options_.restarts;
+  s.last_restart = options_.last_restart;
   for (const RankState& r : ranks_) {
     if (r.slow) s.slow_ranks.push_back(r.rank);
   }

@@ -81,6 +81,11 @@ struct CoordinatorOptions {
   // Receives one line when a rank becomes slow and when it recovers
   // ("rank 2 is slow: ..."), called without the coordinator's lock held.
   std::function<void(const std::string&)> on_event;
+  // shardrun --max-restarts: how many times the job was started again before
+  // this coordinator, and why the last time (shown by shardctl status and
+  // /metrics).
+  int restarts = 0;
+  std::string last_restart;
   // At most this many KvGets wait at once (more: ResourceExhausted). Raised
   // to 2 * world_size when that is more (every rank may wait for a key).
   int max_kv_waiters = 4096;
@@ -207,6 +212,8 @@ struct JobStatus {
   absl::Duration duration() const { return (end < now ? end : now) - start; }
   AbortCause failure_cause = AbortCause::kNone;
   std::vector<int> slow_ranks;
+  int restarts = 0;          // CoordinatorOptions::restarts
+  std::string last_restart;  // CoordinatorOptions::last_restart
   // The job's checkpoints, as rank 0 reports them (0 / InfinitePast: none).
   int64_t checkpoints_total = 0;
   int64_t last_checkpoint_step = 0;

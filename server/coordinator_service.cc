@@ -588,6 +588,8 @@ grpc::ServerUnaryReactor* CoordinatorService::GetJob(grpc::CallbackServerContext
   resp->set_requested_learning_rate(j.requested_learning_rate);
   for (int r : j.slow_ranks) resp->add_slow_ranks(r);
   resp->set_duration_seconds(absl::ToDoubleSeconds(j.duration()));
+  resp->set_restarts(j.restarts);
+  resp->set_last_restart(j.last_restart);
   for (const RankState& r : j.ranks) {
     v1::RankStatus* rs = resp->add_ranks();
     rs->set_rank(r.rank);

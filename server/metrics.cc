@@ -100,6 +100,10 @@ void AddJob(const JobStatus& j, Families& f) {
   }
   f.Start("shardopt_job_slow_ranks", "Ranks the coordinator names slow now.", MetricType::Gauge);
   f.Add(static_cast<double>(j.slow_ranks.size()));
+  f.Start("shardopt_job_restarts_total",
+          "Times shardrun --max-restarts started this job again after a failure.",
+          MetricType::Counter);
+  f.Add(j.restarts);
 }
 
 // Checkpoints, as rank 0 reports them.

@@ -15,7 +15,8 @@ trap 'kill $(jobs -p) 2>/dev/null; wait 2>/dev/null; rm -rf "$tmp"' EXIT
 steps=300
 train=(--model=small --batch=64 --steps=$steps --ckpt-every=10 --log-every=50)
 # (rank 0 sleeps 20 ms a step so that the kill lands mid-run; numerics unchanged)
-timeout 180 $B/shardrun --nproc 3 --max-restarts=1 --port-file="$tmp/addr" --job-id=restart -- \
+timeout 180 $B/shardrun --nproc 3 --max-restarts=1 --port-file="$tmp/addr" --job-id=restart \
+  --metrics-port=0 --metrics-port-file="$tmp/maddr" -- \
   $B/shardopt_train "${train[@]}" --debug-slow-rank=0 --debug-slow-ms=20 --ckpt-dir="$tmp/ck" \
   >"$tmp/run.log" 2>&1 &
 run=$!
@@ -24,6 +25,14 @@ check "it trains past step 40" wait_until 60 "step 40" job_past_step "$(cat "$tm
 victim=$(rank_pid restart 2)
 check "rank 2 found" test -n "$victim"
 kill -9 $victim
+# While the restarted job trains: shardctl status and /metrics say so.
+restart_shown() {
+  timeout 10 $B/shardctl --coordinator="$(cat "$tmp/addr")" status >"$tmp/status.log" 2>&1
+  grep -q "^restarts: 1" "$tmp/status.log"
+}
+wait_until 60 "shardctl status to show the restart" restart_shown
+/usr/bin/python3 -c 'import sys, urllib.request; print(urllib.request.urlopen("http://" + open(sys.argv[1]).read().strip() + "/metrics", timeout=10).read().decode())' \
+  "$tmp/maddr" >"$tmp/metrics.log" 2>&1
 wait $run
 check "the restarted job finishes (exit 0)" test $? -eq 0
 line=$(grep 'shardrun: job failed at step' "$tmp/run.log")
@@ -41,6 +50,9 @@ check "the survivors resumed it at 2 ranks" \
 check "the resumed rank 0 says the same" \
   grep -q "restart 1: the job had reached step $reached; $lost steps lost" "$tmp/run.log"
 check "2 ranks finished" grep -q "shardrun: all 2 ranks finished" "$tmp/run.log"
+check "shardctl status showed the restart" grep -q "^restarts: 1; last: job failed at step $reached" \
+  "$tmp/status.log"
+check "/metrics counted it" grep -q "^shardopt_job_restarts_total 1" "$tmp/metrics.log"
 
 # The same checkpoint resumed at 2 ranks by hand.
 timeout 120 $B/shardrun --nproc 2 -- $B/shardopt_train "${train[@]}" \

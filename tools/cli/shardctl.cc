@@ -444,6 +444,9 @@ int StatusCommand(const JobContext& ctx) {
               job->state().c_str(), job->world_size(), static_cast<long long>(job->step()),
               lr.c_str(), static_cast<unsigned long long>(job->layout_hash()));
   if (!job->failure().empty()) std::printf("failure: %s\n", job->failure().c_str());
+  if (job->restarts() > 0) {
+    std::printf("restarts: %d; last: %s\n", job->restarts(), job->last_restart().c_str());
+  }
   std::printf("%5s  %-22s %8s %10s %14s %12s\n", "rank", "shard owner", "step", "loss", "samples/s",
               "heartbeat");
   for (const auto& r : job->ranks()) {

@@ -228,6 +228,7 @@ struct RunConfig {
   int restart = 0;           // this attempt: 0, then 1.. after each restart
   int64_t failed_step = 0;   // the step the ranks had reached when the last attempt failed
   int64_t saved_step = -1;   // the newest checkpoint rank 0 reported in any attempt (-1: none)
+  std::string last_restart;  // the last restart's line (shardctl status shows it)
   int64_t min_ranks = 1;     // --min-ranks
   std::vector<std::string> program;  // PROGRAM ARGS...
 };
@@ -463,6 +464,8 @@ absl::Status StartCoordinator(const RunConfig& cfg, CoordinatorServers* servers)
   copt.slow_factor = cfg.slow_factor;
   copt.slow_windows = static_cast<int>(cfg.slow_windows);
   copt.slow_window = cfg.slow_window;
+  copt.restarts = cfg.restart;
+  copt.last_restart = cfg.last_restart;
   copt.on_event = [](const std::string& line) {
     std::lock_guard<std::mutex> l(g_out_mu);
     std::fprintf(stdout, "shardrun: %s\n", line.c_str());
@@ -822,7 +825,8 @@ int Main(int argc, char** argv) {
     if (at_failure.checkpoints_total > 0) {
       cfg.saved_step = std::max(cfg.saved_step, at_failure.last_checkpoint_step);
     }
-    std::printf("shardrun: %s\n", RestartLine(cfg, failure, lost, survivors).c_str());
+    cfg.last_restart = RestartLine(cfg, failure, lost, survivors);
+    std::printf("shardrun: %s\n", cfg.last_restart.c_str());
     std::fflush(stdout);
     cfg.nproc = survivors;
     cfg.world = survivors;
