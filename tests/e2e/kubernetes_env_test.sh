@@ -123,7 +123,7 @@ find_victim() {
   victim=""
   local p
   for p in $(pgrep -x shardopt_train); do  # the process itself, not its `timeout`
-    if tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -qx JOB_COMPLETION_INDEX=1; then
+    if tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -x JOB_COMPLETION_INDEX=1 >/dev/null; then
       victim=$p
     fi
   done

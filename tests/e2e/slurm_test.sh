@@ -15,8 +15,9 @@
 #     at once and its last checkpoint verifies;
 #  4. resume with srun -N1 --ntasks-per-node=3 (4 ranks' checkpoint at 3),
 #     bitwise equal to shardrun --nproc 3 resuming the same checkpoint;
-#  5. sbatch of examples/slurm/train_cpp.sbatch, waited for by polling
-#     `scontrol show job` (no accounting database), output checked.
+#  5. sbatch of examples/slurm/train_cpp.sbatch and train_python.sbatch,
+#     waited for by polling `scontrol show job` (no accounting database),
+#     output checked.
 # Every daemon, process and namespace is removed at the end, also on failure.
 # Needs root and Debian's slurm-wlm and munge (tools/setup.sh installs them);
 # without them the test says SKIPPED and why.
@@ -207,11 +208,20 @@ refused_without_token() {
   ! login timeout 20 "$B/shardctl" --coordinator="$coordinator" status >/dev/null 2>&1
 }
 check "3: shardctl without the token is refused" refused_without_token
+# task_pid R: the process of srun task R into $victim (grep without -q: an
+# early exit would fail tr with SIGPIPE under pipefail).
 victim=""
-for p in $(pgrep -x shardopt_train); do
-  if tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -qx SLURM_PROCID=2; then victim=$p; fi
-done
-check "3: rank 2's process found on n2" test -n "$victim"
+task_pid() {
+  local p
+  victim=""
+  for p in $(pgrep -x shardopt_train); do
+    if tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -x "SLURM_PROCID=$1" >/dev/null; then
+      victim=$p
+    fi
+  done
+  [[ -n $victim ]]
+}
+check "3: rank 2's process found on n2" wait_until 10 "task 2's process" task_pid 2
 killed_at=$(_lib_now_us)
 kill -9 "$victim"
 wait "$srun_pid"
@@ -231,10 +241,7 @@ login timeout 120 srun -N2 --ntasks-per-node=2 "$B/shardopt_train" "${long[@]}" 
 srun_pid=$!
 past_step_file() { grep -q 'step [0-9]*/100000' "$tmp/kill0.log"; }
 check "3: a job trains" wait_until 60 "the job's first progress line" past_step_file
-victim=""
-for p in $(pgrep -x shardopt_train); do
-  if tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -qx SLURM_PROCID=0; then victim=$p; fi
-done
+check "3: rank 0's process found on n1" wait_until 10 "task 0's process" task_pid 0
 killed_at=$(_lib_now_us)
 kill -9 "$victim"
 wait "$srun_pid"
@@ -298,10 +305,21 @@ check "5: 4 ranks on n[1-2]" grep -q "^job $jobid on n\[1-2\]: 4 ranks, model sm
 check "5: trained 12 steps" grep -q "done: 12 steps" "$out"
 check "5: its checkpoint verifies" grep -q "verify: every CRC matches" "$out"
 check "5: the token file is gone" test ! -e "$tmp/work/.shardopt-$jobid.token"
+pyjob=$(SHARDOPT_PYTHONPATH=$root/python TRAIN_SCRIPT=$root/examples/train.py \
+  CKPT_DIR=$tmp/ck_sbatch_py STEPS=2 BATCH=2 login sbatch --parsable \
+  "$root/examples/slurm/train_python.sbatch")
+jobid=${pyjob%%;*}
+check "5: sbatch examples/slurm/train_python.sbatch" test -n "$jobid"
+check "5: the Python batch job ends" wait_until 120 "job $jobid to end" job_ended
+check "5: it completed ($state)" test "$state" = JobState=COMPLETED
+pyout="$tmp/work/shardopt-py-$jobid.out"
+check "5: train.py ran 4 ranks under slurm" \
+  grep -q "train.py: resnet18, 4 ranks (slurm)" "$pyout"
+check "5: and checkpointed" grep -q "checkpoint $tmp/ck_sbatch_py/step-2" "$pyout"
 echo "5 done ($(($(date +%s) - started)) s)"
 
 if [[ $fails -ne 0 ]]; then
-  for f in "$tmp"/*.log "$out"; do
+  for f in "$tmp"/*.log "$out" "${pyout:-}"; do
     [[ -f $f ]] && { echo "--- $f"; grep -v '^\[#\|^\[rank [0-9]*\] \[#' "$f" | tail -n 15; }
   done
   tail -n 5 "$tmp"/log/slurm*.log
