@@ -83,6 +83,10 @@ absl::StatusOr<std::unique_ptr<RpcServer>> RpcServer::Start(
   }
   const bool reflection = options.reflection && !token_required;
   grpc::ServerBuilder builder;
+  // gRPC sets SO_REUSEPORT by default: a second server on a taken port would
+  // start and silently share its connections (two jobs' coordinators on one
+  // node under srun). A taken port must be an error.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.SetOption(std::make_unique<ReflectionOption>(reflection));
   int port = 0;
   std::shared_ptr<grpc::ServerCredentials> creds = grpc::InsecureServerCredentials();

@@ -3,7 +3,9 @@
 // rendezvous, heartbeats and failure detection with a fake clock,
 // hyper-parameters, abort, bearer tokens, health, layout and memory queries;
 // learning-rate validation and reporting, and which services need the token;
-// metrics in heartbeats, step-time windows, slow ranks and abort causes.
+// metrics in heartbeats, step-time windows, slow ranks and abort causes; the
+// coordinator rank 0 serves under srun (lost sessions, a taken port, a
+// client that starts first).
 #include "server/coordinator.h"
 
 #include <grpcpp/generic/generic_stub.h>
@@ -20,6 +22,7 @@
 #include "common/planner.h"
 #include "gtest/gtest.h"
 #include "server/coordinator_service.h"
+#include "server/hosted_coordinator.h"
 #include "server/shard_owner_service.h"
 #include "server/rpc_server.h"
 #include "tests/testing/poll.h"
@@ -169,6 +172,59 @@ TEST(CoordinatorTest, SilentRankFailsTheJobAndEveryoneLearnsAtTheNextHeartbeat) 
   EXPECT_EQ(hb->abort_reason, j.failure);
 }
 
+// The rank-hosted coordinator (srun, Indexed Jobs) has no launcher watching
+// the ranks' processes: a session that ends without a Finish fails the job
+// after a short grace, unless the rank's heartbeats go on (a broken
+// connection it recovered from), and never for a rank that finished.
+TEST(CoordinatorTest, LostSessionFailsTheJobAfterItsGrace) {
+  FakeClock clock;
+  CoordinatorOptions o = Options(3, &clock);
+  o.session_loss_grace = absl::Seconds(2);
+  Coordinator c(o);
+  std::vector<ParamSpec> model = {P("w", {8})};
+  std::thread t0([&] { ASSERT_TRUE(c.Join(Info(0, 3, model), absl::Seconds(10)).ok()); });
+  std::thread t1([&] { ASSERT_TRUE(c.Join(Info(1, 3, model), absl::Seconds(10)).ok()); });
+  ASSERT_TRUE(c.Join(Info(2, 3, model), absl::Seconds(10)).ok());
+  t0.join();
+  t1.join();
+  ASSERT_TRUE(c.Heartbeat({1, 4, 0.5, 100}).ok());
+  c.SessionLost(1);
+  clock.t += absl::Seconds(1);
+  EXPECT_FALSE(c.CheckHeartbeats());
+  ASSERT_TRUE(c.Heartbeat({1, 5, 0.5, 100}).ok());  // it reconnected: not lost
+  clock.t += absl::Seconds(3);
+  EXPECT_FALSE(c.CheckHeartbeats()) << c.GetJob().failure;
+  ASSERT_TRUE(c.Finish(0).ok());
+  c.SessionLost(0);  // a finished rank's session ends normally
+  clock.t += absl::Seconds(3);
+  ASSERT_TRUE(c.Heartbeat({1, 6, 0.5, 100}).ok());
+  ASSERT_TRUE(c.Heartbeat({2, 6, 0.5, 100}).ok());
+  EXPECT_FALSE(c.CheckHeartbeats()) << c.GetJob().failure;
+  c.SessionLost(2);
+  clock.t += absl::Seconds(1);
+  EXPECT_FALSE(c.CheckHeartbeats());  // within the grace
+  clock.t += absl::Seconds(2);
+  EXPECT_TRUE(c.CheckHeartbeats());
+  const JobStatus j = c.GetJob();
+  EXPECT_EQ(j.state, JobState::kFailed);
+  EXPECT_NE(j.failure.find("rank 2 lost its connection to the coordinator at step 6 without "
+                           "finishing (on host 127.0.0.1)"),
+            std::string::npos)
+      << j.failure;
+}
+
+TEST(CoordinatorTest, LostSessionsAreIgnoredWithoutAGrace) {
+  FakeClock clock;
+  Coordinator c(Options(2, &clock));  // shardrun's: its supervisor sees exits itself
+  std::vector<ParamSpec> model = {P("w", {8})};
+  std::thread t0([&] { ASSERT_TRUE(c.Join(Info(0, 2, model), absl::Seconds(10)).ok()); });
+  ASSERT_TRUE(c.Join(Info(1, 2, model), absl::Seconds(10)).ok());
+  t0.join();
+  c.SessionLost(1);
+  clock.t += absl::Seconds(5);
+  EXPECT_FALSE(c.CheckHeartbeats()) << c.GetJob().failure;
+}
+
 TEST(CoordinatorTest, LearningRateVersionsAbortAndFinish) {
   FakeClock clock;
   Coordinator c(Options(1, &clock));
@@ -268,6 +324,44 @@ TEST(CoordinatorServiceTest, RendezvousHealthLayoutAndMemory) {
   join.set_rank(7);
   EXPECT_EQ(client.Join(join, absl::Seconds(2)).status().code(),
             absl::StatusCode::kInvalidArgument);
+}
+
+// The coordinator rank 0 serves under srun: a taken port is one error that
+// names SHARDOPT_PORT; a client started before it listens reaches it once
+// it does (WaitUntilReachable); AwaitEnd does not wait for a job that never
+// started.
+TEST(HostedCoordinatorTest, PortTakenReachLaterAndAwaitEnd) {
+  HostedCoordinatorOptions o;
+  o.listen = "127.0.0.1:0";
+  o.world_size = 2;
+  auto first = HostedCoordinator::Start(o);
+  ASSERT_TRUE(first.ok()) << first.status();
+  const int port = (*first)->port();
+  ASSERT_GT(port, 0);
+  o.listen = absl::StrCat("127.0.0.1:", port);
+  auto second = HostedCoordinator::Start(o);
+  ASSERT_FALSE(second.ok());
+  EXPECT_NE(second.status().message().find("SHARDOPT_PORT"), absl::string_view::npos)
+      << second.status();
+  const absl::Time t0 = absl::Now();
+  const JobStatus j = (*first)->AwaitEnd(absl::Seconds(30));
+  EXPECT_EQ(j.state, JobState::kStarting);
+  EXPECT_LT(absl::Now() - t0, absl::Seconds(5));
+  first->reset();  // the port is free again
+
+  CoordinatorClient early(absl::StrCat("127.0.0.1:", port), "");
+  absl::Status reached;
+  std::thread waiter([&] { reached = early.WaitUntilReachable(absl::Seconds(20)); });
+  absl::SleepFor(absl::Milliseconds(500));  // on purpose: the client starts first
+  auto late = HostedCoordinator::Start(o);
+  ASSERT_TRUE(late.ok()) << late.status();
+  waiter.join();
+  EXPECT_TRUE(reached.ok()) << reached;
+  EXPECT_TRUE(early.GetJob().ok());
+  CoordinatorClient nobody("127.0.0.1:1", "");
+  absl::Status s = nobody.WaitUntilReachable(absl::Milliseconds(300));
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable);
+  EXPECT_NE(s.message().find("127.0.0.1:1"), absl::string_view::npos) << s;
 }
 
 TEST(CoordinatorServiceTest, UnreachableCoordinatorIsOneClearError) {

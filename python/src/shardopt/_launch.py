@@ -36,6 +36,8 @@ class Context:
 
     def __post_init__(self):
         self.restart = _env_int("SHARDOPT_RESTART", 0)
+        if self.restart < 0:
+            raise ValueError(f"environment variable SHARDOPT_RESTART={self.restart} must be >= 0")
 
     def _new_communicator(self, timeout: float):
         """One communicator per optimizer (its own rendezvous keys)."""
