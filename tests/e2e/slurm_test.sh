@@ -11,8 +11,9 @@
 #     BatchNorm buffers and optimizer state bitwise equal to shardrun's);
 #  3. shardctl from the login node with the job's token; kill -9 of one rank:
 #     the others exit within the heartbeat timeout naming the rank and its
-#     node, the last checkpoint verifies; scancel of a running job: it ends
-#     at once and its last checkpoint verifies;
+#     node, the last checkpoint verifies; kill -9 of rank 0 (the coordinator's
+#     process): the others name it; scancel of a running job and of one step:
+#     it ends at once and its last checkpoint verifies;
 #  4. resume with srun -N1 --ntasks-per-node=3 (4 ranks' checkpoint at 3),
 #     bitwise equal to shardrun --nproc 3 resuming the same checkpoint;
 #  5. sbatch of examples/slurm/train_cpp.sbatch and train_python.sbatch,
@@ -252,21 +253,27 @@ check "3: the others name rank 0 on n1, which served the coordinator" \
   grep -q "rank 0 (on host n1), whose process served the job's coordinator, is gone" \
   "$tmp/kill0.log"
 
-SHARDOPT_TOKEN_FILE=$tmp/token login timeout 120 srun -N2 --ntasks-per-node=2 \
-  "$B/shardopt_train" "${long[@]}" --ckpt-dir="$tmp/ck_cancel" >"$tmp/cancel.log" 2>&1 &
-srun_pid=$!
-rm -f "$tmp/kill.log"
-has_ckpt() { test -e "$tmp/ck_cancel/LATEST"; }
-check "3: second job checkpoints" wait_until 60 "a checkpoint of the second job" has_ckpt
-jobid=$(login squeue -h -o %i | head -n 1)
-cancelled_at=$(_lib_now_us)
-login scancel "$jobid"
-wait "$srun_pid"
-took_ms=$((($(_lib_now_us) - cancelled_at) / 1000))
-echo "3: srun ended $took_ms ms after scancel $jobid"
-check "3: scancel ends the job within the heartbeat timeout" test "$took_ms" -lt 10000
-check "3: the cancelled job's last checkpoint verifies" \
-  bash -c "'$B/shardctl' inspect '$tmp/ck_cancel' | grep -q 'verify: every CRC matches'"
+# cancel_case WHAT CKPT: scancel the job (WHAT "") or its step (".0") once it
+# has checkpointed; it must end at once and leave a checkpoint that verifies.
+cancel_case() {
+  local what=$1 ck=$2 pid jobid start ms
+  rm -rf "$ck"
+  login timeout 120 srun -N2 --ntasks-per-node=2 "$B/shardopt_train" "${long[@]}" \
+    --ckpt-dir="$ck" >"$tmp/cancel$what.log" 2>&1 &
+  pid=$!
+  check "3: job for scancel$what checkpoints" wait_until 60 "a checkpoint in $ck" test -e "$ck/LATEST"
+  jobid=$(login squeue -h -o %i | head -n 1)
+  start=$(_lib_now_us)
+  login scancel "$jobid$what"
+  wait "$pid"
+  ms=$((($(_lib_now_us) - start) / 1000))
+  echo "3: srun ended $ms ms after scancel $jobid$what"
+  check "3: scancel $jobid$what ends it within the heartbeat timeout" test "$ms" -lt 10000
+  check "3: its last checkpoint verifies" \
+    bash -c "'$B/shardctl' inspect '$ck' | grep -q 'verify: every CRC matches'"
+}
+cancel_case "" "$tmp/ck_cancel_job"   # the job
+cancel_case ".0" "$tmp/ck_cancel"     # one step
 echo "3 done ($(($(date +%s) - started)) s)"
 
 # 4. Resume on one node with 3 tasks: the checkpoint of 4 ranks, taken at
