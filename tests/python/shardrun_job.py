@@ -55,4 +55,6 @@ for step in range(steps):
                   flush=True)
             sys.exit(3)
 opt.finish()
+if not a.no_torch_group:
+    dist.destroy_process_group()  # left to teardown, gloo aborts at random (pytorch#190489)
 print("done", flush=True)

@@ -126,6 +126,15 @@ def _env_seconds(name: str, default: float) -> float:
     return x
 
 
+def _destroy_own_group() -> None:
+    import torch.distributed as dist
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception as e:  # at exit: say it, never raise
+        print(f"shardopt: destroying the process group at exit failed: {e}", file=sys.stderr)
+
+
 def _release_hosted(linger_s: float) -> None:
     """At exit (after this rank's own end is reported): wait until every rank
     has finished or the job has failed, then stop serving."""
@@ -261,6 +270,12 @@ def init(timeout: float = 300.0, transport: Optional[str] = None) -> Context:
                                      "shardrun or a torchrun-style launcher")
             dist.init_process_group("gloo", rank=rank, world_size=world,
                                     timeout=datetime.timedelta(seconds=timeout))
+            # The group is ours: destroy it at exit, after the optimizers have
+            # finished. A gloo group left to interpreter teardown aborts the
+            # process at random ("terminate called without an active
+            # exception", pytorch/pytorch#190489).
+            from . import _exit
+            _exit._after_finish.append(_destroy_own_group)
         elif dist.get_rank() != rank or dist.get_world_size() != world:
             raise ValueError(f"torch.distributed is rank {dist.get_rank()} of "
                              f"{dist.get_world_size()}, the environment says {rank} of {world}")

@@ -281,6 +281,7 @@ def spawned(rank, world, init_method, styles, out):
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
     run(rank, world, styles, out)
+    dist.destroy_process_group()  # left to teardown, gloo aborts at random (pytorch#190489)
 
 
 def main():
@@ -298,6 +299,7 @@ def main():
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     run(dist.get_rank(), dist.get_world_size(), styles, a.out)
+    dist.destroy_process_group()  # left to teardown, gloo aborts at random (pytorch#190489)
 
 
 if __name__ == "__main__":

@@ -109,6 +109,7 @@ def main():
         else:
             torch.save({"state": model.state_dict(), "losses": losses}, a.out)
     dist.barrier()
+    dist.destroy_process_group()  # left to teardown, gloo aborts at random (pytorch#190489)
 
 
 if __name__ == "__main__":
