@@ -845,12 +845,12 @@ void BindLaunch(py::module_& m) {
   py::class_<HostedCoordinator>(m, "HostedCoordinator")
       .def_property_readonly("address", &HostedCoordinator::address)
       .def(
-          "await_end",
+          "release",
           [](HostedCoordinator& h, double timeout_s) {
             JobStatus j;
             {
               py::gil_scoped_release release;
-              j = h.AwaitEnd(absl::Seconds(timeout_s));
+              j = h.Release(absl::Seconds(timeout_s));
             }
             return std::string(JobStateName(j.state));
           },

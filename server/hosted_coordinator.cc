@@ -54,6 +54,12 @@ JobStatus HostedCoordinator::AwaitEnd(absl::Duration timeout) {
   }
 }
 
+JobStatus HostedCoordinator::Release(absl::Duration timeout) {
+  JobStatus j = AwaitEnd(timeout);
+  if (j.state == JobState::kFailed) std::this_thread::sleep_for(std::chrono::seconds(2));
+  return j;
+}
+
 HostedCoordinator::~HostedCoordinator() {
   if (server_) server_->Shutdown();
 }

@@ -47,6 +47,10 @@ class HostedCoordinator {
   // before it exits, so that the other ranks can still report their end to it. Returns the job's
   // state then.
   JobStatus AwaitEnd(absl::Duration timeout);
+  // AwaitEnd, then, when the job failed, a moment for the other ranks to
+  // hear the verdict through their sessions before the caller stops
+  // serving: what the hosting rank does last (C++ trainer and Python alike).
+  JobStatus Release(absl::Duration timeout);
 
  private:
   explicit HostedCoordinator(HostedCoordinatorOptions options) : options_(std::move(options)) {}

@@ -19,12 +19,7 @@ cleanup() {
   rm -rf "$tmp"
 }
 trap cleanup EXIT
-two_hosts "$h1" "$h2" "$net" "mh$id"
-case $? in
-  0) ;;
-  2) echo "SKIPPED: cannot create network namespaces here: $two_hosts_error"; exit 0 ;;
-  *) echo "FAIL: setting up the two hosts"; exit 1 ;;
-esac
+two_hosts_or_skip "$h1" "$h2" "$net" "mh$id"
 echo "hosts: $h1 at $net.1, $h2 at $net.2"
 
 run_job() {  # run_job NPROC_PER_HOST STEPS LOG [trainer flags...]

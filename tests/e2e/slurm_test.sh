@@ -61,12 +61,7 @@ cleanup() {
   rm -rf "$tmp"
 }
 trap cleanup EXIT
-two_hosts "$h1" "$h2" "$net" "sl$id"
-case $? in
-  0) ;;
-  2) echo "SKIPPED: cannot create network namespaces here: $two_hosts_error"; exit 0 ;;
-  *) echo "FAIL: setting up the two nodes"; exit 1 ;;
-esac
+two_hosts_or_skip "$h1" "$h2" "$net" "sl$id"
 set -e
 printf '127.0.0.1 localhost\n%s n1\n%s n2\n' "$net.1" "$net.2" >"$tmp/hosts"
 

@@ -121,3 +121,14 @@ two_hosts() {
     ip -n "$ns1" link set lo up && ip -n "$ns2" link set lo up &&
     ip -n "$ns1" link set "va$tag" up && ip -n "$ns2" link set "vb$tag" up
 }
+
+# two_hosts_or_skip NS1 NS2 NET TAG: two_hosts, or end the test: SKIPPED
+# (exit 0) when namespaces cannot be made here, FAIL (exit 1) on a later error.
+two_hosts_or_skip() {
+  two_hosts "$@"
+  case $? in
+    0) ;;
+    2) echo "SKIPPED: cannot create network namespaces here: $two_hosts_error"; exit 0 ;;
+    *) echo "FAIL: setting up the two hosts"; exit 1 ;;
+  esac
+}

@@ -641,11 +641,8 @@ class CoordinatorHost {
   }
   ~CoordinatorHost() {
     if (!hosted_) return;
-    const JobStatus j = hosted_->AwaitEnd(linger_);
-    if (j.state == JobState::kFailed) {
-      // The others hear the verdict through their sessions within moments.
-      std::this_thread::sleep_for(std::chrono::seconds(2));
-    } else if (j.state != JobState::kFinished) {
+    const JobStatus j = hosted_->Release(linger_);
+    if (j.state == JobState::kRunning) {
       std::fprintf(stderr,
                    "shardopt_train: stopping the coordinator after %s with ranks still "
                    "running\n",

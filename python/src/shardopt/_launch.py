@@ -142,11 +142,7 @@ def _release_hosted(linger_s: float) -> None:
     h, _hosted = _hosted, None
     if h is None:
         return
-    state = h.await_end(linger_s)
-    if state == "failed":
-        import time
-        time.sleep(2)  # the others hear the verdict through their sessions
-    elif state != "finished":
+    if h.release(linger_s) == "running":
         print(f"shardopt: stopping the coordinator after {linger_s:g} s with ranks still "
               "running", file=sys.stderr)
 
