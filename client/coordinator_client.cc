@@ -247,6 +247,19 @@ absl::StatusOr<int64_t> CoordinatorClient::RequestCheckpoint() {
   return resp.request();
 }
 
+absl::StatusOr<v1::ResizeResponse> CoordinatorClient::Resize(int to_world,
+                                                             const std::vector<int>& leave) {
+  grpc::ClientContext ctx;
+  Prepare(&ctx, absl::Seconds(5));
+  v1::ResizeRequest req;
+  req.set_to_world(to_world);
+  for (int r : leave) req.add_leave(r);
+  v1::ResizeResponse resp;
+  grpc::Status s = stub_->Resize(&ctx, req, &resp);
+  if (!s.ok()) return FromGrpc(s, "resize");
+  return resp;
+}
+
 absl::StatusOr<std::string> CoordinatorClient::Health() {
   // grpc.health.v1 without its generated code: the request is an empty
   // message (service ""), the response field 1 is the enum status.

@@ -54,6 +54,16 @@ RankAgent::RankAgent(CoordinatorApi* client, ShardedOptimizer* optimizer, RankAg
       opt_(optimizer),
       comm_(optimizer->communicator()),
       options_(std::move(options)) {
+  done_request_ = options_.checkpoint_requests_done;
+  applied_version_ = options_.lr_versions_done;
+  done_resize_ = options_.resize_requests_done;
+  step_now_ = options_.start_step;
+  {
+    absl::MutexLock l(&mu_);
+    wanted_.checkpoint_request = done_request_;
+    wanted_.lr_version = applied_version_;
+    wanted_.resize.request = done_resize_;
+  }
   if (auto* fr = dynamic_cast<FlightRecordingCommunicator*>(comm_); fr != nullptr) {
     recorder_ = fr->recorder();
   }
@@ -115,8 +125,11 @@ absl::Status RankAgent::StartService() {
 }
 
 absl::Status RankAgent::Join() {
-  const v1::JoinRequest join =
+  v1::JoinRequest join =
       MakeJoinRequest(opt_->layout(), options_, shard_owner_port_, opt_->learning_rate());
+  join.set_epoch(options_.epoch);
+  join.set_elastic(options_.elastic);
+  join.set_step(options_.start_step);
   auto joined =
       client_->Join(join, std::max(options_.min_join_timeout, options_.collective_timeout));
   if (!joined.ok()) return joined.status();
@@ -207,6 +220,13 @@ std::string RankAgent::HandleNotice(const v1::HeartbeatResponse& r) {
     wanted_.lr_version = r.hyper_params_version();
   }
   wanted_.checkpoint_request = std::max(wanted_.checkpoint_request, r.checkpoint_request());
+  if (r.resize_request() > wanted_.resize.request) {
+    ResizeOrder& o = wanted_.resize;
+    o.request = r.resize_request();
+    o.epoch = r.resize_epoch();
+    o.to_world = r.resize_world();
+    o.leave.assign(r.resize_leave().begin(), r.resize_leave().end());
+  }
   return r.abort() ? "job aborted: " + r.abort_reason() : "";
 }
 
@@ -245,6 +265,7 @@ void RankAgent::FillMetrics(v1::RankMetrics* m) {
 v1::HeartbeatRequest RankAgent::MakeHeartbeat() {
   v1::HeartbeatRequest hb;
   hb.set_rank(options_.rank);
+  hb.set_epoch(options_.epoch);
   hb.set_step(step_now_.load());
   hb.set_loss(loss_now_.load());
   hb.set_samples_per_s(sps_now_.load());
@@ -379,9 +400,10 @@ absl::StatusOr<AgreedStep> RankAgent::Agree(int64_t step, bool nonfinite_loss) {
   }
   agree_buf_ = {static_cast<float>(wanted.lr_version),
                 static_cast<float>(wanted.checkpoint_request),
-                nonfinite_loss ? static_cast<float>(options_.rank + 1) : 0.0f};
-  if (absl::Status s = AllReduceMax(3); !s.ok()) return s;
-  const std::array<float, 3> ctl = agree_buf_;
+                nonfinite_loss ? static_cast<float>(options_.rank + 1) : 0.0f,
+                static_cast<float>(wanted.resize.request)};
+  if (absl::Status s = AllReduceMax(4); !s.ok()) return s;
+  const std::array<float, 4> ctl = agree_buf_;
   if (ctl[2] > 0) {
     a.nonfinite_rank = static_cast<int>(ctl[2]) - 1;
     return a;
@@ -398,6 +420,27 @@ absl::StatusOr<AgreedStep> RankAgent::Agree(int64_t step, bool nonfinite_loss) {
       if (options_.rank == 0) Print("checkpoint requested, but no --ckpt-dir was given: skipped");
     } else {
       a.checkpoint = true;
+    }
+  }
+  if (static_cast<int64_t>(ctl[3]) > done_resize_) {
+    const int64_t request = static_cast<int64_t>(ctl[3]);
+    done_resize_ = request;
+    if (wanted.resize.request < request) {
+      // Another rank heard of it first: ask the coordinator (the notice
+      // holds the newest resize).
+      auto r = client_->Heartbeat(MakeHeartbeat());
+      if (!r.ok()) return r.status();
+      (void)HandleNotice(*r);
+      absl::MutexLock l(&mu_);
+      wanted.resize = wanted_.resize;
+    }
+    if (wanted.resize.request != request) {
+      return absl::InternalError(absl::StrCat(
+          "resize request ", request, " agreed, but the coordinator's is ", wanted.resize.request));
+    }
+    if (options_.elastic) {
+      a.resize = wanted.resize;
+      a.resize->from_world = comm_->world_size();
     }
   }
   return a;

@@ -50,6 +50,7 @@
 #include "client/comm/flight_recorder.h"
 #include "client/coordinator_client.h"
 #include "client/join_request.h"
+#include "client/resize.h"
 #include "client/sharded_optimizer.h"
 #include "common/layout.h"
 #include "proto/shardopt.pb.h"
@@ -112,6 +113,18 @@ struct RankAgentOptions {
   int coordinator_rank = -1;
   std::string coordinator_address;  // host:port, for that message
 
+  // Elastic jobs (docs/elastic.md). The membership epoch this agent's rank
+  // is in (its Join and heartbeats carry it), whether the trainer makes the
+  // live resizes AgreedStep::resize asks for (the coordinator refuses a
+  // resize unless every rank's does), the step the rank starts from, and the
+  // control requests already acted on before this epoch (ResizeContext).
+  int64_t epoch = 0;
+  bool elastic = false;
+  int64_t start_step = 0;
+  int64_t checkpoint_requests_done = 0;
+  int64_t lr_versions_done = 0;
+  int64_t resize_requests_done = 0;
+
   // Timing of heartbeats and of the diagnosis.
   absl::Duration heartbeat_interval = absl::Seconds(1);
   // Without a session and without an answered heartbeat for this long, the
@@ -145,6 +158,9 @@ struct AgreedStep {
   // Time in the agreement (it is communication: a slower rank makes the
   // others wait here).
   double agree_seconds = 0;
+  // A live resize is due after this step (only with options.elastic): the
+  // trainer moves to the new epoch (client/resize.h).
+  std::optional<ResizeOrder> resize;
 };
 
 // What a checkpoint save did. A failed save either leaves the ranks able to
@@ -235,6 +251,11 @@ class RankAgent {
   int rank() const { return options_.rank; }
   int shard_owner_port() const { return shard_owner_port_; }
   const v1::JoinResponse& join_response() const { return joined_; }
+  // The control requests acted on so far (a resize passes them on).
+  ResizeContext Context(int64_t step) const {
+    return ResizeContext{step, opt_->communicator()->world_size(), done_request_, applied_version_,
+                         done_resize_};
+  }
   // Collective phases entered (two per step), as heartbeats report them.
   int64_t progress() const { return progress_.load(); }
   // The last finished step.
@@ -254,6 +275,7 @@ class RankAgent {
     int64_t lr_version = 0;
     double lr = 0;
     int64_t checkpoint_request = 0;
+    ResizeOrder resize;  // the newest resize notice
   };
 
   RankAgent(CoordinatorApi* client, ShardedOptimizer* optimizer, RankAgentOptions options);
@@ -330,7 +352,8 @@ class RankAgent {
   bool stopped_ = false;
   // The agent's collective buffers: members, so that a collective that
   // outlives its wait writes into live memory.
-  std::array<float, 3> agree_buf_{};
+  std::array<float, 4> agree_buf_{};
+  int64_t done_resize_ = 0;
 
   std::unique_ptr<CoordinatorSession> session_;
   std::atomic<bool> session_ok_{true};

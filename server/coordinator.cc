@@ -126,6 +126,7 @@ Coordinator::Coordinator(CoordinatorOptions options)
       slow_ranks_(SlowRankOptions{options_.slow_factor, options_.slow_windows, options_.slow_window,
                                   options_.slow_min_excess}),
       kv_(std::max(options_.max_kv_waiters, 2 * options_.world_size)) {
+  world_ = options_.world_size;
   ranks_.resize(std::max(0, options_.world_size));
   windows_.resize(ranks_.size());
   slow_ranks_.Reset(static_cast<int>(ranks_.size()));
@@ -140,14 +141,6 @@ absl::Status Coordinator::ValidateJoin(const JoinInfo& info) const {
     return absl::InvalidArgumentError(absl::StrCat("job id '", info.job_id.substr(0, 64),
                                                    "' does not match this coordinator's job '",
                                                    options_.job_id, "'"));
-  }
-  if (info.world_size != options_.world_size) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "world size ", info.world_size, " does not match the job's ", options_.world_size));
-  }
-  if (info.rank < 0 || info.rank >= options_.world_size) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("rank ", info.rank, " out of range [0, ", options_.world_size, ")"));
   }
   if (info.host.empty() || info.host.size() > 255) {
     return absl::InvalidArgumentError("host must be 1..255 bytes");
@@ -172,6 +165,113 @@ absl::Status Coordinator::ValidateJoin(const JoinInfo& info) const {
     }
   }
   return absl::OkStatus();
+}
+
+absl::Status Coordinator::ValidateMembershipLocked(const JoinInfo& info) const {
+  if (info.world_size != world_) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("world size ", info.world_size, " does not match the job's ", world_,
+                     epoch_ > 0 ? absl::StrCat(" (epoch ", epoch_, ")") : std::string()));
+  }
+  if (info.rank < 0 || info.rank >= world_) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rank ", info.rank, " out of range [0, ", world_, ")"));
+  }
+  return absl::OkStatus();
+}
+
+std::string DescribeMembershipChange(const MembershipChange& c) {
+  std::string who;
+  auto list = [](const char* what, const std::vector<int>& ranks) {
+    return absl::StrCat(ranks.size() == 1 ? "rank " : "ranks ", absl::StrJoin(ranks, ", "), " ",
+                        what);
+  };
+  if (!c.left.empty()) who = list("left", c.left);
+  if (!c.joined.empty()) absl::StrAppend(&who, who.empty() ? "" : ", ", list("joined", c.joined));
+  return absl::StrCat("epoch ", c.epoch, " at step ", c.step, ": ", c.from_world, " -> ",
+                      c.to_world, " ranks", who.empty() ? "" : absl::StrCat(" (", who, ")"), " in ",
+                      absl::StrFormat("%.2fs", absl::ToDoubleSeconds(c.took)));
+}
+
+void Coordinator::BeginEpochLocked() {
+  resize_->begun = true;
+  epoch_ = resize_->epoch;
+  world_ = resize_->to_world;
+  epoch_step_ = 0;
+  ranks_.assign(static_cast<size_t>(world_), RankState());
+  for (int r = 0; r < world_; ++r) ranks_[r].rank = r;
+  windows_.assign(ranks_.size(), RankWindow());
+  slow_ranks_.Reset(world_);
+  joining_.assign(ranks_.size(), 0);
+  joined_ = 0;
+  rank0_.reset();
+  layout_.reset();
+  all_elastic_ = true;
+}
+
+absl::StatusOr<PendingResize> Coordinator::RequestResize(int to_world, std::vector<int> leave) {
+  PendingResize r;
+  {
+    absl::MutexLock lock(&mu_);
+    if (state_ != JobState::kRunning) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("the job is ", JobStateName(state_), "; it can be resized while it runs"));
+    }
+    if (resize_) {
+      return absl::FailedPreconditionError(absl::StrCat("a resize to ", resize_->to_world,
+                                                        " ranks (epoch ", resize_->epoch,
+                                                        ") is still in progress"));
+    }
+    if (!all_elastic_) {
+      return absl::FailedPreconditionError(
+          "the job's trainer cannot resize live (shardopt_train can; the Python API cannot "
+          "yet): restart it at the new size from a checkpoint instead");
+    }
+    if (to_world < 1 || to_world > kMaxWorldSize) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--ranks=", to_world, " out of range [1, ", kMaxWorldSize, "]"));
+    }
+    if (to_world == world_) {
+      return absl::InvalidArgumentError(absl::StrCat("the job has ", world_, " ranks already"));
+    }
+    std::sort(leave.begin(), leave.end());
+    if (std::adjacent_find(leave.begin(), leave.end()) != leave.end()) {
+      return absl::InvalidArgumentError("a rank is named twice");
+    }
+    for (int l : leave) {
+      if (l < 0 || l >= world_) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("rank ", l, " out of range [0, ", world_, ")"));
+      }
+    }
+    if (to_world > world_) {
+      if (!leave.empty()) {
+        return absl::InvalidArgumentError("a grow cannot let ranks leave: resize in two steps");
+      }
+      if (!options_.can_grow) {
+        return absl::FailedPreconditionError(
+            "this job cannot grow: no launcher of its can start ranks (a job started by "
+            "shardrun on one node can; under Slurm or Kubernetes start a larger job from a "
+            "checkpoint)");
+      }
+    } else if (leave.empty()) {
+      for (int l = to_world; l < world_; ++l) leave.push_back(l);
+    } else if (static_cast<int>(leave.size()) != world_ - to_world) {
+      return absl::InvalidArgumentError(absl::StrCat("going from ", world_, " to ", to_world,
+                                                     " ranks, ", world_ - to_world, " must leave; ",
+                                                     leave.size(), " named"));
+    }
+    r.request = ++resize_request_;
+    r.epoch = epoch_ + 1;
+    r.from_world = world_;
+    r.to_world = to_world;
+    r.leave = std::move(leave);
+    r.requested = options_.now();
+    resize_ = r;
+    last_resize_ = r;
+  }
+  Notify();
+  return r;
 }
 
 namespace {
@@ -226,7 +326,18 @@ Coordinator::WaitId Coordinator::JoinAsync(JoinInfo info, absl::Time deadline, J
     absl::MutexLock lock(&mu_);
     const int rank = info.rank;
     absl::Status refused;
-    if (shutting_down_) {
+    if (!shutting_down_ && state_ != JobState::kFailed && info.epoch != epoch_) {
+      if (resize_ && !resize_->begun && info.epoch == resize_->epoch) {
+        BeginEpochLocked();
+      } else {
+        refused = absl::FailedPreconditionError(absl::StrCat(
+            "rank ", rank, " joins epoch ", info.epoch, ", but the job is in epoch ", epoch_,
+            resize_ ? absl::StrCat(" (moving to ", resize_->epoch, ")") : std::string()));
+      }
+    }
+    if (refused.ok()) refused = ValidateMembershipLocked(info);
+    if (!refused.ok()) {
+    } else if (shutting_down_) {
       refused = absl::UnavailableError(kShuttingDown);
     } else if (state_ == JobState::kFailed) {
       refused = absl::AbortedError("job failed: " + failure_);
@@ -236,7 +347,7 @@ Coordinator::WaitId Coordinator::JoinAsync(JoinInfo info, absl::Time deadline, J
       refused = absl::AlreadyExistsError(
           absl::StrCat("rank ", rank, " is already joining (another Join for it is waiting)"));
     } else if (rank == 0) {
-      auto layout = Plan(info.params, options_.world_size, info.plan);
+      auto layout = Plan(info.params, world_, info.plan);
       if (!layout.ok()) {
         refused = absl::InvalidArgumentError(
             absl::StrCat("cannot plan rank 0's model: ", layout.status().message()));
@@ -292,7 +403,31 @@ absl::Status Coordinator::AdmitLocked(const JoinInfo& info) {
   rs.address = absl::StrCat(info.host, ":", info.shard_owner_port);
   rs.last_heartbeat = options_.now();
   if (info.learning_rate > 0) rs.learning_rate = info.learning_rate;
-  if (++joined_ == options_.world_size && state_ == JobState::kStarting) {
+  rs.step = info.step;
+  all_elastic_ = all_elastic_ && info.elastic;
+  epoch_step_ = std::max(epoch_step_, info.step);
+  if (joined_ + 1 == world_ && resize_ && resize_->begun) {
+    // The resize is complete: every rank of the new epoch has joined.
+    const absl::Time now = options_.now();
+    MembershipChange c;
+    c.epoch = epoch_;
+    c.from_world = resize_->from_world;
+    c.to_world = world_;
+    c.step = epoch_step_;
+    c.left = resize_->leave;
+    for (int r = world_ - (resize_->to_world -
+                           (resize_->from_world - static_cast<int>(resize_->leave.size())));
+         r < world_; ++r) {
+      c.joined.push_back(r);
+    }
+    c.took = now - resize_->requested;
+    c.completed = now;
+    membership_.push_back(c);
+    resize_.reset();
+    for (RankState& r : ranks_) r.last_heartbeat = now;
+    slow_window_start_ = now;
+  }
+  if (++joined_ == world_ && state_ == JobState::kStarting) {
     state_ = JobState::kRunning;
     // Every rank's heartbeat clock starts when the job does: a rank that
     // joined early waited for the others and could not yet have a session,
@@ -320,7 +455,7 @@ void Coordinator::AdvanceJoinsLocked(Completions* out) {
     }
     it = next;
   }
-  if (joined_ != options_.world_size) return;
+  if (joined_ != world_) return;
   const JoinResult result = JoinResultLocked();
   while (!join_waits_.empty()) {
     JoinWait w = TakeJoinLocked(join_waits_.begin());
@@ -468,8 +603,8 @@ namespace {
 
 // What Heartbeat() refuses before it takes the lock: a rank outside the
 // world, a bad step, throughput or learning rate, bad metrics.
-absl::Status ValidateHeartbeat(const HeartbeatInfo& info, int world_size) {
-  if (info.rank < 0 || info.rank >= world_size) {
+absl::Status ValidateHeartbeat(const HeartbeatInfo& info) {
+  if (info.rank < 0 || info.rank >= kMaxWorldSize) {
     return absl::InvalidArgumentError(absl::StrCat("rank ", info.rank, " out of range"));
   }
   if (info.step < 0 || !std::isfinite(info.samples_per_s)) {
@@ -489,8 +624,14 @@ absl::Status ValidateHeartbeat(const HeartbeatInfo& info, int world_size) {
 }  // namespace
 
 absl::StatusOr<HeartbeatReply> Coordinator::Heartbeat(const HeartbeatInfo& info) {
-  if (absl::Status s = ValidateHeartbeat(info, options_.world_size); !s.ok()) return s;
+  if (absl::Status s = ValidateHeartbeat(info); !s.ok()) return s;
   absl::MutexLock lock(&mu_);
+  // A rank still in the epoch a resize leaves (or not yet in the new one):
+  // told the notice, not recorded.
+  if (info.epoch != epoch_) return NoticeLocked();
+  if (info.rank >= world_) {
+    return absl::InvalidArgumentError(absl::StrCat("rank ", info.rank, " out of range"));
+  }
   RankState& r = ranks_[info.rank];
   if (!r.joined) {
     return absl::FailedPreconditionError(absl::StrCat("rank ", info.rank, " has not joined"));
@@ -592,7 +733,7 @@ int Coordinator::CheckSlowRanks() {
 void Coordinator::SessionLost(int rank) {
   if (options_.session_loss_grace <= absl::ZeroDuration()) return;
   absl::MutexLock lock(&mu_);
-  if (rank < 0 || rank >= options_.world_size) return;
+  if (rank < 0 || rank >= world_ || resize_) return;  // (a resize ends sessions on purpose)
   RankState& r = ranks_[rank];
   if (r.joined && !r.finished) r.session_lost = options_.now();
 }
@@ -604,7 +745,26 @@ bool Coordinator::CheckHeartbeats() {
     if (state_ != JobState::kRunning) return false;
     const absl::Time now = options_.now();
     bool failed = false;
+    if (resize_) {
+      // The ranks are moving to the new epoch: no heartbeats meanwhile (a
+      // rank that dies is seen by its launcher or by its peers' collectives),
+      // but the move is bounded.
+      if (now - resize_->requested <= options_.resize_timeout) return false;
+      std::vector<int> missing;
+      for (const RankState& r : ranks_) {
+        if (!r.joined) missing.push_back(r.rank);
+      }
+      FailLocked(
+          absl::StrCat("the resize to ", resize_->to_world, " ranks did not complete in ",
+                       absl::FormatDuration(options_.resize_timeout),
+                       resize_->begun ? absl::StrCat(": ranks ", absl::StrJoin(missing, ", "),
+                                                     " of epoch ", epoch_, " did not join")
+                                      : std::string(": the ranks did not start it")),
+          AbortCause::kHeartbeatTimeout, &ready);
+      failed = true;
+    }
     for (const RankState& r : ranks_) {
+      if (failed) break;
       if (r.joined && !r.finished && now - r.session_lost > options_.session_loss_grace) {
         FailLocked(absl::StrCat("rank ", r.rank, " lost its connection to the coordinator at step ",
                                 r.step, " without finishing (on host ",
@@ -643,6 +803,10 @@ HeartbeatReply Coordinator::NoticeLocked() {
   reply.learning_rate = learning_rate_;
   reply.hyper_params_version = hyper_version_;
   reply.checkpoint_request = checkpoint_request_;
+  reply.resize_request = last_resize_.request;
+  reply.resize_epoch = last_resize_.epoch;
+  reply.resize_world = last_resize_.to_world;
+  reply.resize_leave = last_resize_.leave;
   return reply;
 }
 
@@ -676,7 +840,10 @@ JobStatus Coordinator::GetJob() {
   for (int r = 0; r < static_cast<int>(ranks_.size()); ++r) RefreshStepWindowLocked(r, s.now);
   s.job_id = options_.job_id;
   s.state = state_;
-  s.world_size = options_.world_size;
+  s.world_size = world_;
+  s.epoch = epoch_;
+  s.membership = membership_;
+  s.resize = resize_;
   s.ranks = ranks_;
   s.start = start_;
   s.end = end_;
@@ -770,10 +937,10 @@ void Coordinator::Abort(const std::string& reason, int rank, AbortCause cause) {
 }
 
 absl::Status Coordinator::Finish(int rank) {
-  if (rank < 0 || rank >= options_.world_size) {
+  absl::MutexLock lock(&mu_);
+  if (rank < 0 || rank >= world_) {
     return absl::InvalidArgumentError(absl::StrCat("rank ", rank, " out of range"));
   }
-  absl::MutexLock lock(&mu_);
   ranks_[rank].finished = true;
   if (state_ == JobState::kRunning &&
       std::all_of(ranks_.begin(), ranks_.end(), [](const RankState& r) { return r.finished; })) {

@@ -25,6 +25,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/layout.h"
+#include "common/membership.h"
 #include "common/param_spec.h"
 #include "common/protocol_limits.h"
 #include "server/kv_waits.h"
@@ -89,6 +90,37 @@ struct CoordinatorOptions {
   // At most this many KvGets wait at once (more: ResourceExhausted). Raised
   // to 2 * world_size when that is more (every rank may wait for a key).
   int max_kv_waiters = 4096;
+  // Elastic jobs (RequestResize): whether a launcher here starts the ranks a
+  // grow adds (shardrun on one node, which watches pending_resize()); without
+  // one a grow is refused. A resize not complete within resize_timeout of
+  // its request fails the job.
+  bool can_grow = false;
+  absl::Duration resize_timeout = absl::Minutes(5);
+};
+
+// One membership change of an elastic job (MembershipChange in the protocol).
+struct MembershipChange {
+  int64_t epoch = 0;  // the epoch it began
+  int from_world = 0;
+  int to_world = 0;
+  int64_t step = 0;         // the step boundary it took effect at
+  std::vector<int> left;    // ranks of the old epoch that left
+  std::vector<int> joined;  // ranks of the new epoch that were not in the old one
+  absl::Duration took;      // from the request to the last join of the new epoch
+  absl::Time completed = absl::InfinitePast();
+};
+// "epoch 1 at step 40: 2 -> 3 ranks (rank 2 joined) in 0.8s"
+std::string DescribeMembershipChange(const MembershipChange& c);
+
+// A resize requested and not yet complete.
+struct PendingResize {
+  int64_t request = 0;
+  int64_t epoch = 0;  // the epoch it moves to
+  int from_world = 0;
+  int to_world = 0;
+  std::vector<int> leave;  // old ranks that leave (sorted)
+  absl::Time requested;
+  bool begun = false;  // a rank joined the new epoch
 };
 
 struct JoinInfo {
@@ -102,6 +134,9 @@ struct JoinInfo {
   PlanOptions plan;
   uint64_t layout_hash = 0;
   double learning_rate = 0;  // the rank's, 0 = not reported
+  int64_t epoch = 0;         // membership epoch (see RequestResize)
+  bool elastic = false;      // its trainer can resize live
+  int64_t step = 0;          // the step it starts from
 };
 
 struct JoinResult {
@@ -144,6 +179,7 @@ struct HeartbeatInfo {
   double learning_rate = 0;  // what the rank trains with now, 0 = not reported
   bool has_metrics = false;  // old clients send none
   RankMetricsInfo metrics;
+  int64_t epoch = 0;  // heartbeats of another epoch than the current are ignored
 };
 
 struct HeartbeatReply {
@@ -152,6 +188,12 @@ struct HeartbeatReply {
   double learning_rate = 0;  // > 0 when set by SetLearningRate
   int64_t hyper_params_version = 0;
   int64_t checkpoint_request = 0;
+  // The pending (or last) resize: its request number, target epoch and
+  // world, the ranks leaving.
+  int64_t resize_request = 0;
+  int64_t resize_epoch = 0;
+  int resize_world = 0;
+  std::vector<int> resize_leave;
 };
 
 enum class JobState { kStarting, kRunning, kFailed, kFinished };
@@ -220,6 +262,10 @@ struct JobStatus {
   double last_checkpoint_seconds = 0;
   int64_t last_checkpoint_bytes = 0;
   absl::Time last_checkpoint_time = absl::InfinitePast();  // when the coordinator learned of it
+  // Elastic jobs: the membership epoch, its changes, a pending resize.
+  int64_t epoch = 0;
+  std::vector<MembershipChange> membership;
+  std::optional<PendingResize> resize;
 };
 
 class Coordinator {
@@ -297,6 +343,14 @@ class Coordinator {
   // Asks every rank to checkpoint at the next step boundary they agree on.
   // Returns the request number.
   absl::StatusOr<int64_t> RequestCheckpoint();
+  // Asks the job to change to `to_world` ranks at the next step boundary
+  // its ranks agree on: a grow starts new ranks (options().can_grow); a
+  // shrink lets the ranks `leave` go (empty: the highest), after they handed
+  // their optimizer state over. The ranks then join epoch epoch()+1 at the
+  // new size. Errors (FailedPrecondition): the job is not running, a resize
+  // is pending, a rank's trainer cannot resize live, a grow without a
+  // launcher; (InvalidArgument) a bad size or leave list.
+  absl::StatusOr<PendingResize> RequestResize(int to_world, std::vector<int> leave);
   // Fails the job: every rank learns it at its next heartbeat. The cause (for
   // metrics) is kRankAbort when a rank (>= 0) asks, kRequest otherwise.
   void Abort(const std::string& reason, int rank);
@@ -350,8 +404,23 @@ class Coordinator {
   void EndAllWaitsLocked(const absl::Status& status, Completions* out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
+  // Join of the first rank of a pending resize's epoch: the membership
+  // tables start over at the new size.
+  void BeginEpochLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status ValidateMembershipLocked(const JoinInfo& info) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
   const CoordinatorOptions options_;
   const absl::Time start_;
+  // The current epoch's world size (options_.world_size until a resize).
+  int world_ ABSL_GUARDED_BY(mu_);
+  int64_t epoch_ ABSL_GUARDED_BY(mu_) = 0;
+  bool all_elastic_ ABSL_GUARDED_BY(mu_) = true;  // every joined rank of this epoch
+  std::optional<PendingResize> resize_ ABSL_GUARDED_BY(mu_);
+  int64_t resize_request_ ABSL_GUARDED_BY(mu_) = 0;
+  PendingResize last_resize_ ABSL_GUARDED_BY(mu_);  // for the notice after it completed
+  int64_t epoch_step_ ABSL_GUARDED_BY(mu_) = 0;     // the step the epoch began at
+  std::vector<MembershipChange> membership_ ABSL_GUARDED_BY(mu_);
   absl::Mutex mu_;
   JobState state_ ABSL_GUARDED_BY(mu_) = JobState::kStarting;
   std::string failure_ ABSL_GUARDED_BY(mu_);

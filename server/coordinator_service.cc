@@ -32,6 +32,7 @@ DType ParseDType(const std::string& s, bool* ok) {
 HeartbeatInfo FromProto(const v1::HeartbeatRequest& r) {
   HeartbeatInfo info{r.rank(), r.step(), r.loss(), r.samples_per_s(), r.progress()};
   info.learning_rate = r.learning_rate();
+  info.epoch = r.epoch();
   info.has_metrics = r.has_metrics();
   if (info.has_metrics) {
     const v1::RankMetrics& m = r.metrics();
@@ -81,6 +82,10 @@ void FillReply(const HeartbeatReply& r, v1::HeartbeatResponse* resp) {
   resp->set_learning_rate(r.learning_rate);
   resp->set_hyper_params_version(r.hyper_params_version);
   resp->set_checkpoint_request(r.checkpoint_request);
+  resp->set_resize_request(r.resize_request);
+  resp->set_resize_epoch(r.resize_epoch);
+  resp->set_resize_world(r.resize_world);
+  for (int l : r.resize_leave) resp->add_resize_leave(l);
 }
 
 }  // namespace
@@ -503,6 +508,9 @@ grpc::ServerUnaryReactor* CoordinatorService::Join(grpc::CallbackServerContext* 
   info.device = req->device();
   info.layout_hash = req->layout_hash();
   info.learning_rate = req->learning_rate();
+  info.epoch = req->epoch();
+  info.elastic = req->elastic();
+  info.step = req->step();
   if (req->params_size() > kMaxParams) {
     return Done(ctx, grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "too many parameters"));
   }
@@ -590,6 +598,19 @@ grpc::ServerUnaryReactor* CoordinatorService::GetJob(grpc::CallbackServerContext
   resp->set_duration_seconds(absl::ToDoubleSeconds(j.duration()));
   resp->set_restarts(j.restarts);
   resp->set_last_restart(j.last_restart);
+  resp->set_epoch(j.epoch);
+  for (const MembershipChange& c : j.membership) {
+    v1::MembershipChange* m = resp->add_membership();
+    m->set_epoch(c.epoch);
+    m->set_from_world(c.from_world);
+    m->set_to_world(c.to_world);
+    m->set_step(c.step);
+    for (int r : c.left) m->add_left(r);
+    for (int r : c.joined) m->add_joined(r);
+    m->set_seconds(absl::ToDoubleSeconds(c.took));
+    m->set_unix_time(absl::ToUnixMicros(c.completed) / 1e6);
+  }
+  if (j.resize) resp->set_resize_pending_world(j.resize->to_world);
   for (const RankState& r : j.ranks) {
     v1::RankStatus* rs = resp->add_ranks();
     rs->set_rank(r.rank);
@@ -722,12 +743,28 @@ grpc::ServerUnaryReactor* CoordinatorService::RequestCheckpoint(
   return Done(ctx, ToGrpc(r.status()));
 }
 
+grpc::ServerUnaryReactor* CoordinatorService::Resize(grpc::CallbackServerContext* ctx,
+                                                     const v1::ResizeRequest* req,
+                                                     v1::ResizeResponse* resp) {
+  if (auto s = CheckToken(ctx, token_); !s.ok()) return Done(ctx, s);
+  if (req->leave_size() > kMaxWorldSize) {
+    return Done(ctx, grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "too many ranks to leave"));
+  }
+  auto r = coordinator_->RequestResize(req->to_world(),
+                                       std::vector<int>(req->leave().begin(), req->leave().end()));
+  if (r.ok()) {
+    resp->set_request(r->request);
+    resp->set_epoch(r->epoch);
+  }
+  return Done(ctx, ToGrpc(r.status()));
+}
+
 grpc::ServerUnaryReactor* CoordinatorService::ReportFlightRecord(
     grpc::CallbackServerContext* ctx, const v1::ReportFlightRecordRequest* req,
     v1::ReportFlightRecordResponse*) {
   if (auto s = CheckToken(ctx, token_); !s.ok()) return Done(ctx, s);
   return Done(ctx,
-              ToGrpc(flight_records_.Report(req->record(), coordinator_->options().world_size)));
+              ToGrpc(flight_records_.Report(req->record(), coordinator_->GetJob().world_size)));
 }
 
 grpc::ServerUnaryReactor* CoordinatorService::GetFlightRecords(grpc::CallbackServerContext* ctx,

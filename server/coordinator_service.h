@@ -78,6 +78,8 @@ class CoordinatorService final : public v1::Coordinator::CallbackService, public
   grpc::ServerUnaryReactor* RequestCheckpoint(grpc::CallbackServerContext* ctx,
                                               const v1::RequestCheckpointRequest* req,
                                               v1::RequestCheckpointResponse* resp) override;
+  grpc::ServerUnaryReactor* Resize(grpc::CallbackServerContext* ctx, const v1::ResizeRequest* req,
+                                   v1::ResizeResponse* resp) override;
   grpc::ServerBidiReactor<v1::HeartbeatRequest, v1::HeartbeatResponse>* Session(
       grpc::CallbackServerContext* ctx) override;
   // Flight recorder: a rank's ring, sent when the job fails; the rings of

@@ -393,7 +393,8 @@ std::map<int, std::string> HeartbeatNotes(Coordinator& coordinator) {
 
 std::string ReportedDivergence(const FlightRecords& records, Coordinator& coordinator) {
   if (records.empty()) return "";
-  return FirstDivergence(records.Reported(), coordinator.options().world_size,
+  return FirstDivergence(records.Reported(),
+                         const_cast<Coordinator&>(coordinator).GetJob().world_size,
                          HeartbeatNotes(coordinator));
 }
 

@@ -104,6 +104,18 @@ void AddJob(const JobStatus& j, Families& f) {
           "Times shardrun --max-restarts started this job again after a failure.",
           MetricType::Counter);
   f.Add(j.restarts);
+  f.Start("shardopt_job_membership_epoch",
+          "Membership epoch of the job: live resizes it went through (shardctl resize/drain).",
+          MetricType::Gauge);
+  f.Add(static_cast<double>(j.epoch));
+  f.Start("shardopt_job_resize_seconds",
+          "Time the last live resize took, from its request to the last rank's join of the "
+          "new epoch (0: none yet).",
+          MetricType::Gauge);
+  f.Add(j.membership.empty() ? 0.0 : absl::ToDoubleSeconds(j.membership.back().took));
+  f.Start("shardopt_job_resize_pending", "1 while a live resize is requested and not complete.",
+          MetricType::Gauge);
+  f.Add(j.resize ? 1 : 0);
 }
 
 // Checkpoints, as rank 0 reports them.

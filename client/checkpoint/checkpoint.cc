@@ -564,7 +564,7 @@ absl::Status ReadPieceRange(FileSystem* fs, const std::string& file, const Manif
 
 // Reads exactly the blocks that hold what this rank now owns.
 absl::Status ReadOwnedFromShards(ShardedOptimizer& opt, FileSystem* fs, const std::string& dir,
-                                 const Manifest& m) {
+                                 const Manifest& m, bool whole_files) {
   const Layout& layout = opt.layout();
   std::vector<char> buf;
   for (const Piece& np : layout.PiecesOfRank(opt.communicator()->rank())) {
@@ -583,6 +583,7 @@ absl::Status ReadOwnedFromShards(ShardedOptimizer& opt, FileSystem* fs, const st
       }
     }
   }
+  if (!whole_files) return absl::OkStatus();
   // Whole-file CRCs (they also cover the headers): file q is checked by rank
   // q mod N, so every file is read once more in all, in parallel.
   const int n = opt.communicator()->world_size();
@@ -796,6 +797,11 @@ absl::Status ApplyParamSteps(ShardedOptimizer& opt,
 
 absl::StatusOr<RestoredCheckpoint> LoadCheckpoint(ShardedOptimizer& opt, const std::string& path,
                                                   FileSystem* fs) {
+  return LoadCheckpoint(opt, path, fs, /*whole_files=*/true);
+}
+
+absl::StatusOr<RestoredCheckpoint> LoadCheckpoint(ShardedOptimizer& opt, const std::string& path,
+                                                  FileSystem* fs, bool whole_files) {
   RestoredCheckpoint info;
   auto fill = [&]() -> absl::Status {
     if (fs->Kind(path) == EntryKind::kFile) {
@@ -808,7 +814,7 @@ absl::StatusOr<RestoredCheckpoint> LoadCheckpoint(ShardedOptimizer& opt, const s
     SHARDOPT_ASSIGN_OR_RETURN(Manifest m, ReadManifest(fs, dir));
     SHARDOPT_RETURN_IF_ERROR(CheckCompatible(opt, m, dir));
     info = {dir, "sharded", m.step, m.world_size, m.optimizer, {}, m.user_metadata, m.self_checked};
-    return ReadOwnedFromShards(opt, fs, dir, m);
+    return ReadOwnedFromShards(opt, fs, dir, m, whole_files);
   };
   SHARDOPT_RETURN_IF_ERROR(RestoreOwnedSlices(opt, fill, info));
   return info;

@@ -66,6 +66,13 @@ absl::StatusOr<RestoredCheckpoint> LoadCheckpoint(ShardedOptimizer& optimizer,
                                                   const std::string& path,
                                                   FileSystem* fs = PosixFileSystem());
 
+// As above; whole_files = false skips the whole-file CRC pass (every block
+// read is still checked against its CRC32C): a live resize reads other
+// ranks' snapshots this way, where that pass would move all the state.
+absl::StatusOr<RestoredCheckpoint> LoadCheckpoint(ShardedOptimizer& optimizer,
+                                                  const std::string& path, FileSystem* fs,
+                                                  bool whole_files);
+
 // The common end of every load (sharded, consolidated, torch files): runs
 // `fill`, which writes this rank's owned slices (owned_slice(), staged on the
 // host for GPU state) and sets `info`; agrees with every rank that all

@@ -52,6 +52,11 @@ commands:
   checkpoint    ask the job to save a checkpoint at the next step boundary
                 (the trainers need --ckpt-dir)
   abort REASON  fail the job (every rank stops)
+  resize --ranks=M  change the job to M ranks at the next step boundary, live: new
+                ranks join (started by the job's shardrun) or the highest ranks hand
+                their optimizer state over and leave (docs/elastic.md); --wait=S waits
+                up to S seconds for it to complete and prints the change
+  drain --rank=R  the same, one rank fewer: rank R hands its state over and leaves
   top           live view, refreshed every --interval: a header (job, state, ranks,
                 step, lr, duration, slow ranks) and per rank: step, step time p50
                 and max over the coordinator's window, samples/s, exposed
@@ -86,8 +91,8 @@ flags:
   --tls-cert=PEM      client certificate for mutual TLS (default $SHARDOPT_TLS_CERT)
   --tls-key=PEM       its key (default $SHARDOPT_TLS_KEY)
   --json              machine-readable output (--json=false: off)
-  --wait=SECONDS      status: wait until the job is running (or failed) first, seconds in
-                      [0, 604800] (default 0)
+  --wait=SECONDS      status: wait until the job is running (or failed) first; resize,
+                      drain: until the resize is complete; seconds in [0, 604800] (default 0)
   --rate=N            load: queries per second, in (0, 100000] (default 50)
   --duration=S        load: seconds, in (0, 31536000] (default 10)
   --format=F          consolidate: safetensors | torch (default safetensors)
@@ -95,7 +100,8 @@ flags:
   --params=MODEL.pt   import: the model's state_dict
   --interval=S        top: seconds between refreshes, in [0.1, 3600] (default 1)
   --once              top: print one frame without terminal control (for scripts)
-  --rank=R            flight-recorder: only rank R, 0..1048575
+  --rank=R            flight-recorder: only rank R; drain: the rank that leaves; 0..1048575
+  --ranks=M           resize: the new number of ranks, 1..1048576
   --help              this text
 Every flag is checked, whatever the command: a malformed or out-of-range value
 is refused by name (exit status 2).
@@ -122,6 +128,7 @@ absl::Status CheckFlags(const Flags& f) {
   check(f.Seconds("interval", 1, kMinTopInterval, kMaxTopInterval).status());  // top
   check(f.Bool("once", false).status());                                       // top
   check(f.Int("rank", -1, 0, (1 << 20) - 1).status());
+  check(f.Int("ranks", 1, 1, 1 << 20).status());  // resize
   for (const char* name :
        {"coordinator", "token-file", "tls-ca", "tls-cert", "tls-key", "params"}) {
     check(f.NonEmpty(name, "").status());
@@ -447,6 +454,23 @@ int StatusCommand(const JobContext& ctx) {
   if (job->restarts() > 0) {
     std::printf("restarts: %d; last: %s\n", job->restarts(), job->last_restart().c_str());
   }
+  if (job->epoch() > 0 || job->resize_pending_world() > 0) {
+    std::string line = absl::StrCat("membership: epoch ", job->epoch());
+    if (!job->membership().empty()) {
+      const auto& m = job->membership(job->membership_size() - 1);
+      absl::StrAppend(&line, "; last change at step ", m.step(), ": ", m.from_world(), " -> ",
+                      m.to_world(), " ranks");
+      if (!m.left().empty()) absl::StrAppend(&line, ", left: ", absl::StrJoin(m.left(), ", "));
+      if (!m.joined().empty()) {
+        absl::StrAppend(&line, ", joined: ", absl::StrJoin(m.joined(), ", "));
+      }
+      absl::StrAppend(&line, absl::StrFormat(", %.2fs", m.seconds()));
+    }
+    if (job->resize_pending_world() > 0) {
+      absl::StrAppend(&line, "; resize to ", job->resize_pending_world(), " ranks pending");
+    }
+    std::printf("%s\n", line.c_str());
+  }
   std::printf("%5s  %-22s %8s %10s %14s %12s\n", "rank", "shard owner", "step", "loss", "samples/s",
               "heartbeat");
   for (const auto& r : job->ranks()) {
@@ -553,6 +577,72 @@ int CheckpointRequestCommand(const JobContext& ctx) {
   return 0;
 }
 
+// shardctl resize / drain: ask for a live resize; with --wait=S, wait for
+// the job to reach the new epoch and print the change.
+int RequestResize(const JobContext& ctx, int to_world, const std::vector<int>& leave) {
+  auto wait = ctx.flags.Double("wait", 0);
+  if (!wait.ok()) return Fail(std::string(wait.status().message()));
+  auto r = ctx.client.Resize(to_world, leave);
+  if (!r.ok()) {
+    if (r.status().code() == absl::StatusCode::kUnavailable) return ctx.Unreachable(r.status());
+    return Fail(absl::StrCat("cannot resize: ", r.status().message()));
+  }
+  std::printf(
+      "resize to %d ranks requested (epoch %lld); the ranks change at their next step "
+      "boundary\n",
+      to_world, static_cast<long long>(r->epoch()));
+  std::fflush(stdout);
+  if (*wait <= 0) return 0;
+  const absl::Time deadline = absl::Now() + absl::Seconds(*wait);
+  while (absl::Now() < deadline) {
+    auto job = ctx.client.GetJob();
+    if (job.ok() && job->state() == "failed") {
+      return Fail(absl::StrCat("the job failed: ", job->failure()));
+    }
+    if (job.ok() && job->epoch() >= r->epoch() && job->resize_pending_world() == 0) {
+      for (const auto& m : job->membership()) {
+        if (m.epoch() != r->epoch()) continue;
+        std::printf("epoch %lld at step %lld: %d -> %d ranks%s%s in %.2fs\n",
+                    static_cast<long long>(m.epoch()), static_cast<long long>(m.step()),
+                    m.from_world(), m.to_world(),
+                    m.left().empty()
+                        ? ""
+                        : absl::StrCat(" (left: ", absl::StrJoin(m.left(), ", "), ")").c_str(),
+                    m.joined().empty()
+                        ? ""
+                        : absl::StrCat(" (joined: ", absl::StrJoin(m.joined(), ", "), ")").c_str(),
+                    m.seconds());
+      }
+      return 0;
+    }
+    if (job.ok() && job->state() == "finished") {
+      return Fail("the job finished before the resize took effect");
+    }
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+  return Fail(absl::StrCat("the resize did not complete within --wait=", *wait, " s"));
+}
+
+int ResizeCommand(const JobContext& ctx) {
+  if (!ctx.flags.Has("ranks")) return Fail("usage: shardctl resize --ranks=M [--wait=S]");
+  auto m = ctx.flags.Int("ranks", 0, 1, (1 << 20));
+  if (!m.ok()) return Fail(std::string(m.status().message()));
+  return RequestResize(ctx, static_cast<int>(*m), {});
+}
+
+int DrainCommand(const JobContext& ctx) {
+  if (!ctx.flags.Has("rank")) return Fail("usage: shardctl drain --rank=R [--wait=S]");
+  auto rank = ctx.flags.Int("rank", 0, 0, (1 << 20) - 1);
+  if (!rank.ok()) return Fail(std::string(rank.status().message()));
+  auto job = ctx.client.GetJob();
+  if (!job.ok()) return ctx.Unreachable(job.status());
+  if (*rank >= job->world_size()) {
+    return Fail(absl::StrCat("--rank=", *rank, ": the job has ", job->world_size(), " ranks"));
+  }
+  if (job->world_size() == 1) return Fail("the job has one rank: nothing would be left to train");
+  return RequestResize(ctx, job->world_size() - 1, {static_cast<int>(*rank)});
+}
+
 int AbortCommand(const JobContext& ctx) {
   const std::string reason = ctx.flags.positional().size() > 1 ? ctx.flags.positional()[1] : "";
   absl::Status s = ctx.client.Abort(reason.empty() ? "aborted with shardctl" : reason, -1);
@@ -622,6 +712,8 @@ constexpr JobCommand kJobCommands[] = {
     {"set-lr", 0, 1, SetLrCommand},  // (its own usage line when the value is missing)
     {"checkpoint", 0, 0, CheckpointRequestCommand},
     {"abort", 0, 1, AbortCommand},
+    {"resize", 0, 0, ResizeCommand},
+    {"drain", 0, 0, DrainCommand},
     {"flight-recorder", 0, 0, FlightRecorderJobCommand},
     {"load", 0, 0, LoadCommand},
     {"top", 0, 0, TopJobCommand},
@@ -670,7 +762,7 @@ int Main(int argc, char** argv) {
   auto flags = Flags::Parse(
       argc, argv,
       {"coordinator", "token-file", "json", "wait", "rate", "duration", "tls-ca", "tls-cert",
-       "tls-key", "format", "params", "optimizer", "rank", "interval", "once", "help"},
+       "tls-key", "format", "params", "optimizer", "rank", "ranks", "interval", "once", "help"},
       {"help", "json", "once"});
   if (!flags.ok()) return Fail(std::string(flags.status().message()));
   if (absl::Status s = CheckFlags(*flags); !s.ok() && !flags->Has("help")) {

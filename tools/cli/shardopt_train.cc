@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <array>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -23,6 +24,7 @@
 #include "client/launch_environment.h"
 #include "tools/models/models.h"
 #include "client/rank_agent.h"
+#include "client/resize.h"
 #include "client/advice.h"
 #include "client/sharded_optimizer.h"
 #include "client/host_allocator.h"
@@ -182,6 +184,10 @@ struct Config {
   Rendezvous rendezvous;     // where the coordinator is, and whether this process serves it
   bool host_coordinator = false;
   int restart = 0;  // $SHARDOPT_RESTART: how many times shardrun restarted the job
+  // The membership epoch (a live resize moves the job to the next); a rank
+  // that shardrun started to grow the job joins epoch $SHARDOPT_JOIN_EPOCH.
+  int64_t epoch = 0;
+  int64_t join_epoch = 0;
   absl::Duration heartbeat_timeout = absl::Seconds(10);  // the served coordinator's
   std::string model_name, kind, coordinator, job_id, bind, ckpt_dir, resume, token;
   CpuTransport transport = CpuTransport::kAuto;
@@ -284,7 +290,14 @@ absl::Status ReadConfig(const Flags& flags, Config* c) {
   // Started again by shardrun --max-restarts: continue from the last
   // complete checkpoint of --ckpt-dir, if there is one.
   c->restart = static_cast<int>(Take(EnvInt("SHARDOPT_RESTART", 0, 0, 1000), &bad));
+  c->join_epoch = Take(EnvInt("SHARDOPT_JOIN_EPOCH", 0, 0, kMaxSteps), &bad);
   if (!bad.ok()) return bad;
+  if (c->join_epoch > 0 && !c->resume.empty()) {
+    return absl::InvalidArgumentError(
+        "a rank joining a running job ($SHARDOPT_JOIN_EPOCH) takes its state from the job, not "
+        "from --resume");
+  }
+  c->epoch = c->join_epoch;
   if (c->restart > 0 && c->resume.empty() && !c->ckpt_dir.empty() &&
       PosixFileSystem()->FileSize(c->ckpt_dir + "/LATEST").ok()) {
     c->resume = c->ckpt_dir;
@@ -391,6 +404,8 @@ RankAgentOptions AgentOptions(const Config& c, int64_t batch) {
   a.ckpt_dir = c.ckpt_dir;
   a.ckpt_keep = static_cast<int>(c.ckpt_keep);
   a.samples_per_step = batch * c.world;
+  a.epoch = c.epoch;
+  a.elastic = true;  // this trainer makes live resizes (ResizeLive)
   a.stop_signal = [] { return g_signal.load(); };
   a.log_name = "shardopt_train";
   if (c.rendezvous.served_by_rank0 && c.coordinator == c.rendezvous.coordinator) {
@@ -405,7 +420,9 @@ RankAgentOptions AgentOptions(const Config& c, int64_t batch) {
 // recorder (docs/observability.md, "Flight recorder").
 absl::StatusOr<std::unique_ptr<Communicator>> Connect(const Config& c, CoordinatorClient* client) {
   GrpcKeyValueStore kv(client);
-  PrefixKeyValueStore job_kv(&kv, c.job_id);
+  // Each membership epoch rendezvouses afresh.
+  PrefixKeyValueStore job_kv(&kv,
+                             c.epoch > 0 ? absl::StrCat(c.job_id, "/epoch-", c.epoch) : c.job_id);
   CpuCommOptions copt;
   copt.transport = c.transport;
   copt.hostname = c.bind;
@@ -517,11 +534,32 @@ struct Advice {
   double fwd_bwd_s = 1e30, update_s = 1e30;  // the fastest step's
 };
 
-int TrainLoop(const Config& c, TrainModel& model, int64_t batch, ShardedOptimizer* o,
-              RankAgent* agent, int64_t first_step, Advice* advice) {
+// This rank's part of the job in one membership epoch: its communicator,
+// optimizer and agent (a live resize replaces all three).
+struct Trainer {
+  std::unique_ptr<Communicator> comm;
+  std::unique_ptr<ShardedOptimizer> opt;
+  std::unique_ptr<RankAgent> agent;
+  ~Trainer() {  // the agent uses the optimizer, which uses the communicator
+    agent.reset();
+    opt.reset();
+    comm.reset();
+  }
+};
+
+// TrainLoop's result for a rank that left the job in a live resize.
+constexpr int kLeftTheJob = -2;
+
+int ResizeLive(Config& c, TrainModel& model, int64_t batch, CoordinatorClient* client, Trainer* t,
+               const ResizeOrder& order, int64_t step);
+
+int TrainLoop(Config& c, TrainModel& model, int64_t batch, CoordinatorClient* client, Trainer* t,
+              int64_t first_step, Advice* advice) {
   auto t_window = std::chrono::steady_clock::now();
   int64_t window_steps = 0;
   for (int64_t step = first_step; step < c.steps; ++step) {
+    ShardedOptimizer* o = t->opt.get();
+    RankAgent* agent = t->agent.get();
     if (c.rank == c.stall_rank && step == c.stall_step) return StallOnPurpose(agent);
     agent->BeforeStep(step + 1);
     if (c.rank == c.slow_rank && c.slow_ms > 0) {  // --debug-slow-rank: slower on purpose
@@ -579,6 +617,13 @@ int TrainLoop(const Config& c, TrainModel& model, int64_t batch, ShardedOptimize
       t_window = now;
       window_steps = 0;
     }
+    if (agreed->resize && step + 1 < c.steps) {
+      if (int rc = ResizeLive(c, model, batch, client, t, *agreed->resize, step + 1); rc != -1) {
+        return rc;
+      }
+      t_window = std::chrono::steady_clock::now();
+      window_steps = 0;
+    }
   }
   return -1;
 }
@@ -605,6 +650,134 @@ int Conclude(const Config& c, ShardedOptimizer* o, RankAgent* agent, int64_t fir
         static_cast<unsigned long long>(o->layout().hash()));
   }
   return 0;
+}
+
+// This rank's communicator, optimizer and agent for the epoch in c (the
+// agent's Join waits for every rank of it). `context`: the step it starts
+// from and the control requests acted on before (a live resize). The
+// model's layers wait for the parameters of `current`'s optimizer (the
+// trainer that `t` becomes). Returns -1 when formed, else the exit status
+// (the failure is reported).
+int FormEpoch(const Config& c, TrainModel& model, int64_t batch, CoordinatorClient* client,
+              const ResizeContext& context, Trainer* t, Trainer* current) {
+  auto comm = Connect(c, client);
+  if (!comm.ok()) {
+    (void)client->Abort(comm.status().ToString(), c.rank);
+    return Fail(c.rank, comm.status().ToString());
+  }
+  t->comm = *std::move(comm);
+  auto optimizer =
+      ShardedOptimizer::Create(model.NamedParameters(), OptimizerOptions(c), t->comm.get());
+  if (!optimizer.ok()) {
+    (void)client->Abort(optimizer.status().ToString(), c.rank);
+    return Fail(c.rank, optimizer.status().ToString());
+  }
+  t->opt = *std::move(optimizer);
+  if (c.overlap) {
+    // Each layer waits for its own parameters' all-gather (started by the
+    // previous Step()) just before its forward; the optimizer is the
+    // current epoch's.
+    model.set_layer_gate([current](torch::nn::Module& layer) {
+      absl::Status s = current->opt->WaitForParameters(layer);
+      if (!s.ok()) throw GatherFailure(std::move(s));
+    });
+  }
+  RankAgentOptions a = AgentOptions(c, batch);
+  a.start_step = context.step;
+  a.checkpoint_requests_done = context.checkpoint_requests_done;
+  a.lr_versions_done = context.lr_versions_done;
+  a.resize_requests_done = context.resize_requests_done;
+  auto agent = RankAgent::Start(client, t->opt.get(), std::move(a));
+  if (!agent.ok()) return Fail(c.rank, agent.status().ToString());
+  t->agent = *std::move(agent);
+  return -1;
+}
+
+// A live resize agreed after step `step` (docs/elastic.md): this rank's
+// state is snapshotted in memory; a rank that leaves waits until the new
+// epoch has loaded it and returns kLeftTheJob; the others form the new
+// epoch (communicator, optimizer, agent), load what they now own from the
+// snapshots and return -1 to train on. Else the exit status.
+int ResizeLive(Config& c, TrainModel& model, int64_t batch, CoordinatorClient* client, Trainer* t,
+               const ResizeOrder& order, int64_t step) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const int old_rank = c.rank, new_rank = order.NewRank(c.rank);
+  const ResizeContext context = t->agent->Context(step);
+  auto snap = StateSnapshot::Take(*t->opt, client, order, context, c.bind, c.token);
+  if (!snap.ok()) {
+    const std::string msg = t->agent->Diagnose(snap.status());
+    return t->agent->Fail(absl::StrCat("resizing to ", order.to_world, " ranks failed: ", msg),
+                          msg);
+  }
+  // The old epoch ends here for this rank (its agent leaves without Finish).
+  t->agent->Stop();
+  auto failed = [&](const std::string& what, const absl::Status& s) {
+    const std::string msg =
+        absl::StrCat("resizing to ", order.to_world, " ranks failed: ", what, ": ", s.message());
+    (void)client->Abort(msg, c.rank);
+    return Fail(c.rank, msg);
+  };
+  if (new_rank < 0) {
+    std::printf(
+        "shardopt_train: rank %d leaves the job after step %lld; its state (%.1f MiB) "
+        "waits for the remaining ranks\n",
+        old_rank, static_cast<long long>(step), (*snap)->bytes() / 1048576.0);
+    std::fflush(stdout);
+    absl::Status s = AwaitHandOver(client, order.epoch, c.collective_timeout);
+    if (!s.ok()) return failed("waiting for the remaining ranks to take its state", s);
+    std::printf("shardopt_train: rank %d left: %.1f MiB of its state was read by the others\n",
+                old_rank, (*snap)->bytes_served() / 1048576.0);
+    std::fflush(stdout);
+    return kLeftTheJob;
+  }
+  const Layout old_layout = t->opt->layout();
+  c.rank = new_rank;
+  c.world = order.to_world;
+  c.epoch = order.epoch;
+  auto source = FindSnapshots(client, order.epoch, c.collective_timeout);
+  if (!source.ok()) return failed("finding the snapshots", source.status());
+  Trainer next;
+  if (int rc = FormEpoch(c, model, batch, client, context, &next, t); rc >= 0) return rc;
+  auto loaded = LoadFromSnapshots(*next.opt, *source, c.token, snap->get());
+  if (!loaded.ok()) {
+    const std::string msg = next.agent->Diagnose(loaded.status());
+    return next.agent->Fail(absl::StrCat("resizing to ", order.to_world, " ranks failed: ", msg),
+                            msg);
+  }
+  // Every rank of the new epoch has loaded (the load ends with an agreement):
+  // the snapshots may go.
+  if (c.rank == 0) {
+    if (absl::Status s = AnnounceHandOver(client, order.epoch); !s.ok()) {
+      return next.agent->Fail(absl::StrCat("resize: ", s.message()));
+    }
+  }
+  std::array<float, 1> moved = {static_cast<float>(loaded->bytes_fetched / 1048576.0)};
+  absl::Status summed = next.comm->AllReduce(moved.data(), 1, DType::kFloat32, ReduceOp::kSum)
+                            ->Wait(c.collective_timeout);
+  if (!summed.ok()) {
+    const std::string msg = next.agent->Diagnose(summed);
+    return next.agent->Fail(absl::StrCat("after the resize: ", msg), msg);
+  }
+  const int64_t least = BytesChangingOwner(old_layout, next.opt->layout(), order.leave,
+                                           static_cast<int>(next.opt->state_names().size()));
+  const double snapshot_mib = (*snap)->bytes() / 1048576.0;
+  snap->reset();
+  // The old epoch's agent, optimizer and communicator go with `next`.
+  std::swap(t->comm, next.comm);
+  std::swap(t->opt, next.opt);
+  std::swap(t->agent, next.agent);
+  t->agent->Resumed(step);
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (c.rank == 0) {
+    std::printf(
+        "shardopt_train: resized %d -> %d ranks after step %lld in %.2f s (epoch %lld): moved "
+        "%.1f MiB between ranks (the slices that changed owner: %.1f MiB); snapshot %.1f "
+        "MiB on rank 0\n",
+        order.from_world, order.to_world, static_cast<long long>(step), secs,
+        static_cast<long long>(order.epoch), moved[0], least / 1048576.0, snapshot_mib);
+    std::fflush(stdout);
+  }
+  return -1;
 }
 
 // Under srun or a Kubernetes Indexed Job (no shardrun), rank 0's process
@@ -678,7 +851,6 @@ int Main(int argc, char** argv) {
   auto model = MakeModel(c.model_name, 42);
   if (!model.ok()) return Fail(c.rank, std::string(model.status().message()));
   const int64_t batch = c.has_batch ? c.batch_flag : (*model)->batch_per_rank();
-  const ShardedOptimizerOptions opt = OptimizerOptions(c);
   if (c.rank == 0) {
     std::printf(
         "shardopt_train: %d ranks, model %s, %s lr %g, batch %lld/rank, %lld steps; %s%s%s\n",
@@ -694,33 +866,53 @@ int Main(int argc, char** argv) {
   if (absl::Status s = client.WaitUntilReachable(c.collective_timeout); !s.ok()) {
     return Fail(c.rank, std::string(s.message()));
   }
-  auto comm = Connect(c, &client);
-  if (!comm.ok()) return Fail(c.rank, comm.status().ToString());
-  auto optimizer = ShardedOptimizer::Create((*model)->NamedParameters(), opt, comm->get());
-  if (!optimizer.ok()) {
-    (void)client.Abort(optimizer.status().ToString(), c.rank);
-    return Fail(c.rank, optimizer.status().ToString());
-  }
-  ShardedOptimizer* o = optimizer->get();
-  if (c.overlap) {
-    // Each layer waits for its own parameters' all-gather (started by the
-    // previous Step()) just before its forward.
-    (*model)->set_layer_gate([o](torch::nn::Module& layer) {
-      absl::Status s = o->WaitForParameters(layer);
-      if (!s.ok()) throw GatherFailure(std::move(s));
-    });
-  }
-  auto agent = RankAgent::Start(&client, o, AgentOptions(c, batch));
-  if (!agent.ok()) return Fail(c.rank, agent.status().ToString());
+  Trainer trainer;
   int64_t first_step = 0;
+  if (c.join_epoch > 0) {
+    // Started by shardrun to grow a running job: the state comes from the
+    // ranks already there.
+    auto source = FindSnapshots(&client, c.join_epoch, c.collective_timeout);
+    if (!source.ok()) {
+      return Fail(c.rank, absl::StrCat("cannot join epoch ", c.join_epoch, ": ",
+                                       source.status().message()));
+    }
+    if (int rc = FormEpoch(c, **model, batch, &client, source->context, &trainer, &trainer);
+        rc >= 0) {
+      return rc;
+    }
+    auto loaded = LoadFromSnapshots(*trainer.opt, *source, c.token, nullptr);
+    if (!loaded.ok()) {
+      const std::string msg = trainer.agent->Diagnose(loaded.status());
+      return trainer.agent->Fail(absl::StrCat("joining the job failed: ", msg), msg);
+    }
+    // (The ranks that stayed sum the bytes moved: the same all-reduce.)
+    std::array<float, 1> moved = {static_cast<float>(loaded->bytes_fetched / 1048576.0)};
+    absl::Status summed = trainer.comm->AllReduce(moved.data(), 1, DType::kFloat32, ReduceOp::kSum)
+                              ->Wait(c.collective_timeout);
+    if (!summed.ok()) {
+      const std::string msg = trainer.agent->Diagnose(summed);
+      return trainer.agent->Fail(absl::StrCat("after joining: ", msg), msg);
+    }
+    first_step = source->context.step;
+    trainer.agent->Resumed(first_step);
+    std::printf("shardopt_train: rank %d joined the job at step %lld (epoch %lld, %d ranks)\n",
+                c.rank, static_cast<long long>(first_step), static_cast<long long>(c.epoch),
+                c.world);
+    std::fflush(stdout);
+  } else if (int rc = FormEpoch(c, **model, batch, &client, ResizeContext(), &trainer, &trainer);
+             rc >= 0) {
+    return rc;
+  }
+  ShardedOptimizer* o = trainer.opt.get();
+  RankAgent* agent = trainer.agent.get();
   if (!c.resume.empty()) {
     auto resumed = Resume(c, o);
     if (!resumed.ok()) {
-      return (*agent)->Fail(absl::StrCat("cannot resume: ", resumed.status().ToString()),
-                            resumed.status().ToString());
+      return agent->Fail(absl::StrCat("cannot resume: ", resumed.status().ToString()),
+                         resumed.status().ToString());
     }
     first_step = *resumed;
-    (*agent)->Resumed(first_step);
+    agent->Resumed(first_step);
     if (c.restart > 0 && c.rank == 0) {
       auto reached = EnvInt("SHARDOPT_RESTART_STEP", -1, 0, kMaxSteps);
       if (reached.ok() && *reached >= first_step) {
@@ -733,21 +925,23 @@ int Main(int argc, char** argv) {
   }
   Advice advice;
   if (c.advise) {
-    auto link = MeasureLink(comm->get(), c.collective_timeout);
+    auto link = MeasureLink(trainer.comm.get(), c.collective_timeout);
     if (!link.ok()) {
-      return (*agent)->Fail(
+      return agent->Fail(
           absl::StrCat("--advise: measuring the link failed: ", link.status().message()));
     }
     advice.link = *link;
     advice.at_step = first_step + 3;
   }
   const auto t_start = std::chrono::steady_clock::now();
-  if (int rc = TrainLoop(c, **model, batch, o, agent->get(), first_step, &advice); rc >= 0) {
+  if (int rc = TrainLoop(c, **model, batch, &client, &trainer, first_step, &advice); rc >= 0) {
     return rc;
+  } else if (rc == kLeftTheJob) {
+    return 0;
   }
   const double total =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
-  return Conclude(c, o, agent->get(), first_step, total);
+  return Conclude(c, trainer.opt.get(), trainer.agent.get(), first_step, total);
 }
 
 }  // namespace

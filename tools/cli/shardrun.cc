@@ -15,6 +15,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -466,6 +467,7 @@ absl::Status StartCoordinator(const RunConfig& cfg, CoordinatorServers* servers)
   copt.slow_window = cfg.slow_window;
   copt.restarts = cfg.restart;
   copt.last_restart = cfg.last_restart;
+  copt.can_grow = cfg.nnodes == 1 && cfg.coordinator.empty();  // see RunOnce
   copt.on_event = [](const std::string& line) {
     std::lock_guard<std::mutex> l(g_out_mu);
     std::fprintf(stdout, "shardrun: %s\n", line.c_str());
@@ -583,13 +585,16 @@ std::vector<std::string> RankEnv(const RunConfig& cfg, int rank, int local,
 }
 
 // Starts this node's rank `local`, its output prefixed by a Pump thread.
+// join_epoch > 0: a rank that grows the running job (a live resize) to
+// cfg.world ranks, as rank `local` of it.
 absl::Status SpawnRank(const RunConfig& cfg, int local, const std::string& address,
-                       const std::string& master_port, Ranks* ranks) {
+                       const std::string& master_port, Ranks* ranks, int64_t join_epoch = 0) {
   Child c;
   c.rank = static_cast<int>(cfg.node_rank * cfg.nproc + local);
   int fds[2];
   if (pipe(fds) != 0) return absl::InternalError("pipe() failed");
-  const std::vector<std::string> env = RankEnv(cfg, c.rank, local, address, master_port);
+  std::vector<std::string> env = RankEnv(cfg, c.rank, local, address, master_port);
+  if (join_epoch > 0) env.push_back(absl::StrCat("SHARDOPT_JOIN_EPOCH=", join_epoch));
   const pid_t parent = getpid();
   const pid_t pid = fork();
   if (pid == 0) ExecRank(fds, parent, env, cfg.program);
@@ -608,10 +613,15 @@ absl::Status SpawnRank(const RunConfig& cfg, int local, const std::string& addre
 // naming the cause); SIGTERM after 3 s, SIGKILL after 8 s.
 class Supervisor {
  public:
-  Supervisor(Coordinator* coordinator, std::vector<Child>* children)
+  // `grow(from, to, epoch)`: starts ranks from..to-1 of a job growing to
+  // `to` ranks (a live resize the coordinator accepted); null: this
+  // shardrun cannot.
+  using Grow = std::function<absl::Status(int from, int to, int64_t epoch)>;
+  Supervisor(Coordinator* coordinator, std::vector<Child>* children, Grow grow = nullptr)
       : coordinator_(coordinator),
         children_(children),
-        remaining_(static_cast<int>(children->size())) {}
+        remaining_(static_cast<int>(children->size())),
+        grow_(std::move(grow)) {}
 
   // The ranks whose own exit failed the job (empty when the coordinator or
   // a signal stopped it).
@@ -631,6 +641,18 @@ class Supervisor {
       if (coordinator_ && !stopping_) {
         JobStatus j = coordinator_->GetJob();
         if (j.state == JobState::kFailed) StopAll(j.failure, false, j.failure_cause);
+        if (!stopping_ && grow_ && j.resize && j.resize->to_world > j.resize->from_world &&
+            j.resize->epoch > grown_epoch_) {
+          grown_epoch_ = j.resize->epoch;
+          const size_t before = children_->size();
+          absl::Status s = grow_(j.resize->from_world, j.resize->to_world, j.resize->epoch);
+          remaining_ += static_cast<int>(children_->size() - before);
+          if (!s.ok()) {
+            StopAll(absl::StrCat("starting the ranks of a resize to ", j.resize->to_world,
+                                 " failed: ", s.message()),
+                    true, AbortCause::kRequest);
+          }
+        }
       }
       SignalRemaining();
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
@@ -707,6 +729,8 @@ class Supervisor {
   Coordinator* const coordinator_;  // null when this node joined another's
   std::vector<Child>* const children_;
   int remaining_;
+  Grow grow_;
+  int64_t grown_epoch_ = 0;
   std::string failure_;
   std::vector<int> lost_;
   JobStatus at_failure_;
@@ -769,7 +793,29 @@ std::string RunOnce(const RunConfig& cfg, std::vector<int>* lost, JobStatus* at_
       return "";
     }
   }
-  Supervisor supervisor(servers.coordinator.get(), &ranks.children);
+  // A job on one node can grow: its shardrun starts the new ranks.
+  Supervisor::Grow grow;
+  if (cfg.nnodes == 1 && cfg.coordinator.empty()) {
+    grow = [&](int from, int to, int64_t epoch) -> absl::Status {
+      RunConfig grown = cfg;
+      grown.world = to;
+      grown.nproc = to;
+      {
+        std::lock_guard<std::mutex> l(g_out_mu);
+        std::printf("shardrun: starting rank%s %d%s to grow the job to %d ranks (epoch %lld)\n",
+                    to - from > 1 ? "s" : "", from,
+                    to - from > 1 ? absl::StrCat("..", to - 1).c_str() : "", to,
+                    static_cast<long long>(epoch));
+        std::fflush(stdout);
+      }
+      for (int r = from; r < to; ++r) {
+        absl::Status s = SpawnRank(grown, r, servers.address, master_port_str, &ranks, epoch);
+        if (!s.ok()) return s;
+      }
+      return absl::OkStatus();
+    };
+  }
+  Supervisor supervisor(servers.coordinator.get(), &ranks.children, grow);
   const std::string failure = supervisor.Run();
   ShutDown(&ranks, &servers);
   *lost = supervisor.lost();
@@ -818,7 +864,9 @@ int Main(int argc, char** argv) {
     std::optional<int> exit_status;
     const std::string failure = RunOnce(cfg, &lost, &at_failure, &exit_status);
     if (exit_status) return *exit_status;
-    // Restart with the ranks that did not fail by themselves.
+    // Restart with the ranks that did not fail by themselves (of as many
+    // as the job had then: a live resize may have changed it).
+    if (at_failure.world_size > 0) cfg.world = at_failure.world_size;
     const int survivors = cfg.world - static_cast<int>(lost.size());
     cfg.failed_step = 0;
     for (const RankState& r : at_failure.ranks) cfg.failed_step = std::max(cfg.failed_step, r.step);

@@ -1,0 +1,252 @@
+#include "client/resize.h"
+
+#include <grpcpp/grpcpp.h>
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <utility>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/synchronization/mutex.h"
+#include "common/status_macros.h"
+#include "proto/shardopt.grpc.pb.h"
+#include "server/rpc_server.h"
+#include "server/snapshot_service.h"
+
+namespace shardopt {
+namespace {
+
+constexpr char kRoot[] = "/snapshot";
+
+std::string Key(int64_t epoch, const std::string& what) {
+  return absl::StrCat("resize/", epoch, "/", what);
+}
+
+// Reads the old epoch's snapshots as one file system: the shard file of old
+// rank q from q's Snapshot service (from `local` when q is this rank's own),
+// everything else (the manifest, LATEST, directories) from old rank 0's.
+// Read-only.
+class RemoteSnapshotFileSystem : public FileSystem {
+ public:
+  RemoteSnapshotFileSystem(std::vector<std::string> addresses, std::string token,
+                           StateSnapshot* local)
+      : addresses_(std::move(addresses)), token_(std::move(token)), local_(local) {}
+
+  int64_t bytes_fetched() const { return fetched_; }
+  int64_t bytes_local() const { return local_bytes_; }
+
+  absl::Status ReadAt(const std::string& path, uint64_t offset, size_t n, void* out) override {
+    const int q = OwnerOf(path);
+    if (local_ != nullptr && q == local_->old_rank()) {
+      local_bytes_ += static_cast<int64_t>(n);
+      return local_->fs()->ReadAt(path, offset, n, out);
+    }
+    char* dst = static_cast<char*>(out);
+    while (n > 0) {
+      const size_t len = std::min<size_t>(n, kMaxSnapshotRead);
+      SHARDOPT_ASSIGN_OR_RETURN(v1::SnapshotReadResponse r, Call(q, path, offset, len));
+      if (r.data().size() != len) {
+        return absl::DataLossError(absl::StrCat("rank ", q, "'s snapshot of '", path,
+                                                "' answered ", r.data().size(), " bytes of ", len));
+      }
+      std::memcpy(dst, r.data().data(), len);
+      fetched_ += static_cast<int64_t>(len);
+      dst += len;
+      offset += len;
+      n -= len;
+    }
+    return absl::OkStatus();
+  }
+  absl::StatusOr<uint64_t> FileSize(const std::string& path) override {
+    const int q = OwnerOf(path);
+    if (local_ != nullptr && q == local_->old_rank()) return local_->fs()->FileSize(path);
+    SHARDOPT_ASSIGN_OR_RETURN(v1::SnapshotReadResponse r, Call(q, path, 0, 0));
+    if (r.is_directory()) return absl::FailedPreconditionError(path + " is a directory");
+    return r.file_size();
+  }
+  EntryKind Kind(const std::string& path) override {
+    const int q = OwnerOf(path);
+    if (local_ != nullptr && q == local_->old_rank()) return local_->fs()->Kind(path);
+    auto r = Call(q, path, 0, 0);
+    if (!r.ok()) return EntryKind::kMissing;
+    return r->is_directory() ? EntryKind::kDirectory : EntryKind::kFile;
+  }
+  bool Exists(const std::string& path) override { return Kind(path) != EntryKind::kMissing; }
+
+  absl::StatusOr<std::unique_ptr<WritableFile>> NewWritableFile(const std::string&) override {
+    return ReadOnly();
+  }
+  absl::Status Rename(const std::string&, const std::string&) override { return ReadOnly(); }
+  absl::Status SyncDir(const std::string&) override { return ReadOnly(); }
+  absl::Status MakeDirs(const std::string&) override { return ReadOnly(); }
+  absl::StatusOr<std::vector<std::string>> ListDir(const std::string&) override {
+    return ReadOnly();
+  }
+  absl::Status Remove(const std::string&) override { return ReadOnly(); }
+  absl::Status RemoveDir(const std::string&) override { return ReadOnly(); }
+
+ private:
+  static absl::Status ReadOnly() {
+    return absl::UnimplementedError("the snapshots of a resize are read-only");
+  }
+  // The old rank whose snapshot holds `path`: q for ".../shard-q-of-N.safetensors", else 0.
+  int OwnerOf(const std::string& path) const {
+    const std::string base = path.substr(path.rfind('/') + 1);
+    int q = 0;
+    if (absl::StartsWith(base, "shard-")) {
+      std::vector<std::string> parts = absl::StrSplit(base.substr(6), "-of-");
+      if (parts.size() == 2 && absl::SimpleAtoi(parts[0], &q) && q >= 0 &&
+          q < static_cast<int>(addresses_.size())) {
+        return q;
+      }
+      return 0;
+    }
+    return 0;
+  }
+  v1::Snapshot::Stub* Stub(int q) {
+    absl::MutexLock lock(&mu_);
+    auto& s = stubs_[q];
+    if (!s) {
+      grpc::ChannelArguments args;
+      args.SetMaxReceiveMessageSize(static_cast<int>(kMaxSnapshotRead) + (1 << 20));
+      s = v1::Snapshot::NewStub(grpc::CreateCustomChannel(
+          addresses_[q], grpc::InsecureChannelCredentials(), args));
+    }
+    return s.get();
+  }
+  absl::StatusOr<v1::SnapshotReadResponse> Call(int q, const std::string& path, uint64_t offset,
+                                                uint64_t length) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+    if (!token_.empty()) ctx.AddMetadata("authorization", "Bearer " + token_);
+    v1::SnapshotReadRequest req;
+    req.set_path(path);
+    req.set_offset(offset);
+    req.set_length(length);
+    v1::SnapshotReadResponse resp;
+    grpc::Status s = Stub(q)->Read(&ctx, req, &resp);
+    if (!s.ok()) {
+      return FromGrpc(s, absl::StrCat("reading rank ", q, "'s snapshot at ", addresses_[q]));
+    }
+    return resp;
+  }
+
+  const std::vector<std::string> addresses_;
+  const std::string token_;
+  StateSnapshot* const local_;
+  int64_t fetched_ = 0;
+  int64_t local_bytes_ = 0;
+  absl::Mutex mu_;
+  std::map<int, std::unique_ptr<v1::Snapshot::Stub>> stubs_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<StateSnapshot>> StateSnapshot::Take(
+    ShardedOptimizer& opt, CoordinatorApi* client, const ResizeOrder& order,
+    const ResizeContext& context, const std::string& host, const std::string& token) {
+  std::unique_ptr<StateSnapshot> snap(new StateSnapshot());
+  snap->old_rank_ = opt.communicator()->rank();
+  CheckpointOptions copt;
+  copt.fs = &snap->fs_;
+  auto saved = SaveCheckpoint(opt, kRoot, copt);
+  if (!saved.ok()) {
+    return absl::Status(saved.status().code(),
+                        absl::StrCat("saving the state in memory: ", saved.status().message()));
+  }
+  snap->service_ = std::make_unique<SnapshotService>(&snap->fs_, token);
+  RpcServerOptions sopt;
+  sopt.address = host + ":0";
+  sopt.reflection = false;
+  auto server = RpcServer::Start(sopt, {snap->service_.get()});
+  if (!server.ok()) return server.status();
+  snap->server_ = *std::move(server);
+  if (snap->old_rank_ == 0) {
+    SHARDOPT_RETURN_IF_ERROR(client->KvSet(
+        Key(order.epoch, "context"),
+        absl::StrCat(context.step, " ", context.from_world, " ", context.checkpoint_requests_done,
+                     " ", context.lr_versions_done, " ", context.resize_requests_done)));
+  }
+  SHARDOPT_RETURN_IF_ERROR(client->KvSet(Key(order.epoch, absl::StrCat("snapshot/", snap->old_rank_)),
+                                         snap->address()));
+  return snap;
+}
+
+StateSnapshot::~StateSnapshot() {
+  if (server_) server_->Shutdown(absl::Seconds(1));
+}
+
+int64_t StateSnapshot::bytes_served() const { return service_ ? service_->bytes_served() : 0; }
+
+std::string StateSnapshot::address() const {
+  const std::string a = server_->address();
+  // host:port as the others reach it (the server reports what it bound).
+  return a;
+}
+
+absl::StatusOr<SnapshotSource> FindSnapshots(CoordinatorApi* client, int64_t epoch,
+                                             absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  SnapshotSource src;
+  src.epoch = epoch;
+  SHARDOPT_ASSIGN_OR_RETURN(std::string ctx, client->KvGet(Key(epoch, "context"), timeout));
+  std::vector<std::string> f = absl::StrSplit(ctx, ' ');
+  ResizeContext& c = src.context;
+  if (f.size() != 5 || !absl::SimpleAtoi(f[0], &c.step) || !absl::SimpleAtoi(f[1], &c.from_world) ||
+      !absl::SimpleAtoi(f[2], &c.checkpoint_requests_done) ||
+      !absl::SimpleAtoi(f[3], &c.lr_versions_done) ||
+      !absl::SimpleAtoi(f[4], &c.resize_requests_done) || c.from_world < 1 || c.step < 0) {
+    return absl::DataLossError(absl::StrCat("malformed resize context '", ctx, "'"));
+  }
+  for (int q = 0; q < c.from_world; ++q) {
+    SHARDOPT_ASSIGN_OR_RETURN(
+        std::string a, client->KvGet(Key(epoch, absl::StrCat("snapshot/", q)),
+                                     std::max(absl::Seconds(1), deadline - absl::Now())));
+    src.addresses.push_back(std::move(a));
+  }
+  return src;
+}
+
+absl::StatusOr<SnapshotLoad> LoadFromSnapshots(ShardedOptimizer& new_opt,
+                                               const SnapshotSource& source,
+                                               const std::string& token, StateSnapshot* local) {
+  RemoteSnapshotFileSystem fs(source.addresses, token, local);
+  SnapshotLoad out;
+  auto info = LoadCheckpoint(new_opt, absl::StrCat(kRoot, "/step-", source.context.step), &fs,
+                             /*whole_files=*/false);
+  if (!info.ok()) return info.status();
+  out.info = *std::move(info);
+  out.bytes_fetched = fs.bytes_fetched();
+  out.bytes_local = fs.bytes_local();
+  return out;
+}
+
+absl::Status AnnounceHandOver(CoordinatorApi* client, int64_t epoch) {
+  return client->KvSet(Key(epoch, "loaded"), "1");
+}
+
+absl::Status AwaitHandOver(CoordinatorApi* client, int64_t epoch, absl::Duration timeout) {
+  return client->KvGet(Key(epoch, "loaded"), timeout).status();
+}
+
+int64_t BytesChangingOwner(const Layout& from, const Layout& to, const std::vector<int>& leave,
+                           int num_states) {
+  // Per parameter: the element runs of each old owner, by its new rank.
+  std::vector<std::vector<Piece>> old_runs(from.params().size());
+  for (const Piece& p : from.AllPieces()) old_runs[p.param].push_back(p);
+  int64_t elements = 0;
+  for (const Piece& np : to.AllPieces()) {
+    const int64_t lo = np.param_offset, hi = np.param_offset + np.length;
+    for (const Piece& op : old_runs[np.param]) {
+      const int64_t a = std::max(lo, op.param_offset), b = std::min(hi, op.param_offset + op.length);
+      if (a < b && RankAfterResize(op.rank, leave) != np.rank) elements += b - a;
+    }
+  }
+  return elements * 4 * num_states;
+}
+
+}  // namespace shardopt

@@ -1,0 +1,134 @@
+// Live resize of a running job (docs/elastic.md): the optimizer state moves
+// from the ranks of one membership epoch to those of the next, directly
+// between ranks and only where its owner changes, without the disk.
+//
+// At the step boundary the ranks agreed on (RankAgent's AgreedStep::resize):
+//
+//   old epoch, every rank    StateSnapshot::Take    (collective, old communicator)
+//   new epoch, every rank    FindSnapshots, then LoadFromSnapshots
+//                            (collective, new communicator and optimizer)
+//   new rank 0               AnnounceHandOver
+//   leaving ranks            AwaitHandOver, then exit
+//
+// Take saves the rank's owned state as a sharded checkpoint (the format of
+// client/checkpoint/checkpoint.h) into memory and serves its files (service
+// Snapshot, server/snapshot_service.h). LoadFromSnapshots is LoadCheckpoint
+// reading those files by byte range: every rank of the new epoch reads
+// exactly the ranges it now owns, its own old shard from its own memory and
+// the rest from the rank that held it, each block checked against its
+// CRC32C. So a live resize restores what a checkpoint saved at that step and
+// resumed at the new size restores, bit for bit, by construction.
+#ifndef SHARDOPT_CLIENT_RESIZE_H_
+#define SHARDOPT_CLIENT_RESIZE_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "client/checkpoint/checkpoint.h"
+#include "client/coordinator_client.h"
+#include "client/sharded_optimizer.h"
+#include "common/layout.h"
+#include "common/membership.h"
+#include "common/memory_file_system.h"
+
+namespace shardopt {
+
+class RpcServer;
+class SnapshotService;
+
+// A resize every rank agreed to make at the end of a step.
+struct ResizeOrder {
+  int64_t request = 0;
+  int64_t epoch = 0;  // the membership epoch moved to
+  int from_world = 0;
+  int to_world = 0;
+  std::vector<int> leave;  // old ranks that leave (sorted)
+  // Rank in the new epoch of `old_rank` (-1: it leaves).
+  int NewRank(int old_rank) const { return RankAfterResize(old_rank, leave); }
+};
+
+// What the old epoch's rank 0 publishes besides the snapshots: the step, and
+// the control requests already acted on (so that the new epoch's agents do
+// not act on them again).
+struct ResizeContext {
+  int64_t step = 0;
+  int from_world = 0;
+  int64_t checkpoint_requests_done = 0;
+  int64_t lr_versions_done = 0;
+  int64_t resize_requests_done = 0;
+};
+
+// One rank's optimizer state in memory, served to the next epoch.
+class StateSnapshot {
+ public:
+  // Collective over opt's communicator (every rank of the old epoch): saves
+  // this rank's owned state at opt.step_count() into memory, serves it on
+  // `host` (a port chosen by the OS; `token` required when non-empty) and
+  // publishes its address in the coordinator's store; rank 0 publishes
+  // `context` too.
+  static absl::StatusOr<std::unique_ptr<StateSnapshot>> Take(ShardedOptimizer& opt,
+                                                             CoordinatorApi* client,
+                                                             const ResizeOrder& order,
+                                                             const ResizeContext& context,
+                                                             const std::string& host,
+                                                             const std::string& token);
+  ~StateSnapshot();  // stops serving
+  StateSnapshot(const StateSnapshot&) = delete;
+  StateSnapshot& operator=(const StateSnapshot&) = delete;
+
+  int old_rank() const { return old_rank_; }
+  MemoryFileSystem* fs() { return &fs_; }
+  int64_t bytes() const { return fs_.bytes(); }
+  // Bytes of its files read by other ranks so far.
+  int64_t bytes_served() const;
+  std::string address() const;
+
+ private:
+  StateSnapshot() = default;
+  int old_rank_ = 0;
+  MemoryFileSystem fs_;
+  std::unique_ptr<SnapshotService> service_;
+  std::unique_ptr<RpcServer> server_;
+};
+
+// Where the old epoch's snapshots are.
+struct SnapshotSource {
+  int64_t epoch = 0;
+  ResizeContext context;
+  std::vector<std::string> addresses;  // per old rank
+};
+// Waits (up to `timeout`) for every old rank's snapshot to be published.
+absl::StatusOr<SnapshotSource> FindSnapshots(CoordinatorApi* client, int64_t epoch,
+                                             absl::Duration timeout);
+
+struct SnapshotLoad {
+  RestoredCheckpoint info;
+  int64_t bytes_fetched = 0;  // read from other ranks' snapshots
+  int64_t bytes_local = 0;    // read from this rank's own
+};
+// Collective over new_opt's communicator (every rank of the new epoch):
+// restores the state of the snapshots' step as LoadCheckpoint restores a
+// checkpoint, reading each range from the rank that holds it (`local`: this
+// rank's own snapshot, null for a rank that joined).
+absl::StatusOr<SnapshotLoad> LoadFromSnapshots(ShardedOptimizer& new_opt,
+                                               const SnapshotSource& source,
+                                               const std::string& token, StateSnapshot* local);
+
+// Once the new epoch has loaded (new rank 0): the leaving ranks may go.
+absl::Status AnnounceHandOver(CoordinatorApi* client, int64_t epoch);
+// A leaving rank: waits for that, up to `timeout`.
+absl::Status AwaitHandOver(CoordinatorApi* client, int64_t epoch, absl::Duration timeout);
+
+// Bytes of optimizer state (fp32 parameter copies and `num_states` - 1
+// states per element) whose owner changes from `from` to `to` when the old
+// ranks `leave` go: the least that any resize must move between ranks.
+int64_t BytesChangingOwner(const Layout& from, const Layout& to, const std::vector<int>& leave,
+                           int num_states);
+
+}  // namespace shardopt
+
+#endif  // SHARDOPT_CLIENT_RESIZE_H_
