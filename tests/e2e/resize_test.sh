@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# Live resize (docs/elastic.md): a running shardopt_train job grows from 2 to
+# 3 ranks (shardctl resize; shardrun starts the new rank, which takes its
+# state from the others) and then shrinks back to 2 (shardctl drain of a
+# middle rank, which hands its state over and leaves), without a restart.
+# Its final parameters and optimizer state equal, bit for bit, those of runs
+# that checkpointed at the same steps and resumed at the new size. Then the
+# refusals: a resize to the same size, a drain of a rank that does not
+# exist, a grow where no launcher can start ranks.
+set -uo pipefail
+source tests/testing/lib.sh || exit 1  # (tests run from the workspace root)
+B=tools
+tmp=$(mktemp -d)
+trap 'kill $(jobs -p) 2>/dev/null; wait 2>/dev/null; rm -rf "$tmp"' EXIT
+
+steps=300
+train=(--model=small --batch=64 --log-every=50)
+# (rank 0 sleeps 20 ms a step so that the resizes land mid-run; numerics unchanged)
+timeout 240 $B/shardrun --nproc 2 --port-file="$tmp/addr" --job-id=resize \
+  --metrics-port=0 --metrics-port-file="$tmp/maddr" -- \
+  $B/shardopt_train "${train[@]}" --steps=$steps --debug-slow-rank=0 --debug-slow-ms=20 --ckpt-dir="$tmp/ck" \
+  >"$tmp/run.log" 2>&1 &
+run=$!
+check "job starts" wait_file "$tmp/addr" 60
+addr=$(cat "$tmp/addr")
+check "it trains past step 30" wait_until 60 "step 30" job_past_step "$addr" 30
+timeout 90 $B/shardctl --coordinator="$addr" resize --ranks=3 --wait=60 >"$tmp/grow.log" 2>&1
+check "shardctl resize --ranks=3 completes (exit $?)" test $? -eq 0
+cat "$tmp/grow.log"
+s1=$(sed -n 's/^epoch 1 at step \([0-9]*\): 2 -> 3 ranks (joined: 2) in .*/\1/p' "$tmp/grow.log")
+check "it says at which step rank 2 joined ($s1)" test -n "$s1"
+check "the job trains on at 3 ranks past step $((s1 + 30))" \
+  wait_until 60 "step $((s1 + 30))" job_past_step "$addr" $((s1 + 30))
+timeout 30 $B/shardctl --coordinator="$addr" status >"$tmp/status.log" 2>&1
+/usr/bin/python3 -c 'import sys, urllib.request; print(urllib.request.urlopen("http://" + open(sys.argv[1]).read().strip() + "/metrics", timeout=10).read().decode())' \
+  "$tmp/maddr" >"$tmp/metrics.log" 2>&1
+timeout 90 $B/shardctl --coordinator="$addr" drain --rank=1 --wait=60 >"$tmp/drain.log" 2>&1
+check "shardctl drain --rank=1 completes (exit $?)" test $? -eq 0
+cat "$tmp/drain.log"
+s2=$(sed -n 's/^epoch 2 at step \([0-9]*\): 3 -> 2 ranks (left: 1) in .*/\1/p' "$tmp/drain.log")
+check "it says at which step rank 1 left ($s2)" test -n "$s2"
+wait $run
+check "the job finishes (exit $?)" test $? -eq 0
+check "shardrun started rank 2 for the grow" \
+  grep -q "shardrun: starting rank 2 to grow the job to 3 ranks (epoch 1)" "$tmp/run.log"
+check "rank 2 joined at step $s1" grep -q "rank 2 joined the job at step $s1 (epoch 1, 3 ranks)" \
+  "$tmp/run.log"
+check "rank 0 says what the grow moved" \
+  grep -q "resized 2 -> 3 ranks after step $s1 in [0-9.]* s (epoch 1): moved" "$tmp/run.log"
+check "rank 1 left after step $s2" grep -q "rank 1 leaves the job after step $s2" "$tmp/run.log"
+check "rank 0 says what the drain moved" \
+  grep -q "resized 3 -> 2 ranks after step $s2 in [0-9.]* s (epoch 2)" "$tmp/run.log"
+check "shardctl status showed the membership" \
+  grep -q "^membership: epoch 1; last change at step $s1: 2 -> 3 ranks, joined: 2" "$tmp/status.log"
+check "... and 3 ranks" grep -q "finished\|running, 3 ranks" "$tmp/status.log"
+check "/metrics showed the epoch" grep -q "^shardopt_job_membership_epoch 1" "$tmp/metrics.log"
+
+# The same by hand, through checkpoints: 2 ranks to s1, 3 ranks to s2, 2 to the end.
+timeout 120 $B/shardrun --nproc 2 -- $B/shardopt_train "${train[@]}" --steps=$s1 \
+  --ckpt-dir="$tmp/ref" >"$tmp/ref1.log" 2>&1
+check "reference: 2 ranks to step $s1" test $? -eq 0
+timeout 120 $B/shardrun --nproc 3 -- $B/shardopt_train "${train[@]}" --steps=$s2 \
+  --resume="$tmp/ref/step-$s1" --ckpt-dir="$tmp/ref" >"$tmp/ref2.log" 2>&1
+check "reference: resumed at 3 ranks to step $s2" test $? -eq 0
+timeout 120 $B/shardrun --nproc 2 -- $B/shardopt_train "${train[@]}" --steps=$steps \
+  --resume="$tmp/ref/step-$s2" --ckpt-dir="$tmp/ref" >"$tmp/ref3.log" 2>&1
+check "reference: resumed at 2 ranks to the end" test $? -eq 0
+$B/shardctl consolidate "$tmp/ck/step-$steps" "$tmp/live.st" >/dev/null 2>&1
+$B/shardctl consolidate "$tmp/ref/step-$steps" "$tmp/ref.st" >/dev/null 2>&1
+check "parameters and optimizer state equal the checkpoint-and-resume runs' bit for bit" \
+  cmp "$tmp/live.st" "$tmp/ref.st"
+
+# Refusals.
+timeout 120 $B/shardrun --nproc 2 --port-file="$tmp/addr2" --job-id=refuse -- \
+  $B/shardopt_train --model=small --batch=64 --steps=100000 --log-every=1000 >"$tmp/refuse.log" 2>&1 &
+run=$!
+check "second job starts" wait_file "$tmp/addr2" 60
+addr2=$(cat "$tmp/addr2")
+check "... trains" wait_until 60 "step 5" job_past_step "$addr2" 5
+refused() {  # refused NAME TEXT ARGS...
+  local name=$1 text=$2
+  shift 2
+  timeout 30 $B/shardctl --coordinator="$addr2" "$@" >"$tmp/refused.log" 2>&1
+  local rc=$?
+  check "$name refused (exit $rc)" test $rc -ne 0
+  check "$name: says $text" grep -q -- "$text" "$tmp/refused.log"
+}
+refused "resize to the same size" "the job has 2 ranks already" resize --ranks=2
+refused "drain of rank 5" "the job has 2 ranks" drain --rank=5
+refused "resize without --ranks" "usage: shardctl resize" resize
+refused "--ranks=0" "--ranks" resize --ranks=0
+timeout 30 $B/shardctl --coordinator="$addr2" abort "done" >/dev/null 2>&1
+wait $run
+
+if [[ $fails -ne 0 ]]; then
+  for f in "$tmp"/*.log; do echo "--- $f"; grep -v '^\(\[rank [0-9]*\] \)\?\[#' "$f" | tail -n 12; done
+  exit 1
+fi
