@@ -50,8 +50,8 @@ class RemoteSnapshotFileSystem : public FileSystem {
       const size_t len = std::min<size_t>(n, kMaxSnapshotRead);
       SHARDOPT_ASSIGN_OR_RETURN(v1::SnapshotReadResponse r, Call(q, path, offset, len));
       if (r.data().size() != len) {
-        return absl::DataLossError(absl::StrCat("rank ", q, "'s snapshot of '", path,
-                                                "' answered ", r.data().size(), " bytes of ", len));
+        return absl::DataLossError(absl::StrCat("rank ", q, "'s snapshot of '", path, "' answered ",
+                                                r.data().size(), " bytes of ", len));
       }
       std::memcpy(dst, r.data().data(), len);
       fetched_ += static_cast<int64_t>(len);
@@ -113,8 +113,8 @@ class RemoteSnapshotFileSystem : public FileSystem {
     if (!s) {
       grpc::ChannelArguments args;
       args.SetMaxReceiveMessageSize(static_cast<int>(kMaxSnapshotRead) + (1 << 20));
-      s = v1::Snapshot::NewStub(grpc::CreateCustomChannel(
-          addresses_[q], grpc::InsecureChannelCredentials(), args));
+      s = v1::Snapshot::NewStub(
+          grpc::CreateCustomChannel(addresses_[q], grpc::InsecureChannelCredentials(), args));
     }
     return s.get();
   }
@@ -153,6 +153,9 @@ absl::StatusOr<std::unique_ptr<StateSnapshot>> StateSnapshot::Take(
   snap->old_rank_ = opt.communicator()->rank();
   CheckpointOptions copt;
   copt.fs = &snap->fs_;
+  // Each range a new owner reads is read in whole CRC blocks: small ones
+  // keep that close to the bytes that change owner.
+  copt.block_bytes = 64 << 10;
   auto saved = SaveCheckpoint(opt, kRoot, copt);
   if (!saved.ok()) {
     return absl::Status(saved.status().code(),
@@ -171,8 +174,8 @@ absl::StatusOr<std::unique_ptr<StateSnapshot>> StateSnapshot::Take(
         absl::StrCat(context.step, " ", context.from_world, " ", context.checkpoint_requests_done,
                      " ", context.lr_versions_done, " ", context.resize_requests_done)));
   }
-  SHARDOPT_RETURN_IF_ERROR(client->KvSet(Key(order.epoch, absl::StrCat("snapshot/", snap->old_rank_)),
-                                         snap->address()));
+  SHARDOPT_RETURN_IF_ERROR(
+      client->KvSet(Key(order.epoch, absl::StrCat("snapshot/", snap->old_rank_)), snap->address()));
   return snap;
 }
 
@@ -203,9 +206,9 @@ absl::StatusOr<SnapshotSource> FindSnapshots(CoordinatorApi* client, int64_t epo
     return absl::DataLossError(absl::StrCat("malformed resize context '", ctx, "'"));
   }
   for (int q = 0; q < c.from_world; ++q) {
-    SHARDOPT_ASSIGN_OR_RETURN(
-        std::string a, client->KvGet(Key(epoch, absl::StrCat("snapshot/", q)),
-                                     std::max(absl::Seconds(1), deadline - absl::Now())));
+    SHARDOPT_ASSIGN_OR_RETURN(std::string a,
+                              client->KvGet(Key(epoch, absl::StrCat("snapshot/", q)),
+                                            std::max(absl::Seconds(1), deadline - absl::Now())));
     src.addresses.push_back(std::move(a));
   }
   return src;
@@ -242,7 +245,8 @@ int64_t BytesChangingOwner(const Layout& from, const Layout& to, const std::vect
   for (const Piece& np : to.AllPieces()) {
     const int64_t lo = np.param_offset, hi = np.param_offset + np.length;
     for (const Piece& op : old_runs[np.param]) {
-      const int64_t a = std::max(lo, op.param_offset), b = std::min(hi, op.param_offset + op.length);
+      const int64_t a = std::max(lo, op.param_offset),
+                    b = std::min(hi, op.param_offset + op.length);
       if (a < b && RankAfterResize(op.rank, leave) != np.rank) elements += b - a;
     }
   }

@@ -70,12 +70,9 @@ class StateSnapshot {
   // `host` (a port chosen by the OS; `token` required when non-empty) and
   // publishes its address in the coordinator's store; rank 0 publishes
   // `context` too.
-  static absl::StatusOr<std::unique_ptr<StateSnapshot>> Take(ShardedOptimizer& opt,
-                                                             CoordinatorApi* client,
-                                                             const ResizeOrder& order,
-                                                             const ResizeContext& context,
-                                                             const std::string& host,
-                                                             const std::string& token);
+  static absl::StatusOr<std::unique_ptr<StateSnapshot>> Take(
+      ShardedOptimizer& opt, CoordinatorApi* client, const ResizeOrder& order,
+      const ResizeContext& context, const std::string& host, const std::string& token);
   ~StateSnapshot();  // stops serving
   StateSnapshot(const StateSnapshot&) = delete;
   StateSnapshot& operator=(const StateSnapshot&) = delete;
@@ -123,9 +120,9 @@ absl::Status AnnounceHandOver(CoordinatorApi* client, int64_t epoch);
 // A leaving rank: waits for that, up to `timeout`.
 absl::Status AwaitHandOver(CoordinatorApi* client, int64_t epoch, absl::Duration timeout);
 
-// Bytes of optimizer state (fp32 parameter copies and `num_states` - 1
-// states per element) whose owner changes from `from` to `to` when the old
-// ranks `leave` go: the least that any resize must move between ranks.
+// Bytes of optimizer state (`num_states` fp32 arrays per element: the
+// parameter copy and each state, as a checkpoint saves them) whose owner changes from `from` to
+// `to` when the old ranks `leave` go: the least that any resize must move between ranks.
 int64_t BytesChangingOwner(const Layout& from, const Layout& to, const std::vector<int>& leave,
                            int num_states);
 

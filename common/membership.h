@@ -3,6 +3,8 @@
 #ifndef SHARDOPT_COMMON_MEMBERSHIP_H_
 #define SHARDOPT_COMMON_MEMBERSHIP_H_
 
+#include <cstdint>
+#include <string>
 #include <vector>
 
 namespace shardopt {
@@ -16,6 +18,14 @@ inline int RankAfterResize(int old_rank, const std::vector<int>& leave) {
     if (l < old_rank) ++below;
   }
   return old_rank - below;
+}
+
+// The key a rank started to grow a job sets in the coordinator's store once
+// it is ready to join epoch `epoch` as rank `rank` (its process and model are
+// up): the coordinator announces the resize to the job's ranks only when
+// every new rank has, so that they train on while the new processes start.
+inline std::string ResizeReadyKey(int64_t epoch, int rank) {
+  return "resize/" + std::to_string(epoch) + "/ready/" + std::to_string(rank);
 }
 
 }  // namespace shardopt

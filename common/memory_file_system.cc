@@ -1,5 +1,6 @@
 #include "common/memory_file_system.h"
 
+#include <algorithm>
 #include <cstring>
 #include <utility>
 
@@ -12,10 +13,10 @@ namespace {
 class MemoryWritableFile : public WritableFile {
  public:
   MemoryWritableFile(MemoryFileSystem* fs, std::string path)
-      : fs_(fs), path_(std::move(path)), data_(std::make_shared<std::string>()) {}
+      : fs_(fs), path_(std::move(path)), data_(std::make_shared<MemoryFileSystem::Blob>()) {}
   absl::Status Append(const void* data, size_t n) override {
     if (closed_) return absl::FailedPreconditionError("file is closed");
-    data_->append(static_cast<const char*>(data), n);
+    data_->Append(static_cast<const char*>(data), n);
     return absl::OkStatus();
   }
   absl::Status Sync() override { return absl::OkStatus(); }
@@ -28,11 +29,35 @@ class MemoryWritableFile : public WritableFile {
  private:
   MemoryFileSystem* fs_;
   std::string path_;
-  std::shared_ptr<std::string> data_;
+  std::shared_ptr<MemoryFileSystem::Blob> data_;
   bool closed_ = false;
 };
 
 }  // namespace
+
+void MemoryFileSystem::Blob::Append(const char* data, size_t n) {
+  while (n > 0) {
+    const size_t used = size % kChunkBytes;
+    if (used == 0) chunks.push_back(std::unique_ptr<char[]>(new char[kChunkBytes]));
+    const size_t len = std::min(n, kChunkBytes - used);
+    std::memcpy(chunks.back().get() + used, data, len);
+    data += len;
+    n -= len;
+    size += len;
+  }
+}
+
+void MemoryFileSystem::Blob::Read(uint64_t offset, size_t n, char* out) const {
+  while (n > 0) {
+    const size_t chunk = static_cast<size_t>(offset / kChunkBytes);
+    const size_t at = static_cast<size_t>(offset % kChunkBytes);
+    const size_t len = std::min(n, kChunkBytes - at);
+    std::memcpy(out, chunks[chunk].get() + at, len);
+    out += len;
+    offset += len;
+    n -= len;
+  }
+}
 
 std::string MemoryFileSystem::Normalize(const std::string& path) {
   std::string out;
@@ -54,7 +79,7 @@ bool MemoryFileSystem::DirExistsLocked(const std::string& dir) const {
   return dir.empty() || dir == "/" || dir == "." || dirs_.count(dir) > 0;
 }
 
-void MemoryFileSystem::Publish(const std::string& path, std::shared_ptr<std::string> data) {
+void MemoryFileSystem::Publish(const std::string& path, std::shared_ptr<Blob> data) {
   absl::MutexLock lock(&mu_);
   files_[path] = std::move(data);
 }
@@ -66,25 +91,26 @@ absl::StatusOr<std::unique_ptr<WritableFile>> MemoryFileSystem::NewWritableFile(
   if (!DirExistsLocked(ParentOf(p))) {
     return absl::NotFoundError(absl::StrCat("'", path, "': no such directory"));
   }
-  if (dirs_.count(p)) return absl::FailedPreconditionError(absl::StrCat("'", path, "' is a directory"));
-  files_[p] = std::make_shared<const std::string>();
+  if (dirs_.count(p))
+    return absl::FailedPreconditionError(absl::StrCat("'", path, "' is a directory"));
+  files_[p] = std::make_shared<const Blob>();
   return std::unique_ptr<WritableFile>(std::make_unique<MemoryWritableFile>(this, p));
 }
 
 absl::Status MemoryFileSystem::ReadAt(const std::string& path, uint64_t offset, size_t n,
                                       void* out) {
-  std::shared_ptr<const std::string> data;
+  std::shared_ptr<const Blob> data;
   {
     absl::MutexLock lock(&mu_);
     auto it = files_.find(Normalize(path));
     if (it == files_.end()) return absl::NotFoundError(absl::StrCat("'", path, "': no such file"));
     data = it->second;
   }
-  if (offset > data->size() || n > data->size() - offset) {
-    return absl::DataLossError(absl::StrCat("'", path, "' is ", data->size(),
-                                            " bytes: cannot read ", n, " at ", offset));
+  if (offset > data->size || n > data->size - offset) {
+    return absl::DataLossError(
+        absl::StrCat("'", path, "' is ", data->size, " bytes: cannot read ", n, " at ", offset));
   }
-  if (n > 0) std::memcpy(out, data->data() + offset, n);
+  data->Read(offset, n, static_cast<char*>(out));
   return absl::OkStatus();
 }
 
@@ -94,7 +120,7 @@ absl::StatusOr<uint64_t> MemoryFileSystem::FileSize(const std::string& path) {
   if (it == files_.end()) {
     return absl::FailedPreconditionError(absl::StrCat("'", path, "' is not a regular file"));
   }
-  return it->second->size();
+  return it->second->size;
 }
 
 EntryKind MemoryFileSystem::Kind(const std::string& path) {
@@ -134,7 +160,8 @@ absl::Status MemoryFileSystem::MakeDirs(const std::string& dir) {
 absl::StatusOr<std::vector<std::string>> MemoryFileSystem::ListDir(const std::string& dir) {
   const std::string d = Normalize(dir);
   absl::MutexLock lock(&mu_);
-  if (!DirExistsLocked(d)) return absl::NotFoundError(absl::StrCat("'", dir, "': no such directory"));
+  if (!DirExistsLocked(d))
+    return absl::NotFoundError(absl::StrCat("'", dir, "': no such directory"));
   const std::string prefix = d == "/" ? "/" : d + "/";
   std::vector<std::string> out;
   auto child = [&](const std::string& p) {
@@ -169,14 +196,15 @@ absl::Status MemoryFileSystem::RemoveDir(const std::string& dir) {
       return absl::FailedPreconditionError(absl::StrCat("'", dir, "' is not empty"));
     }
   }
-  if (dirs_.erase(d) == 0) return absl::NotFoundError(absl::StrCat("'", dir, "': no such directory"));
+  if (dirs_.erase(d) == 0)
+    return absl::NotFoundError(absl::StrCat("'", dir, "': no such directory"));
   return absl::OkStatus();
 }
 
 int64_t MemoryFileSystem::bytes() const {
   absl::MutexLock lock(&mu_);
   int64_t n = 0;
-  for (const auto& [p, data] : files_) n += static_cast<int64_t>(data->size());
+  for (const auto& [p, data] : files_) n += static_cast<int64_t>(data->size);
   return n;
 }
 

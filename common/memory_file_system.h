@@ -38,9 +38,18 @@ class MemoryFileSystem : public FileSystem {
   // Bytes held by every file.
   int64_t bytes() const;
 
-  // For its files: the contents of a file being written (the writer owns it
-  // until Close, which publishes it under its path).
-  void Publish(const std::string& path, std::shared_ptr<std::string> data);
+  // A file's contents: chunks of kChunkBytes (the last one shorter), so that
+  // writing a large file never copies what it already holds.
+  struct Blob {
+    static constexpr size_t kChunkBytes = 8 << 20;
+    std::vector<std::unique_ptr<char[]>> chunks;
+    size_t size = 0;
+    void Append(const char* data, size_t n);
+    void Read(uint64_t offset, size_t n, char* out) const;
+  };
+  // For its files: a file being written (the writer owns it until Close,
+  // which publishes it under its path).
+  void Publish(const std::string& path, std::shared_ptr<Blob> data);
 
  private:
   // Paths are normalized: no trailing or doubled '/'.
@@ -49,7 +58,7 @@ class MemoryFileSystem : public FileSystem {
   bool DirExistsLocked(const std::string& dir) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
 
   mutable absl::Mutex mu_;
-  std::map<std::string, std::shared_ptr<const std::string>> files_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::shared_ptr<const Blob>> files_ ABSL_GUARDED_BY(mu_);
   std::set<std::string> dirs_ ABSL_GUARDED_BY(mu_);
 };
 

@@ -209,6 +209,16 @@ void Coordinator::BeginEpochLocked() {
   all_elastic_ = true;
 }
 
+bool Coordinator::AnnounceResizeIfReadyLocked() {
+  if (!resize_ || resize_->ready) return false;
+  for (int r = resize_->from_world; r < resize_->to_world; ++r) {
+    if (kv_.Find(ResizeReadyKey(resize_->epoch, r)) == nullptr) return false;
+  }
+  resize_->ready = true;
+  last_resize_ = *resize_;
+  return true;
+}
+
 absl::StatusOr<PendingResize> Coordinator::RequestResize(int to_world, std::vector<int> leave) {
   PendingResize r;
   {
@@ -267,8 +277,10 @@ absl::StatusOr<PendingResize> Coordinator::RequestResize(int to_world, std::vect
     r.to_world = to_world;
     r.leave = std::move(leave);
     r.requested = options_.now();
+    // A shrink is announced at once; a grow once its new ranks are ready.
+    r.ready = r.to_world < r.from_world;
     resize_ = r;
-    last_resize_ = r;
+    if (r.ready) last_resize_ = r;
   }
   Notify();
   return r;
@@ -495,13 +507,16 @@ absl::Status Coordinator::KvSet(const std::string& key, const std::string& value
     return absl::InvalidArgumentError(absl::StrCat("value over ", kMaxValueBytes, " bytes"));
   }
   std::vector<KvWaits::Wait> settled;  // whoever waits for this key
+  bool announce = false;
   {
     absl::MutexLock lock(&mu_);
     absl::StatusOr<std::vector<KvWaits::Wait>> set = kv_.Set(key, value);
     if (!set.ok()) return set.status();
     settled = std::move(*set);
+    announce = AnnounceResizeIfReadyLocked();
   }
   for (KvWaits::Wait& w : settled) w.done(value);
+  if (announce) Notify();
   return absl::OkStatus();
 }
 
@@ -733,7 +748,8 @@ int Coordinator::CheckSlowRanks() {
 void Coordinator::SessionLost(int rank) {
   if (options_.session_loss_grace <= absl::ZeroDuration()) return;
   absl::MutexLock lock(&mu_);
-  if (rank < 0 || rank >= world_ || resize_) return;  // (a resize ends sessions on purpose)
+  // (A resize under way ends sessions on purpose.)
+  if (rank < 0 || rank >= world_ || (resize_ && resize_->ready)) return;
   RankState& r = ranks_[rank];
   if (r.joined && !r.finished) r.session_lost = options_.now();
 }
@@ -749,19 +765,25 @@ bool Coordinator::CheckHeartbeats() {
       // The ranks are moving to the new epoch: no heartbeats meanwhile (a
       // rank that dies is seen by its launcher or by its peers' collectives),
       // but the move is bounded.
-      if (now - resize_->requested <= options_.resize_timeout) return false;
-      std::vector<int> missing;
-      for (const RankState& r : ranks_) {
-        if (!r.joined) missing.push_back(r.rank);
+      if (now - resize_->requested <= options_.resize_timeout) {
+        if (resize_->ready) return false;  // (before: the ranks train and heartbeat on)
+      } else {
+        std::vector<int> missing;
+        for (const RankState& r : ranks_) {
+          if (!r.joined) missing.push_back(r.rank);
+        }
+        std::string why = ": its new ranks did not start";
+        if (resize_->begun) {
+          why = absl::StrCat(": ranks ", absl::StrJoin(missing, ", "), " of epoch ", epoch_,
+                             " did not join");
+        } else if (resize_->ready) {
+          why = ": the ranks did not start it";
+        }
+        FailLocked(absl::StrCat("the resize to ", resize_->to_world, " ranks did not complete in ",
+                                absl::FormatDuration(options_.resize_timeout), why),
+                   AbortCause::kHeartbeatTimeout, &ready);
+        failed = true;
       }
-      FailLocked(
-          absl::StrCat("the resize to ", resize_->to_world, " ranks did not complete in ",
-                       absl::FormatDuration(options_.resize_timeout),
-                       resize_->begun ? absl::StrCat(": ranks ", absl::StrJoin(missing, ", "),
-                                                     " of epoch ", epoch_, " did not join")
-                                      : std::string(": the ranks did not start it")),
-          AbortCause::kHeartbeatTimeout, &ready);
-      failed = true;
     }
     for (const RankState& r : ranks_) {
       if (failed) break;

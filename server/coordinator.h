@@ -120,6 +120,11 @@ struct PendingResize {
   int to_world = 0;
   std::vector<int> leave;  // old ranks that leave (sorted)
   absl::Time requested;
+  // A grow's new ranks have all said they are ready (ResizeReadyKey in
+  // common/membership.h): the
+  // ranks are told of the resize only then, so that the job trains on
+  // while the new processes start.
+  bool ready = false;
   bool begun = false;  // a rank joined the new epoch
 };
 
@@ -407,6 +412,9 @@ class Coordinator {
   // Join of the first rank of a pending resize's epoch: the membership
   // tables start over at the new size.
   void BeginEpochLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A pending grow whose new ranks are all ready becomes the notice; true
+  // when it did now.
+  bool AnnounceResizeIfReadyLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status ValidateMembershipLocked(const JoinInfo& info) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 

@@ -24,10 +24,10 @@ std::string ShardName(int rank, int world) {
   return absl::StrCat("shard-", rank, "-of-", world, ".safetensors");
 }
 
-std::vector<uint32_t> BlockCrcs(const char* data, int64_t bytes) {
+std::vector<uint32_t> BlockCrcs(const char* data, int64_t bytes, int64_t block_bytes) {
   std::vector<uint32_t> out;
-  for (int64_t b = 0; b < bytes; b += kBlockBytes) {
-    out.push_back(Crc32c(data + b, static_cast<size_t>(std::min(kBlockBytes, bytes - b))));
+  for (int64_t b = 0; b < bytes; b += block_bytes) {
+    out.push_back(Crc32c(data + b, static_cast<size_t>(std::min(block_bytes, bytes - b))));
   }
   return out;
 }
@@ -248,7 +248,7 @@ std::map<int, int64_t> MissedParamSteps(ShardedOptimizer& opt, int rank, int64_t
 // Writes this rank's shard: temporary name, fsync, rename, directory fsync.
 // The temporary file is removed on failure.
 absl::StatusOr<ShardWritten> WriteShard(ShardedOptimizer& opt, FileSystem* fs,
-                                        const std::string& dir, int64_t step) {
+                                        const std::string& dir, int64_t step, int64_t block_bytes) {
   const Layout& layout = opt.layout();
   const int rank = opt.communicator()->rank(), world = opt.communicator()->world_size();
   const std::vector<std::string> states = StateNames(opt);
@@ -277,7 +277,7 @@ absl::StatusOr<ShardWritten> WriteShard(ShardedOptimizer& opt, FileSystem* fs,
         const char* data = reinterpret_cast<const char*>(arrays[si] + p.rank_offset);
         SHARDOPT_RETURN_IF_ERROR(append(data, p.length * 4));
         mp.begin.push_back(at);
-        mp.crc32c.push_back(BlockCrcs(data, p.length * 4));
+        mp.crc32c.push_back(BlockCrcs(data, p.length * 4, block_bytes));
         at += p.length * 4;
       }
       out.pieces.push_back(std::move(mp));
@@ -311,7 +311,7 @@ absl::StatusOr<Manifest> BuildManifest(const ShardedOptimizer& opt, int64_t step
   m.plan_allow_cut = layout.options().allow_cut;
   m.layout_hash = absl::StrFormat("%016x", layout.hash());
   m.states = StateNames(opt);
-  m.block_bytes = kBlockBytes;
+  m.block_bytes = options.block_bytes;
   for (const ParamSpec& p : layout.params()) {
     int64_t numel = 1;
     for (int64_t d : p.shape) numel *= d;
@@ -386,7 +386,11 @@ absl::StatusOr<std::string> SaveCheckpoint(ShardedOptimizer& opt, const std::str
   };
 
   // 1. Every rank writes its shard.
-  auto written = WriteShard(opt, fs, dir, step);
+  if (options.block_bytes < 4 || options.block_bytes > (64 << 20) || options.block_bytes % 4 != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "CRC block of ", options.block_bytes, " bytes: must be a multiple of 4 in [4, 64 MiB]"));
+  }
+  auto written = WriteShard(opt, fs, dir, step, options.block_bytes);
   absl::Status wrote = written.status();
   if (!wrote.ok()) {
     wrote = absl::Status(

@@ -30,6 +30,10 @@ struct CheckpointOptions {
   FileSystem* fs = PosixFileSystem();
   // Travels in the manifest (e.g. data position, RNG seed).
   std::map<std::string, std::string> user_metadata;
+  // Granularity of the per-block CRC32C: a load reads whole blocks around
+  // what it needs. Smaller for a live resize's snapshots (client/resize.h),
+  // whose readers take small ranges over the network.
+  int64_t block_bytes = 4 << 20;
 };
 
 // Collective: every rank calls it at the same step. Returns the checkpoint's

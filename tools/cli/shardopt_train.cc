@@ -447,7 +447,9 @@ absl::StatusOr<std::unique_ptr<Communicator>> Connect(const Config& c, Coordinat
 // own). The saved hyper-parameters are in force then; an explicit --lr wins.
 // Returns the first step to run.
 absl::StatusOr<int64_t> Resume(const Config& c, ShardedOptimizer* o) {
+  const auto t0 = std::chrono::steady_clock::now();
   auto m = LoadAnyCheckpoint(*o, c.resume);
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   if (!m.ok()) return m.status();
   std::string lr_note = absl::StrFormat("lr %g as saved", m->optimizer.lr);
   if (c.has_lr && c.lr != m->optimizer.lr) {
@@ -457,8 +459,9 @@ absl::StatusOr<int64_t> Resume(const Config& c, ShardedOptimizer* o) {
   if (c.rank == 0) {
     const std::string by = m->world_size > 0 ? absl::StrCat("saved by ", m->world_size, " ranks")
                                              : std::string("consolidated");
-    std::printf("resumed from %s (%s, %s) at step %lld, %s\n", m->path.c_str(), m->format.c_str(),
-                by.c_str(), static_cast<long long>(m->step), lr_note.c_str());
+    std::printf("resumed from %s (%s, %s) at step %lld, %s; read in %.2f s\n", m->path.c_str(),
+                m->format.c_str(), by.c_str(), static_cast<long long>(m->step), lr_note.c_str(),
+                secs);
   }
   return m->step;
 }
@@ -709,6 +712,10 @@ int ResizeLive(Config& c, TrainModel& model, int64_t batch, CoordinatorClient* c
     return t->agent->Fail(absl::StrCat("resizing to ", order.to_world, " ranks failed: ", msg),
                           msg);
   }
+  auto since = [&t0] {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  };
+  const double t_snapshot = since();
   // The old epoch ends here for this rank (its agent leaves without Finish).
   t->agent->Stop();
   auto failed = [&](const std::string& what, const absl::Status& s) {
@@ -738,6 +745,7 @@ int ResizeLive(Config& c, TrainModel& model, int64_t batch, CoordinatorClient* c
   if (!source.ok()) return failed("finding the snapshots", source.status());
   Trainer next;
   if (int rc = FormEpoch(c, model, batch, client, context, &next, t); rc >= 0) return rc;
+  const double t_formed = since();
   auto loaded = LoadFromSnapshots(*next.opt, *source, c.token, snap->get());
   if (!loaded.ok()) {
     const std::string msg = next.agent->Diagnose(loaded.status());
@@ -759,7 +767,7 @@ int ResizeLive(Config& c, TrainModel& model, int64_t batch, CoordinatorClient* c
     return next.agent->Fail(absl::StrCat("after the resize: ", msg), msg);
   }
   const int64_t least = BytesChangingOwner(old_layout, next.opt->layout(), order.leave,
-                                           static_cast<int>(next.opt->state_names().size()));
+                                           1 + static_cast<int>(next.opt->state_names().size()));
   const double snapshot_mib = (*snap)->bytes() / 1048576.0;
   snap->reset();
   // The old epoch's agent, optimizer and communicator go with `next`.
@@ -767,14 +775,15 @@ int ResizeLive(Config& c, TrainModel& model, int64_t batch, CoordinatorClient* c
   std::swap(t->opt, next.opt);
   std::swap(t->agent, next.agent);
   t->agent->Resumed(step);
-  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const double secs = since();
   if (c.rank == 0) {
     std::printf(
-        "shardopt_train: resized %d -> %d ranks after step %lld in %.2f s (epoch %lld): moved "
-        "%.1f MiB between ranks (the slices that changed owner: %.1f MiB); snapshot %.1f "
-        "MiB on rank 0\n",
+        "shardopt_train: resized %d -> %d ranks after step %lld in %.2f s (epoch %lld; snapshot "
+        "%.2f s, new epoch formed %.2f s, state loaded %.2f s): moved %.1f MiB between ranks "
+        "(the slices that changed owner: %.1f MiB); snapshot %.1f MiB on rank 0\n",
         order.from_world, order.to_world, static_cast<long long>(step), secs,
-        static_cast<long long>(order.epoch), moved[0], least / 1048576.0, snapshot_mib);
+        static_cast<long long>(order.epoch), t_snapshot, t_formed - t_snapshot, secs - t_formed,
+        moved[0], least / 1048576.0, snapshot_mib);
     std::fflush(stdout);
   }
   return -1;
@@ -870,7 +879,10 @@ int Main(int argc, char** argv) {
   int64_t first_step = 0;
   if (c.join_epoch > 0) {
     // Started by shardrun to grow a running job: the state comes from the
-    // ranks already there.
+    // ranks already there, who go on training until every new rank is ready.
+    if (absl::Status s = client.KvSet(ResizeReadyKey(c.join_epoch, c.rank), "1"); !s.ok()) {
+      return Fail(c.rank, absl::StrCat("cannot join epoch ", c.join_epoch, ": ", s.message()));
+    }
     auto source = FindSnapshots(&client, c.join_epoch, c.collective_timeout);
     if (!source.ok()) {
       return Fail(c.rank, absl::StrCat("cannot join epoch ", c.join_epoch, ": ",
