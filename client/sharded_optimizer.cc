@@ -236,6 +236,7 @@ absl::Status ShardedOptimizer::BroadcastInitialValues() {
   const int elem = DTypeSize(ptype);
   char* pbase = static_cast<char*>(param_flat_.data_ptr());
   for (const Bucket& b : layout_.buckets()) {
+    if (!options_.broadcast_initial_values) break;
     CollectiveBucketScope tag(b.index);  // for the flight recorder
     SHARDOPT_RETURN_IF_ERROR(waiter_.Wait(
         comm_->Broadcast(pbase + b.flat_offset * elem, b.capacity_per_rank * world_, ptype, 0),

@@ -125,6 +125,11 @@ struct ShardedOptimizerOptions {
   // stream (LibTorch's default; no CUDAStreamGuard around backward or Step()),
   // where the CUDA kernel backend and the device waits are enqueued.
   bool device_async_step = false;
+  // false: Create does not broadcast rank 0's values of the trainable
+  // parameters (frozen ones still are), for a caller that restores every
+  // parameter right after (a live resize, client/resize.h, whose restore
+  // all-gathers them from their owners): one pass over the model saved.
+  bool broadcast_initial_values = true;
   // Set: the fused kernels do not run; after the reductions (and clipping)
   // of a step this is called once, with the agreed mask of parameters that
   // have a gradient (by layout index), to update this rank's owned

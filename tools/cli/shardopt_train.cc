@@ -655,6 +655,20 @@ int Conclude(const Config& c, ShardedOptimizer* o, RankAgent* agent, int64_t fir
   return 0;
 }
 
+// A rank that joins a running job touches buffers of the sizes its
+// optimizer will allocate and frees them (the host allocator keeps such
+// mappings for reuse) before it says it is ready: the job, paused while the
+// new epoch forms, then does not wait for this process's page faults.
+void PrefaultBuffers(TrainModel& model, const Config& c) {
+  int64_t total = 0;  // (the flat buffers add a little padding: the allocator reuses within 2x)
+  for (const auto& [name, p] : model.NamedParameters()) total += p.numel();
+  const int64_t owned = (total + c.world - 1) / c.world;
+  std::vector<torch::Tensor> touched;
+  for (int64_t n : {total, total, owned, owned, owned}) {
+    touched.push_back(torch::zeros({std::max<int64_t>(n, 1)}, torch::kFloat32));
+  }
+}
+
 // This rank's communicator, optimizer and agent for the epoch in c (the
 // agent's Join waits for every rank of it). `context`: the step it starts
 // from and the control requests acted on before (a live resize). The
@@ -669,8 +683,10 @@ int FormEpoch(const Config& c, TrainModel& model, int64_t batch, CoordinatorClie
     return Fail(c.rank, comm.status().ToString());
   }
   t->comm = *std::move(comm);
-  auto optimizer =
-      ShardedOptimizer::Create(model.NamedParameters(), OptimizerOptions(c), t->comm.get());
+  ShardedOptimizerOptions options = OptimizerOptions(c);
+  // In a resize every parameter is restored from its owner right after.
+  options.broadcast_initial_values = c.epoch == 0;
+  auto optimizer = ShardedOptimizer::Create(model.NamedParameters(), options, t->comm.get());
   if (!optimizer.ok()) {
     (void)client->Abort(optimizer.status().ToString(), c.rank);
     return Fail(c.rank, optimizer.status().ToString());
@@ -880,6 +896,7 @@ int Main(int argc, char** argv) {
   if (c.join_epoch > 0) {
     // Started by shardrun to grow a running job: the state comes from the
     // ranks already there, who go on training until every new rank is ready.
+    PrefaultBuffers(**model, c);
     if (absl::Status s = client.KvSet(ResizeReadyKey(c.join_epoch, c.rank), "1"); !s.ok()) {
       return Fail(c.rank, absl::StrCat("cannot join epoch ", c.join_epoch, ": ", s.message()));
     }
