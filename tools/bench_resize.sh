@@ -15,7 +15,7 @@ rounds=${2:-3}
 bazel build --jobs=2 //tools:shardrun //tools:shardopt_train //tools:shardctl 2>&1 | tail -n 1
 B=bazel-bin/tools
 tmp=$(mktemp -d)
-trap 'kill $(jobs -p) 2>/dev/null; wait 2>/dev/null; rm -rf "$tmp"' EXIT
+trap 'kill $(jobs -p) 2>/dev/null || true; wait 2>/dev/null || true; rm -rf "$tmp"' EXIT
 
 # Waits until rank 0 has printed `n` more progress lines than `since`.
 progress() { grep -c '\] step [0-9]*/' "$tmp/run.log" || true; }

@@ -539,28 +539,36 @@ absl::Status CheckCompatible(const ShardedOptimizer& opt, const Manifest& m,
 }
 
 // Copies elements [lo, hi) of old piece `op` (state `si`) into `dst`,
-// reading whole CRC blocks and checking them.
+// reading whole CRC blocks and checking them. Consecutive blocks are read
+// together, up to 4 MiB at a time (small blocks, as a live resize's
+// snapshots have, would otherwise cost one read each).
 absl::Status ReadPieceRange(FileSystem* fs, const std::string& file, const Manifest& m,
                             const ManifestPiece& op, size_t si, int64_t lo, int64_t hi, char* dst,
                             std::vector<char>* buf) {
   const int64_t block = m.block_bytes, ob = op.offset, bytes = op.length * 4;
   const int64_t first = (lo - ob) * 4 / block, last = ((hi - ob) * 4 - 1) / block;
-  for (int64_t b = first; b <= last; ++b) {
-    const int64_t bb = b * block, be = std::min(bytes, bb + block);
-    const int64_t cb = std::max(bb, (lo - ob) * 4), ce = std::min(be, (hi - ob) * 4);
+  const int64_t span = std::max<int64_t>(1, (4 << 20) / block);  // blocks per read
+  for (int64_t b0 = first; b0 <= last; b0 += span) {
+    const int64_t b1 = std::min(last, b0 + span - 1);
+    const int64_t sb = b0 * block, se = std::min(bytes, (b1 + 1) * block);
+    const int64_t cb = std::max(sb, (lo - ob) * 4), ce = std::min(se, (hi - ob) * 4);
     char* into = dst + (cb - (lo - ob) * 4);
-    // Whole blocks go straight into place; partial ones through a buffer
-    // (their CRC covers the whole block).
-    const bool whole = cb == bb && ce == be;
+    // Whole blocks go straight into place; a span with a partial block
+    // through a buffer (a block's CRC covers all of it).
+    const bool whole = cb == sb && ce == se;
     if (!whole) {
-      buf->resize(static_cast<size_t>(be - bb));
+      buf->resize(static_cast<size_t>(se - sb));
       into = buf->data();
     }
-    SHARDOPT_RETURN_IF_ERROR(fs->ReadAt(file, static_cast<uint64_t>(op.begin[si] + bb),
-                                        static_cast<size_t>(be - bb), into));
-    SHARDOPT_RETURN_IF_ERROR(CheckBlockCrc(m, op, si, b, into, static_cast<size_t>(be - bb), file));
+    SHARDOPT_RETURN_IF_ERROR(fs->ReadAt(file, static_cast<uint64_t>(op.begin[si] + sb),
+                                        static_cast<size_t>(se - sb), into));
+    for (int64_t b = b0; b <= b1; ++b) {
+      const int64_t bb = b * block, be = std::min(bytes, bb + block);
+      SHARDOPT_RETURN_IF_ERROR(
+          CheckBlockCrc(m, op, si, b, into + (bb - sb), static_cast<size_t>(be - bb), file));
+    }
     if (!whole)
-      std::memcpy(dst + (cb - (lo - ob) * 4), buf->data() + (cb - bb),
+      std::memcpy(dst + (cb - (lo - ob) * 4), buf->data() + (cb - sb),
                   static_cast<size_t>(ce - cb));
   }
   return absl::OkStatus();
