@@ -61,7 +61,7 @@ for model in "${list[@]}"; do
     /resized [0-9]+ -> [0-9]+ ranks after step/ {
       match($0, /resized [0-9]+ -> [0-9]+/); split(substr($0, RSTART + 8, RLENGTH - 8), w, " -> ")
       world = w[2]
-      match($0, / in [0-9.]+ s \(epoch/); t = substr($0, RSTART + 4, RLENGTH - 14)
+      match($0, / in [0-9.]+ s \(epoch/); t = substr($0, RSTART + 4, RLENGTH - 13)
       match($0, /snapshot [0-9.]+ s, new epoch formed [0-9.]+ s, state loaded [0-9.]+ s/)
       split(substr($0, RSTART, RLENGTH), p, " ")
       match($0, /moved [0-9.]+ MiB/); moved = substr($0, RSTART + 6, RLENGTH - 10)

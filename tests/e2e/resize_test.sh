@@ -4,9 +4,10 @@
 # state from the others) and then shrinks back to 2 (shardctl drain of a
 # middle rank, which hands its state over and leaves), without a restart.
 # Its final parameters and optimizer state equal, bit for bit, those of runs
-# that checkpointed at the same steps and resumed at the new size. Then the
-# refusals: a resize to the same size, a drain of a rank that does not
-# exist, a grow where no launcher can start ranks.
+# that checkpointed at the same steps and resumed at the new size. Then
+# --on-sigterm=drain: a SIGTERM drains its rank. And the refusals: a
+# resize to the same size, a drain of a rank that does not exist, a job whose
+# trainer (Python) cannot resize live.
 set -uo pipefail
 source tests/testing/lib.sh || exit 1  # (tests run from the workspace root)
 B=tools
@@ -49,7 +50,7 @@ check "rank 0 says what the grow moved" \
   grep -q "resized 2 -> 3 ranks after step $s1 in [0-9.]* s (epoch 1; .*): moved" "$tmp/run.log"
 check "rank 1 left after step $s2" grep -q "rank 1 leaves the job after step $s2" "$tmp/run.log"
 check "rank 0 says what the drain moved" \
-  grep -q "resized 3 -> 2 ranks after step $s2 in [0-9.]* s (epoch 2)" "$tmp/run.log"
+  grep -q "resized 3 -> 2 ranks after step $s2 in [0-9.]* s (epoch 2; " "$tmp/run.log"
 check "shardctl status showed the membership" \
   grep -q "^membership: epoch 1; last change at step $s1: 2 -> 3 ranks, joined: 2" "$tmp/status.log"
 check "... and 3 ranks" grep -q "finished\|running, 3 ranks" "$tmp/status.log"
@@ -70,6 +71,21 @@ $B/shardctl consolidate "$tmp/ref/step-$steps" "$tmp/ref.st" >/dev/null 2>&1
 check "parameters and optimizer state equal the checkpoint-and-resume runs' bit for bit" \
   cmp "$tmp/live.st" "$tmp/ref.st"
 
+# --on-sigterm=drain: SIGTERM to rank 1 of 3 drains it; the job goes on at 2.
+timeout 180 $B/shardrun --nproc 3 --port-file="$tmp/addr3" --job-id=sigterm -- \
+  $B/shardopt_train "${train[@]}" --steps=200 --debug-slow-rank=0 --debug-slow-ms=20 \
+  --on-sigterm=drain >"$tmp/sigterm.log" 2>&1 &
+run=$!
+check "third job starts" wait_file "$tmp/addr3" 60
+check "... trains past step 20" wait_until 60 "step 20" job_past_step "$(cat "$tmp/addr3")" 20
+kill -TERM "$(rank_pid sigterm 1)"
+wait $run
+check "after SIGTERM to rank 1 the job finishes (exit $?)" test $? -eq 0
+check "rank 1 says it drains" \
+  grep -q "rank 1 got SIGTERM: it leaves the job at the next step boundary" "$tmp/sigterm.log"
+check "... and leaves" grep -q "rank 1 leaves the job after step" "$tmp/sigterm.log"
+check "the others go on at 2 ranks" grep -q "resized 3 -> 2 ranks after step" "$tmp/sigterm.log"
+
 # Refusals.
 timeout 120 $B/shardrun --nproc 2 --port-file="$tmp/addr2" --job-id=refuse -- \
   $B/shardopt_train --model=small --batch=64 --steps=100000 --log-every=1000 >"$tmp/refuse.log" 2>&1 &
@@ -89,6 +105,19 @@ refused "resize to the same size" "the job has 2 ranks already" resize --ranks=2
 refused "drain of rank 5" "the job has 2 ranks" drain --rank=5
 refused "resize without --ranks" "usage: shardctl resize" resize
 refused "--ranks=0" "--ranks" resize --ranks=0
+timeout 30 $B/shardctl --coordinator="$addr2" abort "done" >/dev/null 2>&1
+wait $run
+
+# A Python job cannot resize live (yet): refused with the reason.
+export PYTHONPATH=$PWD/python
+timeout 120 $B/shardrun --nproc 2 --port-file="$tmp/addr4" --job-id=python -- \
+  /usr/bin/python3 tests/python/launcher_job.py --steps=2000 --step-sleep=0.05 --out="$tmp/py.pt" \
+  >"$tmp/python.log" 2>&1 &
+run=$!
+check "Python job starts" wait_file "$tmp/addr4" 60
+addr2=$(cat "$tmp/addr4")
+check "... trains" wait_until 60 "step 3" job_past_step "$addr2" 3
+refused "resize of a Python job" "cannot resize live" resize --ranks=1
 timeout 30 $B/shardctl --coordinator="$addr2" abort "done" >/dev/null 2>&1
 wait $run
 

@@ -110,6 +110,10 @@ flags (a malformed or out-of-range value is refused, naming the flag; exit statu
                        at any world size; training continues at the saved step
   --collective-timeout=S  bound on every collective wait (steps, the per-step agreement,
                        checkpoints), seconds in [0.1, 86400] (default 120)
+  --on-sigterm=stop|drain  what a SIGTERM to this rank does: stop the job (default; shardrun
+                       and scancel send it to every rank), or drain this rank: it asks for a live
+                       resize without it, hands its optimizer state over at the next step
+                       boundary and exits 0 (docs/elastic.md); a second signal stops the job
   --debug-stall-rank=R, --debug-stall-step=N
                        testing: rank R (-1..WORLD_SIZE-1) stops taking part in collectives
                        before step N (-1..100000000) while its heartbeats go on (a stalled
@@ -145,7 +149,17 @@ constexpr double kMaxTimeoutSeconds = 86400;
 // Set by SIGTERM/SIGINT; the rank agent's heartbeat thread turns it into an
 // abort.
 std::atomic<int> g_signal{0};
-void OnSignal(int sig) { g_signal = sig; }
+// --on-sigterm=drain: the first SIGTERM asks for this rank's drain (1; 2
+// once the training loop has acted on it) instead of stopping the job.
+std::atomic<bool> g_drain_on_sigterm{false};
+std::atomic<int> g_drain{0};
+void OnSignal(int sig) {
+  if (sig == SIGTERM && g_drain_on_sigterm.load() && g_drain.load() == 0) {
+    g_drain = 1;
+  } else {
+    g_signal = sig;
+  }
+}
 
 // A failure before the rank agent runs (which reports later ones).
 int Fail(int rank, const std::string& msg) {
@@ -188,6 +202,7 @@ struct Config {
   // that shardrun started to grow the job joins epoch $SHARDOPT_JOIN_EPOCH.
   int64_t epoch = 0;
   int64_t join_epoch = 0;
+  bool drain_on_sigterm = false;                         // --on-sigterm=drain
   absl::Duration heartbeat_timeout = absl::Seconds(10);  // the served coordinator's
   std::string model_name, kind, coordinator, job_id, bind, ckpt_dir, resume, token;
   CpuTransport transport = CpuTransport::kAuto;
@@ -260,6 +275,7 @@ void ReadRunFlags(const Flags& flags, Config* c, absl::Status* bad) {
   c->nan_step = Take(flags.Int("debug-nan-step", -1, -1, kMaxSteps), bad);
   c->slow_rank = Take(flags.Int("debug-slow-rank", -1, -1, c->world - 1), bad);
   c->slow_ms = Take(flags.Int("debug-slow-ms", 0, 0, 60000), bad);
+  c->drain_on_sigterm = Take(flags.Choice("on-sigterm", "stop", {"stop", "drain"}), bad) == "drain";
 }
 
 // Reads every flag and variable into *c; the first bad one is returned.
@@ -355,6 +371,7 @@ int ParseConfig(int argc, char** argv, Config* c) {
                              "debug-nan-step",
                              "debug-slow-rank",
                              "debug-slow-ms",
+                             "on-sigterm",
                              "help"},
                             {"help", "advise"});
   if (!flags.ok()) return UsageError(flags.status().message());
@@ -556,6 +573,33 @@ constexpr int kLeftTheJob = -2;
 int ResizeLive(Config& c, TrainModel& model, int64_t batch, CoordinatorClient* client, Trainer* t,
                const ResizeOrder& order, int64_t step);
 
+// --on-sigterm=drain, after a SIGTERM: asks for a live resize without this
+// rank; when that is refused (one rank left, a resize under way, a job that
+// failed or cannot resize) the signal stops the job as without the flag.
+void RequestDrain(const Config& c, CoordinatorClient* client) {
+  g_drain = 2;
+  auto job = client->GetJob();
+  absl::Status s = job.status();
+  if (s.ok() && job->state() != "running") {
+    s = absl::FailedPreconditionError(absl::StrCat("the job is ", job->state()));
+  } else if (s.ok() && job->world_size() < 2) {
+    s = absl::FailedPreconditionError("it is the job's only rank");
+  }
+  if (s.ok()) s = client->Resize(job->world_size() - 1, {c.rank}).status();
+  if (!s.ok()) {
+    std::fprintf(stderr,
+                 "shardopt_train[rank %d]: SIGTERM: cannot drain this rank (%s); stopping\n",
+                 c.rank, std::string(s.message()).c_str());
+    g_signal = SIGTERM;
+    return;
+  }
+  std::printf(
+      "shardopt_train: rank %d got SIGTERM: it leaves the job at the next step boundary "
+      "(--on-sigterm=drain)\n",
+      c.rank);
+  std::fflush(stdout);
+}
+
 int TrainLoop(Config& c, TrainModel& model, int64_t batch, CoordinatorClient* client, Trainer* t,
               int64_t first_step, Advice* advice) {
   auto t_window = std::chrono::steady_clock::now();
@@ -563,6 +607,7 @@ int TrainLoop(Config& c, TrainModel& model, int64_t batch, CoordinatorClient* cl
   for (int64_t step = first_step; step < c.steps; ++step) {
     ShardedOptimizer* o = t->opt.get();
     RankAgent* agent = t->agent.get();
+    if (g_drain.load() == 1) RequestDrain(c, client);
     if (c.rank == c.stall_rank && step == c.stall_step) return StallOnPurpose(agent);
     agent->BeforeStep(step + 1);
     if (c.rank == c.slow_rank && c.slow_ms > 0) {  // --debug-slow-rank: slower on purpose
@@ -866,6 +911,7 @@ int Main(int argc, char** argv) {
   SetUpProcess();
   Config c;
   if (int rc = ParseConfig(argc, argv, &c); rc >= 0) return rc;
+  g_drain_on_sigterm = c.drain_on_sigterm;
   if (!c.launch.note.empty()) std::fprintf(stderr, "shardopt_train: %s\n", c.launch.note.c_str());
   CoordinatorHost host;  // destroyed last: after this rank's own end is reported
   if (absl::Status s = host.Start(c); !s.ok()) return Fail(c.rank, std::string(s.message()));
