@@ -15,9 +15,7 @@ namespace {
 constexpr char kShuttingDown[] = "coordinator shutting down";
 
 grpc::ServerUnaryReactor* Done(grpc::CallbackServerContext* ctx, const grpc::Status& s) {
-  auto* r = ctx->DefaultReactor();
-  r->Finish(s);
-  return r;
+  return FinishUnary(ctx, s);
 }
 
 DType ParseDType(const std::string& s, bool* ok) {

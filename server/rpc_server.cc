@@ -20,6 +20,12 @@ grpc::Status ToGrpc(const absl::Status& s) {
   return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
 }
 
+grpc::ServerUnaryReactor* FinishUnary(grpc::CallbackServerContext* ctx, const grpc::Status& s) {
+  auto* r = ctx->DefaultReactor();
+  r->Finish(s);
+  return r;
+}
+
 grpc::Status CheckToken(const grpc::CallbackServerContext* ctx, const std::string& token) {
   if (token.empty()) return grpc::Status::OK;
   const auto& md = ctx->client_metadata();

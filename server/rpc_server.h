@@ -27,6 +27,9 @@ namespace shardopt {
 
 grpc::Status ToGrpc(const absl::Status& s);
 
+// Ends a unary callback RPC with `s` (its default reactor).
+grpc::ServerUnaryReactor* FinishUnary(grpc::CallbackServerContext* ctx, const grpc::Status& s);
+
 // Checks "authorization: Bearer <token>" when `token` is non-empty.
 grpc::Status CheckToken(const grpc::CallbackServerContext* ctx, const std::string& token);
 

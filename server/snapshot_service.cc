@@ -8,9 +8,7 @@ namespace shardopt {
 namespace {
 
 grpc::ServerUnaryReactor* Done(grpc::CallbackServerContext* ctx, const grpc::Status& s) {
-  auto* r = ctx->DefaultReactor();
-  r->Finish(s);
-  return r;
+  return FinishUnary(ctx, s);
 }
 
 }  // namespace

@@ -5,7 +5,8 @@
 # middle rank, which hands its state over and leaves), without a restart.
 # Its final parameters and optimizer state equal, bit for bit, those of runs
 # that checkpointed at the same steps and resumed at the new size. Then
-# --on-sigterm=drain: a SIGTERM drains its rank. And the refusals: a
+# --on-sigterm=drain: a SIGTERM drains its rank; a rank killed after a grow
+# with --max-restarts: the job restarts at the size left. And the refusals: a
 # resize to the same size, a drain of a rank that does not exist, a job whose
 # trainer (Python) cannot resize live.
 set -uo pipefail
@@ -85,6 +86,27 @@ check "rank 1 says it drains" \
   grep -q "rank 1 got SIGTERM: it leaves the job at the next step boundary" "$tmp/sigterm.log"
 check "... and leaves" grep -q "rank 1 leaves the job after step" "$tmp/sigterm.log"
 check "the others go on at 2 ranks" grep -q "resized 3 -> 2 ranks after step" "$tmp/sigterm.log"
+
+# A rank killed after a grow, with --max-restarts: the job (3 ranks since the
+# grow) restarts at 2 from the last checkpoint, saved by 3 ranks.
+timeout 180 $B/shardrun --nproc 2 --max-restarts=1 --port-file="$tmp/addr5" --job-id=killed -- \
+  $B/shardopt_train "${train[@]}" --steps=400 --debug-slow-rank=0 --debug-slow-ms=20 \
+  --ckpt-dir="$tmp/ck5" --ckpt-every=20 >"$tmp/killed.log" 2>&1 &
+run=$!
+check "fourth job starts" wait_file "$tmp/addr5" 60
+addr5=$(cat "$tmp/addr5")
+check "... trains past step 10" wait_until 60 "step 10" job_past_step "$addr5" 10
+timeout 90 $B/shardctl --coordinator="$addr5" resize --ranks=3 --wait=60 >"$tmp/grow5.log" 2>&1
+check "... grows to 3 ranks" test $? -eq 0
+g=$(sed -n 's/^epoch 1 at step \([0-9]*\):.*/\1/p' "$tmp/grow5.log")
+check "... trains on past step $((g + 30))" wait_until 60 "step $((g + 30))" job_past_step "$addr5" $((g + 30))
+kill -9 "$(rank_pid killed 1)"
+wait $run
+check "the restarted job finishes (exit $?)" test $? -eq 0
+check "restarted with the 2 ranks left of 3" \
+  grep -q "lost rank 1; restart 1 of 1 with 2 ranks from the checkpoint of step" "$tmp/killed.log"
+check "from a checkpoint the 3 ranks saved" \
+  grep -q "(sharded, saved by 3 ranks)" "$tmp/killed.log"
 
 # Refusals.
 timeout 120 $B/shardrun --nproc 2 --port-file="$tmp/addr2" --job-id=refuse -- \

@@ -629,6 +629,9 @@ class Supervisor {
   // The job as the coordinator saw it when it was stopped (the steps the
   // ranks had reached, the last checkpoint).
   const JobStatus& at_failure() const { return at_failure_; }
+  // Ranks' processes still running when the job was stopped (not those that
+  // had exited: the one whose exit stopped it, ranks a resize let go).
+  int alive_at_stop() const { return alive_at_stop_; }
 
   // The reason the job was stopped; empty when every rank finished.
   std::string Run() {
@@ -666,6 +669,8 @@ class Supervisor {
   void StopAll(const std::string& why, bool now, AbortCause cause) {
     if (stopping_) return;
     stopping_ = true;
+    alive_at_stop_ = 0;
+    for (const Child& c : *children_) alive_at_stop_ += c.exited ? 0 : 1;
     failure_ = why;
     if (coordinator_) coordinator_->Abort(why, -1, cause);  // no-op once the job has failed
     term_deadline_ = absl::Now() + (now || !coordinator_ ? absl::ZeroDuration() : absl::Seconds(3));
@@ -734,6 +739,7 @@ class Supervisor {
   std::string failure_;
   std::vector<int> lost_;
   JobStatus at_failure_;
+  int alive_at_stop_ = 0;
   bool stopping_ = false;
   bool terminated_ = false;
   absl::Time term_deadline_, kill_deadline_;
@@ -767,7 +773,16 @@ int Report(const std::string& failure, const CoordinatorServers& servers, size_t
 // exited. The failure ("" when every rank finished), with the supervisor's
 // view of it in *lost and *at_failure; the exit status in *exit_status when
 // shardrun must stop now (a setup error).
-std::string RunOnce(const RunConfig& cfg, std::vector<int>* lost, JobStatus* at_failure,
+// The ranks a restart starts again: those that did not fail by themselves.
+// After a live resize (the job's size then, ranks that left or had not yet
+// joined), the processes still running when the job was stopped.
+int Survivors(const RunConfig& cfg, const std::vector<int>& lost, const JobStatus& at_failure,
+              int alive) {
+  if (at_failure.epoch > 0 || at_failure.resize) return std::min(at_failure.world_size, alive);
+  return cfg.world - static_cast<int>(lost.size());
+}
+
+std::string RunOnce(const RunConfig& cfg, std::vector<int>* lost, JobStatus* at_failure, int* alive,
                     std::optional<int>* exit_status) {
   CoordinatorServers servers;
   if (absl::Status s = ServeCoordinator(cfg, &servers); !s.ok()) {
@@ -820,16 +835,17 @@ std::string RunOnce(const RunConfig& cfg, std::vector<int>* lost, JobStatus* at_
   ShutDown(&ranks, &servers);
   *lost = supervisor.lost();
   *at_failure = supervisor.at_failure();
+  *alive = supervisor.alive_at_stop();
+  const int survivors = Survivors(cfg, *lost, *at_failure, *alive);
   const bool restarting = !failure.empty() && g_signal.load() == 0 &&
-                          cfg.restart < cfg.max_restarts &&
-                          cfg.world - static_cast<int>(lost->size()) >= cfg.min_ranks;
+                          cfg.restart < cfg.max_restarts && survivors >= cfg.min_ranks;
   if (!restarting && !failure.empty() && g_signal.load() == 0 && cfg.max_restarts > 0) {
-    std::fprintf(stderr, "shardrun: not restarting: %s\n",
-                 cfg.restart >= cfg.max_restarts
-                     ? absl::StrCat("--max-restarts=", cfg.max_restarts, " used up").c_str()
-                     : absl::StrCat(cfg.world - static_cast<int>(lost->size()),
-                                    " ranks would be left, under --min-ranks=", cfg.min_ranks)
-                           .c_str());
+    std::fprintf(
+        stderr, "shardrun: not restarting: %s\n",
+        cfg.restart >= cfg.max_restarts
+            ? absl::StrCat("--max-restarts=", cfg.max_restarts, " used up").c_str()
+            : absl::StrCat(survivors, " ranks would be left, under --min-ranks=", cfg.min_ranks)
+                  .c_str());
   }
   if (!restarting) *exit_status = Report(failure, servers, ranks.children.size());
   return failure;
@@ -862,12 +878,10 @@ int Main(int argc, char** argv) {
     std::vector<int> lost;
     JobStatus at_failure;
     std::optional<int> exit_status;
-    const std::string failure = RunOnce(cfg, &lost, &at_failure, &exit_status);
+    int alive = 0;
+    const std::string failure = RunOnce(cfg, &lost, &at_failure, &alive, &exit_status);
     if (exit_status) return *exit_status;
-    // Restart with the ranks that did not fail by themselves (of as many
-    // as the job had then: a live resize may have changed it).
-    if (at_failure.world_size > 0) cfg.world = at_failure.world_size;
-    const int survivors = cfg.world - static_cast<int>(lost.size());
+    const int survivors = Survivors(cfg, lost, at_failure, alive);
     cfg.failed_step = 0;
     for (const RankState& r : at_failure.ranks) cfg.failed_step = std::max(cfg.failed_step, r.step);
     if (at_failure.checkpoints_total > 0) {
