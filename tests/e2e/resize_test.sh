@@ -15,7 +15,7 @@ B=tools
 tmp=$(mktemp -d)
 trap 'kill $(jobs -p) 2>/dev/null; wait 2>/dev/null; rm -rf "$tmp"' EXIT
 
-steps=300
+steps=1000  # (long enough for both resizes however loaded the machine: >= 20 s at 20 ms a step)
 train=(--model=small --batch=64 --log-every=50)
 # (rank 0 sleeps 20 ms a step so that the resizes land mid-run; numerics unchanged)
 timeout 240 $B/shardrun --nproc 2 --port-file="$tmp/addr" --job-id=resize \
@@ -74,7 +74,7 @@ check "parameters and optimizer state equal the checkpoint-and-resume runs' bit 
 
 # --on-sigterm=drain: SIGTERM to rank 1 of 3 drains it; the job goes on at 2.
 timeout 180 $B/shardrun --nproc 3 --port-file="$tmp/addr3" --job-id=sigterm -- \
-  $B/shardopt_train "${train[@]}" --steps=200 --debug-slow-rank=0 --debug-slow-ms=20 \
+  $B/shardopt_train "${train[@]}" --steps=400 --debug-slow-rank=0 --debug-slow-ms=20 \
   --on-sigterm=drain >"$tmp/sigterm.log" 2>&1 &
 run=$!
 check "third job starts" wait_file "$tmp/addr3" 60
@@ -90,7 +90,7 @@ check "the others go on at 2 ranks" grep -q "resized 3 -> 2 ranks after step" "$
 # A rank killed after a grow, with --max-restarts: the job (3 ranks since the
 # grow) restarts at 2 from the last checkpoint, saved by 3 ranks.
 timeout 180 $B/shardrun --nproc 2 --max-restarts=1 --port-file="$tmp/addr5" --job-id=killed -- \
-  $B/shardopt_train "${train[@]}" --steps=400 --debug-slow-rank=0 --debug-slow-ms=20 \
+  $B/shardopt_train "${train[@]}" --steps=600 --debug-slow-rank=0 --debug-slow-ms=20 \
   --ckpt-dir="$tmp/ck5" --ckpt-every=20 >"$tmp/killed.log" 2>&1 &
 run=$!
 check "fourth job starts" wait_file "$tmp/addr5" 60
