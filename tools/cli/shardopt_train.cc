@@ -700,6 +700,28 @@ int Conclude(const Config& c, ShardedOptimizer* o, RankAgent* agent, int64_t fir
   return 0;
 }
 
+// A rank started to grow the job: waits (up to --collective-timeout) for
+// the ranks already there to reach the resize's step boundary and publish
+// their snapshots. Cancelled when the job finished first (the resize came
+// too late to happen); the job's failure when it failed meanwhile.
+absl::StatusOr<SnapshotSource> AwaitSnapshots(const Config& c, CoordinatorClient* client) {
+  const absl::Time deadline = absl::Now() + c.collective_timeout;
+  while (true) {
+    const absl::Duration slice = std::min(absl::Seconds(2), deadline - absl::Now());
+    auto source = FindSnapshots(client, c.join_epoch, std::max(slice, absl::Milliseconds(1)));
+    if (source.ok() || !absl::IsDeadlineExceeded(source.status())) return source;
+    auto job = client->GetJob();
+    if (job.ok() && job->state() == "finished") {
+      return absl::CancelledError(
+          absl::StrCat("the job finished before it could grow to ", c.world, " ranks; not needed"));
+    }
+    if (job.ok() && job->state() == "failed") {
+      return absl::AbortedError(absl::StrCat("the job failed: ", job->failure()));
+    }
+    if (absl::Now() >= deadline) return source.status();
+  }
+}
+
 // A rank that joins a running job touches buffers of the sizes its
 // optimizer will allocate and frees them (the host allocator keeps such
 // mappings for reuse) before it says it is ready: the job, paused while the
@@ -946,8 +968,13 @@ int Main(int argc, char** argv) {
     if (absl::Status s = client.KvSet(ResizeReadyKey(c.join_epoch, c.rank), "1"); !s.ok()) {
       return Fail(c.rank, absl::StrCat("cannot join epoch ", c.join_epoch, ": ", s.message()));
     }
-    auto source = FindSnapshots(&client, c.join_epoch, c.collective_timeout);
+    auto source = AwaitSnapshots(c, &client);
     if (!source.ok()) {
+      if (absl::IsCancelled(source.status())) {  // the job ended first: nothing to join
+        std::printf("shardopt_train: rank %d: %s\n", c.rank,
+                    std::string(source.status().message()).c_str());
+        return 0;
+      }
       return Fail(c.rank, absl::StrCat("cannot join epoch ", c.join_epoch, ": ",
                                        source.status().message()));
     }
