@@ -185,11 +185,7 @@ StateSnapshot::~StateSnapshot() {
 
 int64_t StateSnapshot::bytes_served() const { return service_ ? service_->bytes_served() : 0; }
 
-std::string StateSnapshot::address() const {
-  const std::string a = server_->address();
-  // host:port as the others reach it (the server reports what it bound).
-  return a;
-}
+std::string StateSnapshot::address() const { return server_->address(); }
 
 absl::StatusOr<SnapshotSource> FindSnapshots(CoordinatorApi* client, int64_t epoch,
                                              absl::Duration timeout) {

@@ -736,6 +736,17 @@ void PrefaultBuffers(TrainModel& model, const Config& c) {
   }
 }
 
+// The sum over every rank of `value` (collective; fp32). The buffer outlives
+// a timed-out wait (WaitSafely).
+absl::StatusOr<double> SumOverRanks(Communicator* comm, double value, absl::Duration timeout) {
+  auto buf = std::make_shared<std::array<float, 1>>();
+  (*buf)[0] = static_cast<float>(value);
+  absl::Status s = WaitSafely(
+      comm, comm->AllReduce(buf->data(), 1, DType::kFloat32, ReduceOp::kSum), timeout, buf);
+  if (!s.ok()) return s;
+  return (*buf)[0];
+}
+
 // This rank's communicator, optimizer and agent for the epoch in c (the
 // agent's Join waits for every rank of it). `context`: the step it starts
 // from and the control requests acted on before (a live resize). The
@@ -842,11 +853,10 @@ int ResizeLive(Config& c, TrainModel& model, int64_t batch, CoordinatorClient* c
       return next.agent->Fail(absl::StrCat("resize: ", s.message()));
     }
   }
-  std::array<float, 1> moved = {static_cast<float>(loaded->bytes_fetched / 1048576.0)};
-  absl::Status summed = next.comm->AllReduce(moved.data(), 1, DType::kFloat32, ReduceOp::kSum)
-                            ->Wait(c.collective_timeout);
-  if (!summed.ok()) {
-    const std::string msg = next.agent->Diagnose(summed);
+  auto moved =
+      SumOverRanks(next.comm.get(), loaded->bytes_fetched / 1048576.0, c.collective_timeout);
+  if (!moved.ok()) {
+    const std::string msg = next.agent->Diagnose(moved.status());
     return next.agent->Fail(absl::StrCat("after the resize: ", msg), msg);
   }
   const int64_t least = BytesChangingOwner(old_layout, next.opt->layout(), order.leave,
@@ -866,7 +876,7 @@ int ResizeLive(Config& c, TrainModel& model, int64_t batch, CoordinatorClient* c
         "(the slices that changed owner: %.1f MiB); snapshot %.1f MiB on rank 0\n",
         order.from_world, order.to_world, static_cast<long long>(step), secs,
         static_cast<long long>(order.epoch), t_snapshot, t_formed - t_snapshot, secs - t_formed,
-        moved[0], least / 1048576.0, snapshot_mib);
+        *moved, least / 1048576.0, snapshot_mib);
     std::fflush(stdout);
   }
   return -1;
@@ -987,12 +997,11 @@ int Main(int argc, char** argv) {
       const std::string msg = trainer.agent->Diagnose(loaded.status());
       return trainer.agent->Fail(absl::StrCat("joining the job failed: ", msg), msg);
     }
-    // (The ranks that stayed sum the bytes moved: the same all-reduce.)
-    std::array<float, 1> moved = {static_cast<float>(loaded->bytes_fetched / 1048576.0)};
-    absl::Status summed = trainer.comm->AllReduce(moved.data(), 1, DType::kFloat32, ReduceOp::kSum)
-                              ->Wait(c.collective_timeout);
-    if (!summed.ok()) {
-      const std::string msg = trainer.agent->Diagnose(summed);
+    // (The ranks that stayed sum the bytes moved: the same collective.)
+    auto moved =
+        SumOverRanks(trainer.comm.get(), loaded->bytes_fetched / 1048576.0, c.collective_timeout);
+    if (!moved.ok()) {
+      const std::string msg = trainer.agent->Diagnose(moved.status());
       return trainer.agent->Fail(absl::StrCat("after joining: ", msg), msg);
     }
     first_step = source->context.step;
