@@ -2,7 +2,10 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <torch/torch.h>
+
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <map>
 #include <utility>
@@ -210,6 +213,25 @@ absl::StatusOr<SnapshotSource> FindSnapshots(CoordinatorApi* client, int64_t epo
   return src;
 }
 
+absl::StatusOr<SnapshotSource> AwaitSnapshotsToJoin(CoordinatorApi* client, int64_t epoch,
+                                                    int to_world, absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  while (true) {
+    const absl::Duration slice = std::min(absl::Seconds(2), deadline - absl::Now());
+    auto source = FindSnapshots(client, epoch, std::max(slice, absl::Milliseconds(1)));
+    if (source.ok() || !absl::IsDeadlineExceeded(source.status())) return source;
+    auto job = client->GetJob();
+    if (job.ok() && job->state() == "finished") {
+      return absl::CancelledError(absl::StrCat("the job finished before it could grow to ",
+                                               to_world, " ranks; not needed"));
+    }
+    if (job.ok() && job->state() == "failed") {
+      return absl::AbortedError(absl::StrCat("the job failed: ", job->failure()));
+    }
+    if (absl::Now() >= deadline) return source.status();
+  }
+}
+
 absl::StatusOr<SnapshotLoad> LoadFromSnapshots(ShardedOptimizer& new_opt,
                                                const SnapshotSource& source,
                                                const std::string& token, StateSnapshot* local) {
@@ -247,6 +269,24 @@ int64_t BytesChangingOwner(const Layout& from, const Layout& to, const std::vect
     }
   }
   return elements * 4 * num_states;
+}
+
+absl::StatusOr<double> SumOverRanks(Communicator* comm, double value, absl::Duration timeout) {
+  auto buf = std::make_shared<std::array<float, 1>>();
+  (*buf)[0] = static_cast<float>(value);
+  absl::Status s = WaitSafely(
+      comm, comm->AllReduce(buf->data(), 1, DType::kFloat32, ReduceOp::kSum), timeout, buf);
+  if (!s.ok()) return s;
+  return (*buf)[0];
+}
+
+void PrefaultStateBuffers(int64_t total_elements, int world) {
+  // (The flat buffers add a little padding: the allocator reuses within 2x.)
+  const int64_t owned = (total_elements + world - 1) / std::max(world, 1);
+  std::vector<torch::Tensor> touched;
+  for (int64_t n : {total_elements, total_elements, owned, owned, owned}) {
+    touched.push_back(torch::zeros({std::max<int64_t>(n, 1)}, torch::kFloat32));
+  }
 }
 
 }  // namespace shardopt

@@ -101,6 +101,13 @@ struct SnapshotSource {
 // Waits (up to `timeout`) for every old rank's snapshot to be published.
 absl::StatusOr<SnapshotSource> FindSnapshots(CoordinatorApi* client, int64_t epoch,
                                              absl::Duration timeout);
+// A rank started to grow the job to `to_world` ranks (epoch `epoch`): waits
+// (up to `timeout`) for the ranks already there to reach the resize's step
+// boundary and publish their snapshots, watching the job meanwhile.
+// Cancelled when the job finished first (the resize came too late to
+// happen: the rank is not needed); Aborted when the job failed.
+absl::StatusOr<SnapshotSource> AwaitSnapshotsToJoin(CoordinatorApi* client, int64_t epoch,
+                                                    int to_world, absl::Duration timeout);
 
 struct SnapshotLoad {
   RestoredCheckpoint info;
@@ -125,6 +132,18 @@ absl::Status AwaitHandOver(CoordinatorApi* client, int64_t epoch, absl::Duration
 // `to` when the old ranks `leave` go: the least that any resize must move between ranks.
 int64_t BytesChangingOwner(const Layout& from, const Layout& to, const std::vector<int>& leave,
                            int num_states);
+
+// The sum over every rank of `value` (collective over comm; fp32): the
+// bytes a resize moved, summed by the ranks of the new epoch. The buffer
+// outlives a timed-out wait (WaitSafely).
+absl::StatusOr<double> SumOverRanks(Communicator* comm, double value, absl::Duration timeout);
+
+// A rank that joins a running job touches host buffers of the sizes its
+// optimizer will allocate for `total_elements` parameters at `world` ranks,
+// and frees them (the host allocator keeps such mappings for reuse), before
+// it says it is ready: the job, paused while the new epoch forms, then does
+// not wait for the joiner's page faults.
+void PrefaultStateBuffers(int64_t total_elements, int world);
 
 }  // namespace shardopt
 

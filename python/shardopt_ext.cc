@@ -31,6 +31,8 @@
 #include "client/comm/kv_store.h"
 #include "client/checkpoint/full_state.h"
 #include "client/advice.h"
+#include "client/resize.h"
+#include "common/membership.h"
 #include "client/sharded_optimizer.h"
 #include "advisor/cost_model.h"
 #include "advisor/inputs.h"
@@ -235,6 +237,16 @@ struct PyOptimizerArgs {
   bool shard_gradients = false;
   py::object external_update = py::none();  // a torch.optim class's own step, or None
   bool allow_cut = true;
+  // False for a rank that joins a running job: its state comes from the job.
+  bool broadcast_initial_values = true;
+};
+
+// A rank started to grow a running job (shardrun sets $SHARDOPT_JOIN_EPOCH):
+// where the state of the ranks already there is (await_join), for
+// Optimizer.join_running.
+struct JoinTicket {
+  SnapshotSource source;
+  int to_world = 0;
 };
 
 class PyOptimizer {
@@ -245,14 +257,15 @@ class PyOptimizer {
     if (names.size() != tensors.size()) throw py::value_error("names and tensors differ in length");
     ShardedOptimizerOptions o = ToOptions(args);
     if (!args.external_update.is_none()) SetExternalUpdate(args.external_update, &o);
-    std::vector<std::pair<std::string, torch::Tensor>> named;
-    for (size_t i = 0; i < names.size(); ++i) named.emplace_back(names[i], tensors[i]);
+    o.broadcast_initial_values = args.broadcast_initial_values;
+    for (size_t i = 0; i < names.size(); ++i) named_.emplace_back(names[i], tensors[i]);
     absl::StatusOr<std::unique_ptr<ShardedOptimizer>> opt;
     {
       py::gil_scoped_release release;
-      opt = ShardedOptimizer::Create(named, o, comm_->comm.get());
+      opt = ShardedOptimizer::Create(named_, o, comm_->comm.get());
     }
     opt_ = Take(std::move(opt));
+    options_ = std::move(o);
   }
 
   static ShardedOptimizerOptions ToOptions(const PyOptimizerArgs& a) {
@@ -301,32 +314,192 @@ class PyOptimizer {
   // Joins the control plane (shardrun): heartbeats, shardctl, set-lr,
   // checkpoint requests. Returns the job's layout hash as the coordinator has it.
   // samples_per_rank: the batch size on this rank (0: not known).
+  // elastic: this rank makes live resizes (Step's "resize", CompleteResize).
   void StartAgent(const std::string& host, const std::string& token, const std::string& ckpt_dir,
-                  int ckpt_keep, int64_t samples_per_rank, double timeout_s, int coordinator_rank) {
-    if (samples_per_rank < 0) throw py::value_error("batch_size must be >= 0");
-    samples_per_rank_ = static_cast<double>(samples_per_rank);
-    const int64_t samples_per_step = samples_per_rank * comm_->comm->world_size();
-    if (!comm_->client) throw std::runtime_error("no coordinator (not launched by shardrun)");
+                  int ckpt_keep, int64_t samples_per_rank, double timeout_s, int coordinator_rank,
+                  bool elastic) {
     if (agent_) return;
-    RankAgentOptions o;
-    o.job_id = comm_->job_id;
-    o.rank = comm_->comm->rank();
-    o.host = host;
-    o.token = token;
-    o.device = opt_->on_device() ? "cuda" : "cpu";
-    o.collective_timeout = absl::Seconds(timeout_s);
-    o.ckpt_dir = ckpt_dir;
-    o.ckpt_keep = ckpt_keep;
-    o.samples_per_step = samples_per_step;
-    o.log_name = "shardopt";
-    o.coordinator_rank = coordinator_rank;
-    o.coordinator_address = comm_->client->address();
-    absl::StatusOr<std::unique_ptr<RankAgent>> a;
+    SetAgentArgs(host, token, ckpt_dir, ckpt_keep, samples_per_rank, timeout_s, coordinator_rank,
+                 elastic);
+    RunAgent(ResizeContext());
+  }
+
+  // A rank that joins a running job (after await_join, in an optimizer made
+  // with broadcast_initial_values False): joins the job's control plane at
+  // the resize's epoch and loads what it owns from the other ranks'
+  // snapshots. Collective with the ranks already there (CompleteResize).
+  py::dict JoinRunning(const JoinTicket& ticket, const std::string& host, const std::string& token,
+                       const std::string& ckpt_dir, int ckpt_keep, int64_t samples_per_rank,
+                       double timeout_s) {
+    if (agent_) throw std::runtime_error("this optimizer is in the job already");
+    if (ticket.to_world != comm_->comm->world_size()) {
+      throw py::value_error("the join ticket is for another world size");
+    }
+    SetAgentArgs(host, token, ckpt_dir, ckpt_keep, samples_per_rank, timeout_s, -1, true);
+    epoch_ = ticket.source.epoch;
+    const auto t0 = std::chrono::steady_clock::now();
+    RunAgent(ticket.source.context);
+    absl::StatusOr<SnapshotLoad> loaded;
     {
       py::gil_scoped_release release;
-      a = RankAgent::Start(comm_->client.get(), opt_.get(), o);
+      loaded = LoadFromSnapshots(*opt_, ticket.source, agent_args_.token, nullptr);
     }
-    agent_ = Take(std::move(a));
+    if (!loaded.ok()) {
+      FailWith(absl::StrCat("joining the job failed: ", DiagnoseReleased(loaded.status())));
+    }
+    // (The ranks that stayed sum the bytes moved: the same collective.)
+    absl::StatusOr<double> moved;
+    {
+      py::gil_scoped_release release;
+      moved = SumOverRanks(comm_->comm.get(), loaded->bytes_fetched / 1048576.0,
+                           absl::Seconds(agent_args_.timeout_s));
+    }
+    if (!moved.ok()) FailWith(absl::StrCat("after joining: ", DiagnoseReleased(moved.status())));
+    agent_->Resumed(ticket.source.context.step);
+    py::dict d;
+    d["step"] = ticket.source.context.step;
+    d["epoch"] = epoch_;
+    d["from_world"] = ticket.source.context.from_world;
+    d["to_world"] = comm_->comm->world_size();
+    d["rank"] = comm_->comm->rank();
+    d["seconds"] = Since(t0);
+    d["bytes_fetched"] = loaded->bytes_fetched;
+    return d;
+  }
+
+  // A live resize agreed after `step` (Step): this rank's owned state is
+  // snapshotted in memory and served, and the old epoch's agent stops. A
+  // rank that leaves waits until the new epoch has loaded its state ("rank"
+  // -1 in the result: the process should exit); the others go on with
+  // CompleteResize.
+  py::dict BeginResize(const ResizeOrder& order, int64_t step) {
+    PendingResize p;
+    p.t0 = std::chrono::steady_clock::now();
+    {
+      // The step's parameter all-gathers land in the old buffers first.
+      absl::Status s;
+      {
+        py::gil_scoped_release release;
+        s = opt_->WaitForParameters();
+      }
+      if (!s.ok()) {
+        FailWith(
+            absl::StrCat("resizing to ", order.to_world, " ranks failed: ", DiagnoseReleased(s)));
+      }
+    }
+    p.order = order;
+    p.context = agent_->Context(step);
+    p.old_layout = opt_->layout();
+    const int old_rank = comm_->comm->rank(), new_rank = order.NewRank(old_rank);
+    absl::StatusOr<std::unique_ptr<StateSnapshot>> snap;
+    {
+      py::gil_scoped_release release;
+      snap = StateSnapshot::Take(*opt_, comm_->client.get(), order, p.context, agent_args_.host,
+                                 agent_args_.token);
+    }
+    if (!snap.ok()) {
+      FailWith(absl::StrCat("resizing to ", order.to_world,
+                            " ranks failed: ", DiagnoseReleased(snap.status())));
+    }
+    p.snapshot = *std::move(snap);
+    p.snapshot_s = Since(p.t0);
+    {
+      // The old epoch ends here for this rank (its agent leaves without Finish).
+      py::gil_scoped_release release;
+      agent_->Stop();
+      agent_.reset();
+    }
+    py::dict d;
+    d["step"] = step;
+    d["epoch"] = order.epoch;
+    d["from_world"] = order.from_world;
+    d["to_world"] = order.to_world;
+    d["previous_rank"] = old_rank;
+    d["rank"] = new_rank;
+    d["snapshot_bytes"] = p.snapshot->bytes();
+    if (new_rank >= 0) {
+      resize_ = std::move(p);
+      return d;
+    }
+    absl::Status s;
+    {
+      py::gil_scoped_release release;
+      s = AwaitHandOver(comm_->client.get(), order.epoch, absl::Seconds(agent_args_.timeout_s));
+    }
+    if (!s.ok()) {
+      ResizeFailed(old_rank, order, "waiting for the remaining ranks to take its state", s);
+    }
+    d["bytes_served"] = p.snapshot->bytes_served();
+    return d;
+  }
+
+  // The rest of a live resize on a rank that stays, over `comm` (the new
+  // epoch's communicator): a new optimizer over the same parameters, this
+  // rank's agent in the new epoch, the state loaded from the snapshots.
+  // Collective with the ranks that join (JoinRunning).
+  py::dict CompleteResize(std::shared_ptr<PyCommunicator> comm) {
+    if (!resize_) throw std::runtime_error("no live resize is under way");
+    PendingResize p = std::move(*resize_);
+    resize_.reset();
+    const int old_rank = p.snapshot->old_rank();
+    if (comm->comm->world_size() != p.order.to_world ||
+        comm->comm->rank() != p.order.NewRank(old_rank)) {
+      throw std::logic_error("the new epoch's communicator has another rank or world size");
+    }
+    const absl::Duration timeout = absl::Seconds(agent_args_.timeout_s);
+    absl::StatusOr<SnapshotSource> source;
+    ShardedOptimizerOptions o = options_;
+    o.broadcast_initial_values = false;  // every value is restored from its owner right after
+    absl::StatusOr<std::unique_ptr<ShardedOptimizer>> next;
+    {
+      py::gil_scoped_release release;
+      source = FindSnapshots(comm->client.get(), p.order.epoch, timeout);
+      if (source.ok()) next = ShardedOptimizer::Create(named_, o, comm->comm.get());
+    }
+    if (!source.ok()) ResizeFailed(old_rank, p.order, "finding the snapshots", source.status());
+    if (!next.ok()) ResizeFailed(old_rank, p.order, "a new optimizer", next.status());
+    // The old optimizer goes before its communicator; the parameters are
+    // views of the new one's buffers now.
+    opt_ = *std::move(next);
+    comm_ = std::move(comm);
+    epoch_ = p.order.epoch;
+    RunAgent(p.context);
+    const double formed_s = Since(p.t0);
+    absl::StatusOr<SnapshotLoad> loaded;
+    {
+      py::gil_scoped_release release;
+      loaded = LoadFromSnapshots(*opt_, *source, agent_args_.token, p.snapshot.get());
+    }
+    if (!loaded.ok()) {
+      FailWith(absl::StrCat("resizing to ", p.order.to_world,
+                            " ranks failed: ", DiagnoseReleased(loaded.status())));
+    }
+    // Every rank of the new epoch has loaded (the load ends with an
+    // agreement): the leaving ranks may go.
+    if (comm_->comm->rank() == 0) {
+      if (absl::Status s = AnnounceHandOver(comm_->client.get(), epoch_); !s.ok()) {
+        FailWith(absl::StrCat("resize: ", s.message()));
+      }
+    }
+    absl::StatusOr<double> moved;
+    {
+      py::gil_scoped_release release;
+      moved = SumOverRanks(comm_->comm.get(), loaded->bytes_fetched / 1048576.0, timeout);
+    }
+    if (!moved.ok()) FailWith(absl::StrCat("after the resize: ", DiagnoseReleased(moved.status())));
+    const int64_t least = BytesChangingOwner(p.old_layout, opt_->layout(), p.order.leave,
+                                             1 + static_cast<int>(opt_->state_names().size()));
+    agent_->Resumed(p.context.step);
+    last_step_end_.reset();
+    py::dict d;
+    d["seconds"] = Since(p.t0);
+    d["snapshot_seconds"] = p.snapshot_s;
+    d["form_seconds"] = formed_s - p.snapshot_s;
+    d["load_seconds"] = Since(p.t0) - formed_s;
+    d["moved_mib"] = *moved;
+    d["least_mib"] = least / 1048576.0;
+    d["snapshot_mib"] = p.snapshot->bytes() / 1048576.0;
+    return d;
   }
   bool has_agent() const { return agent_ != nullptr; }
   std::string DiagnoseReleased(const absl::Status& s) {
@@ -415,6 +588,9 @@ class PyOptimizer {
         if (!s.ok()) FailWith(std::string(s.message()));
       }
     }
+    // After the step's own checkpoint, so that a checkpoint and a resize
+    // agreed at the same step both happen.
+    if (agreed && agreed->resize) d["resize"] = BeginResize(*agreed->resize, r->step);
     d["step"] = r->step;
     d["grad_norm"] = r->grad_norm;
     d["clipped"] = r->clipped;
@@ -485,7 +661,8 @@ class PyOptimizer {
     std::vector<int> missing;
     if (!comm_->client || comm_->comm->world_size() == 1) return missing;
     py::gil_scoped_release release;
-    const std::string base = absl::StrCat(comm_->job_id, "/shardopt-join/", what, "/", seq, "/");
+    const std::string base =
+        absl::StrCat(comm_->job_id, "/shardopt-join/", epoch_, "/", what, "/", seq, "/");
     const int me = comm_->comm->rank();
     (void)comm_->client->KvSet(absl::StrCat(base, me), "1");
     const absl::Time deadline = absl::Now() + absl::Seconds(timeout_s);
@@ -642,11 +819,94 @@ class PyOptimizer {
   int rank() const { return comm_->comm->rank(); }
   std::string abort_reason() const { return agent_ ? agent_->abort_reason() : ""; }
   int world_size() const { return comm_->comm->world_size(); }
+  int64_t epoch() const { return epoch_; }
   ShardedOptimizer* get() { return opt_.get(); }
 
  private:
+  // What StartAgent was given, for the agents of later membership epochs.
+  struct AgentArgs {
+    std::string host, token, ckpt_dir;
+    int ckpt_keep = 0;
+    double timeout_s = 300;
+    int coordinator_rank = -1;
+    bool elastic = false;
+  };
+  // A live resize between BeginResize and CompleteResize.
+  struct PendingResize {
+    ResizeOrder order;
+    ResizeContext context;
+    std::unique_ptr<StateSnapshot> snapshot;
+    shardopt::Layout old_layout;
+    std::chrono::steady_clock::time_point t0;
+    double snapshot_s = 0;
+  };
+
+  static double Since(std::chrono::steady_clock::time_point t0) {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+  void SetAgentArgs(const std::string& host, const std::string& token, const std::string& ckpt_dir,
+                    int ckpt_keep, int64_t samples_per_rank, double timeout_s, int coordinator_rank,
+                    bool elastic) {
+    if (samples_per_rank < 0) throw py::value_error("batch_size must be >= 0");
+    if (!(timeout_s > 0)) throw py::value_error("timeout must be > 0 seconds");
+    if (!comm_->client) throw std::runtime_error("no coordinator (not launched by shardrun)");
+    samples_per_rank_ = static_cast<double>(samples_per_rank);
+    agent_args_ = AgentArgs{host, token, ckpt_dir, ckpt_keep, timeout_s, coordinator_rank, elastic};
+  }
+  // This rank's agent in the current epoch (Join waits for every rank of
+  // it), starting from `context` (the step and the control requests already
+  // acted on before the epoch).
+  void RunAgent(const ResizeContext& context) {
+    RankAgentOptions o;
+    o.job_id = comm_->job_id;
+    o.rank = comm_->comm->rank();
+    o.host = agent_args_.host;
+    o.token = agent_args_.token;
+    o.device = opt_->on_device() ? "cuda" : "cpu";
+    o.collective_timeout = absl::Seconds(agent_args_.timeout_s);
+    o.ckpt_dir = agent_args_.ckpt_dir;
+    o.ckpt_keep = agent_args_.ckpt_keep;
+    o.samples_per_step = static_cast<int64_t>(samples_per_rank_) * comm_->comm->world_size();
+    o.log_name = "shardopt";
+    o.coordinator_rank = agent_args_.coordinator_rank;
+    o.coordinator_address = comm_->client->address();
+    o.epoch = epoch_;
+    o.elastic = agent_args_.elastic;
+    o.start_step = context.step;
+    o.checkpoint_requests_done = context.checkpoint_requests_done;
+    o.lr_versions_done = context.lr_versions_done;
+    o.resize_requests_done = context.resize_requests_done;
+    absl::StatusOr<std::unique_ptr<RankAgent>> a;
+    {
+      py::gil_scoped_release release;
+      a = RankAgent::Start(comm_->client.get(), opt_.get(), o);
+    }
+    if (!a.ok() && epoch_ > 0) {
+      // No agent to report it: the job fails from here.
+      (void)comm_->client->Abort(a.status().ToString(), comm_->comm->rank());
+    }
+    agent_ = Take(std::move(a));
+  }
+  // A resize that failed before this rank's agent of the new epoch runs:
+  // the job fails (Abort), and RuntimeError.
+  [[noreturn]] void ResizeFailed(int rank, const ResizeOrder& order, const std::string& what,
+                                 const absl::Status& s) {
+    const std::string msg =
+        absl::StrCat("resizing to ", order.to_world, " ranks failed: ", what, ": ", s.message());
+    {
+      py::gil_scoped_release release;
+      (void)comm_->client->Abort(msg, rank);
+    }
+    throw std::runtime_error(msg);
+  }
+
   std::shared_ptr<PyCommunicator> comm_;
   py::object external_;  // ShardedOptimizerOptions::external_update's callable
+  std::vector<std::pair<std::string, torch::Tensor>> named_;
+  ShardedOptimizerOptions options_;  // what opt_ was made with (a resize makes another)
+  AgentArgs agent_args_;
+  int64_t epoch_ = 0;  // the membership epoch (a live resize starts the next)
+  std::optional<PendingResize> resize_;
   std::unique_ptr<ShardedOptimizer> opt_;
   double samples_per_rank_ = 0;
   std::optional<std::chrono::steady_clock::time_point> last_step_end_;
@@ -794,7 +1054,52 @@ void BindHostAllocator(py::module_& m) {
   });
 }
 
+// A rank started to grow a running job: says it is ready (the job goes on
+// training until every new rank is) and waits for the snapshots of the
+// ranks already there. None when the job finished first (this rank is not
+// needed); RuntimeError when it failed or the wait timed out.
+py::object AwaitJoin(const std::string& address, const std::string& token,
+                     const std::string& tls_ca, const std::string& tls_cert,
+                     const std::string& tls_key, int64_t epoch, int rank, int world,
+                     int64_t total_elements, double timeout_s) {
+  if (epoch < 1) throw py::value_error("the membership epoch to join must be >= 1");
+  if (world < 1 || rank < 0 || rank >= world) {
+    throw py::value_error(absl::StrCat("rank ", rank, " is outside a world of ", world));
+  }
+  if (!(timeout_s > 0)) throw py::value_error("timeout must be > 0 seconds");
+  auto creds = MakeChannelCredentials(ClientTls{tls_ca, tls_cert, tls_key});
+  if (!creds.ok()) Raise(creds.status());
+  CoordinatorClient client(address, token, *creds);
+  absl::StatusOr<SnapshotSource> source;
+  {
+    py::gil_scoped_release release;
+    const absl::Duration timeout = absl::Seconds(timeout_s);
+    PrefaultStateBuffers(total_elements, world);
+    absl::Status s = client.WaitUntilReachable(timeout);
+    if (s.ok()) s = client.KvSet(ResizeReadyKey(epoch, rank), "1");
+    source = s.ok() ? AwaitSnapshotsToJoin(&client, epoch, world, timeout)
+                    : absl::StatusOr<SnapshotSource>(s);
+  }
+  if (!source.ok()) {
+    if (absl::IsCancelled(source.status())) return py::none();
+    throw std::runtime_error(
+        absl::StrCat("cannot join epoch ", epoch, ": ", source.status().message()));
+  }
+  auto ticket = std::make_unique<JoinTicket>();
+  ticket->source = *std::move(source);
+  ticket->to_world = world;
+  return py::cast(std::move(ticket));
+}
+
 void BindCommunicator(py::module_& m) {
+  py::class_<JoinTicket>(m, "JoinTicket")
+      .def_property_readonly("step", [](const JoinTicket& t) { return t.source.context.step; })
+      .def_property_readonly("epoch", [](const JoinTicket& t) { return t.source.epoch; })
+      .def_property_readonly("from_world",
+                             [](const JoinTicket& t) { return t.source.context.from_world; });
+  m.def("await_join", &AwaitJoin, py::arg("address"), py::arg("token"), py::arg("tls_ca"),
+        py::arg("tls_cert"), py::arg("tls_key"), py::arg("epoch"), py::arg("rank"),
+        py::arg("world_size"), py::arg("total_elements"), py::arg("timeout_s"));
   py::class_<PyCommunicator, std::shared_ptr<PyCommunicator>>(m, "Communicator")
       .def_property_readonly("rank", [](const PyCommunicator& c) { return c.comm->rank(); })
       .def_property_readonly("world_size",
@@ -892,7 +1197,8 @@ void BindOptimizerArgs(py::module_& m) {
       .def_readwrite("overlap_param_gather", &PyOptimizerArgs::overlap_param_gather)
       .def_readwrite("shard_gradients", &PyOptimizerArgs::shard_gradients)
       .def_readwrite("external_update", &PyOptimizerArgs::external_update)
-      .def_readwrite("allow_cut", &PyOptimizerArgs::allow_cut);
+      .def_readwrite("allow_cut", &PyOptimizerArgs::allow_cut)
+      .def_readwrite("broadcast_initial_values", &PyOptimizerArgs::broadcast_initial_values);
 }
 
 void BindOptimizer(py::module_& m) {
@@ -906,7 +1212,12 @@ void BindOptimizer(py::module_& m) {
       .def("step", &PyOptimizer::Step, py::arg("loss") = py::none())
       .def("start_agent", &PyOptimizer::StartAgent, py::arg("host"), py::arg("token"),
            py::arg("ckpt_dir"), py::arg("ckpt_keep"), py::arg("samples_per_rank"),
-           py::arg("timeout_s"), py::arg("coordinator_rank") = -1)
+           py::arg("timeout_s"), py::arg("coordinator_rank") = -1, py::arg("elastic") = false)
+      .def("join_running", &PyOptimizer::JoinRunning, py::arg("ticket"), py::arg("host"),
+           py::arg("token"), py::arg("ckpt_dir"), py::arg("ckpt_keep"), py::arg("samples_per_rank"),
+           py::arg("timeout_s"))
+      .def("complete_resize", &PyOptimizer::CompleteResize, py::arg("comm"))
+      .def_property_readonly("epoch", &PyOptimizer::epoch)
       .def("has_agent", &PyOptimizer::has_agent)
       .def("before_step", &PyOptimizer::BeforeStep)
       .def("finish", &PyOptimizer::Finish)

@@ -234,8 +234,9 @@ absl::StatusOr<PendingResize> Coordinator::RequestResize(int to_world, std::vect
     }
     if (!all_elastic_) {
       return absl::FailedPreconditionError(
-          "the job's trainer cannot resize live (shardopt_train can; the Python API cannot "
-          "yet): restart it at the new size from a checkpoint instead");
+          "the job's trainer cannot resize live (shardopt_train can, and Python scripts whose "
+          "ShardedOptimizer has elastic=True): restart it at the new size from a checkpoint "
+          "instead");
     }
     if (to_world < 1 || to_world > kMaxWorldSize) {
       return absl::InvalidArgumentError(

@@ -130,7 +130,8 @@ refused "--ranks=0" "--ranks" resize --ranks=0
 timeout 30 $B/shardctl --coordinator="$addr2" abort "done" >/dev/null 2>&1
 wait $run
 
-# A Python job cannot resize live (yet): refused with the reason.
+# A Python job whose optimizer is not elastic=True cannot resize live:
+# refused with the reason (tests/e2e/python_resize_test.sh resizes one that is).
 export PYTHONPATH=$PWD/python
 timeout 120 $B/shardrun --nproc 2 --port-file="$tmp/addr4" --job-id=python -- \
   /usr/bin/python3 tests/python/launcher_job.py --steps=2000 --step-sleep=0.05 --out="$tmp/py.pt" \

@@ -700,53 +700,6 @@ int Conclude(const Config& c, ShardedOptimizer* o, RankAgent* agent, int64_t fir
   return 0;
 }
 
-// A rank started to grow the job: waits (up to --collective-timeout) for
-// the ranks already there to reach the resize's step boundary and publish
-// their snapshots. Cancelled when the job finished first (the resize came
-// too late to happen); the job's failure when it failed meanwhile.
-absl::StatusOr<SnapshotSource> AwaitSnapshots(const Config& c, CoordinatorClient* client) {
-  const absl::Time deadline = absl::Now() + c.collective_timeout;
-  while (true) {
-    const absl::Duration slice = std::min(absl::Seconds(2), deadline - absl::Now());
-    auto source = FindSnapshots(client, c.join_epoch, std::max(slice, absl::Milliseconds(1)));
-    if (source.ok() || !absl::IsDeadlineExceeded(source.status())) return source;
-    auto job = client->GetJob();
-    if (job.ok() && job->state() == "finished") {
-      return absl::CancelledError(
-          absl::StrCat("the job finished before it could grow to ", c.world, " ranks; not needed"));
-    }
-    if (job.ok() && job->state() == "failed") {
-      return absl::AbortedError(absl::StrCat("the job failed: ", job->failure()));
-    }
-    if (absl::Now() >= deadline) return source.status();
-  }
-}
-
-// A rank that joins a running job touches buffers of the sizes its
-// optimizer will allocate and frees them (the host allocator keeps such
-// mappings for reuse) before it says it is ready: the job, paused while the
-// new epoch forms, then does not wait for this process's page faults.
-void PrefaultBuffers(TrainModel& model, const Config& c) {
-  int64_t total = 0;  // (the flat buffers add a little padding: the allocator reuses within 2x)
-  for (const auto& [name, p] : model.NamedParameters()) total += p.numel();
-  const int64_t owned = (total + c.world - 1) / c.world;
-  std::vector<torch::Tensor> touched;
-  for (int64_t n : {total, total, owned, owned, owned}) {
-    touched.push_back(torch::zeros({std::max<int64_t>(n, 1)}, torch::kFloat32));
-  }
-}
-
-// The sum over every rank of `value` (collective; fp32). The buffer outlives
-// a timed-out wait (WaitSafely).
-absl::StatusOr<double> SumOverRanks(Communicator* comm, double value, absl::Duration timeout) {
-  auto buf = std::make_shared<std::array<float, 1>>();
-  (*buf)[0] = static_cast<float>(value);
-  absl::Status s = WaitSafely(
-      comm, comm->AllReduce(buf->data(), 1, DType::kFloat32, ReduceOp::kSum), timeout, buf);
-  if (!s.ok()) return s;
-  return (*buf)[0];
-}
-
 // This rank's communicator, optimizer and agent for the epoch in c (the
 // agent's Join waits for every rank of it). `context`: the step it starts
 // from and the control requests acted on before (a live resize). The
@@ -974,11 +927,13 @@ int Main(int argc, char** argv) {
   if (c.join_epoch > 0) {
     // Started by shardrun to grow a running job: the state comes from the
     // ranks already there, who go on training until every new rank is ready.
-    PrefaultBuffers(**model, c);
+    int64_t total = 0;
+    for (const auto& [name, p] : (*model)->NamedParameters()) total += p.numel();
+    PrefaultStateBuffers(total, c.world);
     if (absl::Status s = client.KvSet(ResizeReadyKey(c.join_epoch, c.rank), "1"); !s.ok()) {
       return Fail(c.rank, absl::StrCat("cannot join epoch ", c.join_epoch, ": ", s.message()));
     }
-    auto source = AwaitSnapshots(c, &client);
+    auto source = AwaitSnapshotsToJoin(&client, c.join_epoch, c.world, c.collective_timeout);
     if (!source.ok()) {
       if (absl::IsCancelled(source.status())) {  // the job ended first: nothing to join
         std::printf("shardopt_train: rank %d: %s\n", c.rank,

@@ -39,17 +39,22 @@ class Context:
         if self.restart < 0:
             raise ValueError(f"environment variable SHARDOPT_RESTART={self.restart} must be >= 0")
 
-    def _new_communicator(self, timeout: float):
-        """One communicator per optimizer (its own rendezvous keys)."""
-        self._prefixes += 1
-        prefix = f"shardopt-py/{self._prefixes}"
+    def _new_communicator(self, timeout: float, epoch: int = 0, index: int = 0):
+        """One communicator per optimizer (its own rendezvous keys: the
+        optimizer's index in the process, and each membership epoch of an
+        elastic job apart). Returns (communicator, index)."""
+        if index == 0:
+            self._prefixes += 1
+            index = self._prefixes
+        prefix = f"shardopt-py/{index}" + (f"/epoch-{epoch}" if epoch > 0 else "")
+        return self._connect(prefix, timeout), index
+
+    def _connect(self, prefix: str, timeout: float):
         if self.control_plane:
             env = os.environ
             return _C.make_coordinator_communicator(
                 self.rank, self.world_size, env["SHARDOPT_COORDINATOR"], _token(), self.job_id,
-                prefix, timeout, _hostname(), env.get("SHARDOPT_TLS_CA", ""),
-                env.get("SHARDOPT_TLS_CERT", ""), env.get("SHARDOPT_TLS_KEY", ""),
-                self.transport)
+                prefix, timeout, _hostname(), *_tls(), self.transport)
         if self.world_size == 1:
             return _C.make_communicator(0, 1, None, "", timeout, "127.0.0.1")
         return _C.make_communicator(self.rank, self.world_size, _default_store(), prefix, timeout,
@@ -68,6 +73,21 @@ def _env_int(name: str, default: int) -> int:
         return int(v)
     except ValueError:
         raise ValueError(f"environment variable {name}={v!r} is not an integer") from None
+
+
+def _join_epoch() -> int:
+    """The membership epoch this process was started to join
+    ($SHARDOPT_JOIN_EPOCH, set by shardrun when it grows a running job), or 0."""
+    epoch = _env_int("SHARDOPT_JOIN_EPOCH", 0)
+    if epoch < 0:
+        raise ValueError(f"environment variable SHARDOPT_JOIN_EPOCH={epoch} must be >= 0")
+    return epoch
+
+
+def _tls() -> tuple:
+    env = os.environ
+    return (env.get("SHARDOPT_TLS_CA", ""), env.get("SHARDOPT_TLS_CERT", ""),
+            env.get("SHARDOPT_TLS_KEY", ""))
 
 
 def _hostname() -> str:

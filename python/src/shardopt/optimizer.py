@@ -1,6 +1,7 @@
 """ShardedOptimizer (a torch.optim.Optimizer with its state sharded over
 the ranks) and StepStats, what one step did."""
 
+import collections
 import contextlib
 import os
 import sys
@@ -13,15 +14,37 @@ from torch.optim import Optimizer
 
 from . import _C  # the C++ core (built against this torch)
 from ._exit import _live
-from ._launch import Context, _hostname, _token, init
+from ._launch import Context, _hostname, _join_epoch, _tls, _token, _torch_world, init
 from ._options import (_UNSET, _WRAPPER_KWARGS, _check_torch_kwargs, _hyper_keys, _is_ddp,
                        _is_generic, _kind_of, _split_group)
 from ._state import _StateMixin
 
 
 @dataclass
+class ResizeEvent:
+    """A live resize of an elastic job (docs/elastic.md): after step `step`
+    the job went from `from_world` to `to_world` ranks (membership epoch
+    `epoch`); this rank was `previous_rank` (-1: it joined then) and is
+    `rank` now. `seconds`: how long the resize took on this rank;
+    `moved_bytes`: the optimizer state that crossed between ranks (summed
+    over them), `least_bytes`: the slices that changed owner (the least any
+    resize must move)."""
+
+    step: int
+    epoch: int
+    from_world: int
+    to_world: int
+    previous_rank: int
+    rank: int
+    seconds: float
+    moved_bytes: int = 0
+    least_bytes: int = 0
+
+
+@dataclass
 class StepStats:
-    """What one step did. `loss` is the closure's result, if one was given."""
+    """What one step did. `loss` is the closure's result, if one was given;
+    `resize` the live resize made after this step (elastic=True), else None."""
 
     step: int
     grad_norm: float
@@ -29,6 +52,7 @@ class StepStats:
     comm_wait_seconds: float
     update_seconds: float
     loss: Any = None
+    resize: Optional[ResizeEvent] = None
 
 
 # state_dict, load_state_dict, consolidate_state_dict and the checkpoints are
@@ -69,6 +93,20 @@ class ShardedOptimizer(_StateMixin, Optimizer):
     advisor predicts for this run against DDP and OSS, and its
     recommendation (docs/advisor.md), from the run's own forward + backward
     (zero_grad() to step()) and update times.
+
+    `elastic=True` (under shardrun; docs/elastic.md): the job can change its
+    number of ranks while it trains (`shardctl resize --ranks=M`,
+    `shardctl drain --rank=R`). After the step the ranks agree on, the
+    optimizer state moves to the new ranks directly, step() returns with
+    `opt.rank` and `opt.world_size` changed and `StepStats.resize` set, and
+    the functions given to `opt.on_resize(fn)` run (rebuild the data sampler
+    there). A rank that leaves exits inside step() (SystemExit(0)) once the
+    others hold its state. A rank that shardrun starts to grow the job
+    builds its model and optimizer as the first ranks did; its optimizer
+    takes the job's state and step (`opt.step_count`, `opt.last_resize`),
+    and the script trains on from there. The fused optimizers only; the
+    script's own torch.distributed group cannot change size, so it must not
+    have one.
     """
 
     def __init__(self, params, optimizer="adamw", lr: float = _UNSET,
@@ -85,6 +123,7 @@ class ShardedOptimizer(_StateMixin, Optimizer):
                  broadcast_buffers: Optional[bool] = None,
                  batch_size: int = 0,
                  advise: bool = False,
+                 elastic: bool = False,
                  optim=None, optimizer_class=None, **torch_kwargs):
         # fairscale OSS (optim=torch.optim.X) and ZeroRedundancyOptimizer
         # (optimizer_class=torch.optim.X, or second positional) signatures.
@@ -149,6 +188,8 @@ class ShardedOptimizer(_StateMixin, Optimizer):
             _C.validate_hyper_parameter(name, fv)
         if not isinstance(advise, bool):
             raise ValueError(f"advise must be True or False, got {advise!r}")
+        if not isinstance(elastic, bool):
+            raise ValueError(f"elastic must be True or False, got {elastic!r}")
         if not isinstance(batch_size, int) or batch_size < 0:
             raise ValueError(f"batch_size must be an int >= 0 (samples per rank per step), "
                              f"got {batch_size!r}")
@@ -249,8 +290,31 @@ class ShardedOptimizer(_StateMixin, Optimizer):
             if missing:
                 raise ValueError(f"parameter {missing[0]!r} is not in `module` ({len(missing)} "
                                  "are not): pass the module that uses the parameters")
-        comm = self._context._new_communicator(timeout)
+        ctx = self._context
+        join_epoch = _join_epoch() if ctx.control_plane and not ctx._agent_taken else 0
+        self._check_elastic(elastic, join_epoch, generic_class)
+        ticket = None
+        if join_epoch > 0:
+            # Started by shardrun to grow the running job: the ranks there go
+            # on training until every new rank is ready, then hand over
+            # their state.
+            ticket = _C.await_join(os.environ["SHARDOPT_COORDINATOR"], _token(), *_tls(),
+                                   join_epoch, ctx.rank, ctx.world_size,
+                                   sum(t.numel() for t in tensors), float(timeout))
+            if ticket is None:
+                print(f"shardopt: rank {ctx.rank}: the job finished before it could grow to "
+                      f"{ctx.world_size} ranks; this rank is not needed", file=sys.stderr,
+                      flush=True)
+                raise SystemExit(0)
+            if advise:
+                print("shardopt: advise=True is ignored on a rank that joins a running job",
+                      file=sys.stderr)
+                advise = False
+        comm, self._comm_index = ctx._new_communicator(timeout, epoch=join_epoch)
         self._transport = comm.transport
+        self._elastic = elastic
+        self._resize_hooks: Dict[int, Any] = collections.OrderedDict()  # (RemovableHandle's)
+        self.last_resize: Optional[ResizeEvent] = None
         self._generic_class = generic_class
         self._local = None  # generic: the torch.optim instance over this rank's owned tensors
         if generic_class is not None:
@@ -276,6 +340,7 @@ class ShardedOptimizer(_StateMixin, Optimizer):
         args.shard_gradients = shard_gradients
         args.external_update = self._external_step if generic_class else None
         args.allow_cut = generic_class is None
+        args.broadcast_initial_values = ticket is None
         self._core = _C.Optimizer(comm, names, tensors, args)
         # advise=True: [steps seen, best forward + backward, best update, zero_grad's time]
         self._advice = None
@@ -287,6 +352,8 @@ class ShardedOptimizer(_StateMixin, Optimizer):
         self._pushed = [self._hyper(g) for g in self.param_groups]
         self._initialised = True
         self._hooks = []
+        self._bucket_hooks = []  # _attach's (bucket numbers change with a resize)
+        self._overlap = bool(overlap_param_gather)
         self._module = module
         self._timeout = float(timeout)
         self._consolidated = None  # (step, state_dict, rank): consolidate_state_dict()
@@ -296,22 +363,119 @@ class ShardedOptimizer(_StateMixin, Optimizer):
         # before a forward iff the previous forward ran with grad enabled
         # outside no_sync() (and once at construction).
         self._require_forward_buffer_sync = True
+        self._finished = False
+        if ticket is not None:
+            # Collective with the ranks already there (their step()).
+            ctx._agent_taken = True
+            _live.add(self)
+            j = self._core.join_running(ticket, _hostname(), _token(),
+                                        os.fspath(checkpoint_dir or ""), int(checkpoint_keep),
+                                        int(batch_size), float(timeout))
+            self.last_resize = ResizeEvent(
+                step=j["step"], epoch=j["epoch"], from_world=j["from_world"],
+                to_world=j["to_world"], previous_rank=-1, rank=j["rank"], seconds=j["seconds"])
+            self._pull_groups()  # the job's hyper-parameters (set-lr, schedulers) as loaded
+            print(f"shardopt: rank {j['rank']} joined the job at step {j['step']} (epoch "
+                  f"{j['epoch']}, {j['to_world']} ranks)", file=sys.stderr, flush=True)
         if overlap_param_gather:
             self._attach(module)
         if module is not None:
-            self._attach_module(module)
-        self._finished = False
-        ctx = self._context
-        if ctx.control_plane and not ctx._agent_taken:
+            # A rank that joins takes the buffers of rank 0, as the ranks
+            # that stay do after a resize.
+            self._attach_module(module, sync_now=self._broadcast_buffers or ticket is not None)
+        if ticket is None and ctx.control_plane and not ctx._agent_taken:
             # shardctl checkpoint requests write under checkpoint_dir.
             ctx._agent_taken = True
             self._core.start_agent(_hostname(), _token(), os.fspath(checkpoint_dir or ""),
                                    int(checkpoint_keep), int(batch_size), float(timeout),
-                                   ctx._coordinator_rank)
+                                   ctx._coordinator_rank, elastic)
             _live.add(self)
-        elif ctx.control_plane:
+        elif ticket is None and ctx.control_plane:
             print("shardopt: only the first ShardedOptimizer of a process joins the control "
                   "plane", file=sys.stderr)
+
+    # -- elastic jobs ---------------------------------------------------------
+    def _check_elastic(self, elastic: bool, join_epoch: int, generic_class) -> None:
+        ctx = self._context
+        if join_epoch > 0 and not elastic:
+            raise ValueError(f"this rank was started to join a running job (membership epoch "
+                             f"{join_epoch}), but its ShardedOptimizer is not elastic=True")
+        if not elastic:
+            return
+        if not ctx.control_plane:
+            raise ValueError(f"elastic=True needs a shardopt coordinator (launch with shardrun); "
+                             f"this process was launched by {ctx.launcher}")
+        if ctx._agent_taken:
+            raise ValueError("elastic=True is for the first ShardedOptimizer of a process (the "
+                             "one that joins the control plane)")
+        if generic_class is not None:
+            raise ValueError(f"elastic=True needs a fused optimizer (Adam, AdamW, SGD): "
+                             f"{generic_class.__name__}'s state lives in Python and cannot move "
+                             "between ranks live")
+        if _torch_world() > 0:
+            raise ValueError("elastic=True: this process has a torch.distributed process group, "
+                             "whose size cannot change while it runs; an elastic script leaves "
+                             "the collectives to shardopt")
+
+    def on_resize(self, fn):
+        """Registers fn(opt, event: ResizeEvent), called on every rank that
+        stays after a live resize (elastic=True), when the state has moved
+        and opt.rank / opt.world_size are the new ones: rebuild the data
+        sampler, rescale the learning rate or batch there. A rank that joins
+        reads the same values at construction (opt.last_resize). Returns a
+        handle whose remove() unregisters fn."""
+        if not callable(fn):
+            raise TypeError(f"on_resize needs a callable, not {type(fn).__name__}")
+        import torch.utils.hooks
+        handle = torch.utils.hooks.RemovableHandle(self._resize_hooks)
+        self._resize_hooks[handle.id] = fn
+        return handle
+
+    def _after_resize(self, info: Dict[str, Any]) -> ResizeEvent:
+        """The rest of a live resize agreed after this step (the core has
+        taken this rank's snapshot): leave, or move to the new epoch."""
+        step, epoch = info["step"], info["epoch"]
+        if info["rank"] < 0:
+            self._finished = True  # the job goes on without this rank
+            print(f"shardopt: rank {info['previous_rank']} left the job after step {step}: "
+                  f"{info['bytes_served'] / 2**20:.1f} MiB of its state was read by the "
+                  "others", file=sys.stderr, flush=True)
+            raise SystemExit(0)
+        ctx = self._context
+        ctx.rank, ctx.world_size = info["rank"], info["to_world"]
+        ctx.local_rank = ctx.rank if ctx.launcher == "shardrun" else ctx.local_rank
+        for var, v in (("RANK", ctx.rank), ("WORLD_SIZE", ctx.world_size)):
+            if var in os.environ:
+                os.environ[var] = str(v)
+        comm, _ = ctx._new_communicator(self._timeout, epoch=epoch, index=self._comm_index)
+        done = self._core.complete_resize(comm)
+        self._transport = comm.transport
+        # Bucket numbers and owners are the new layout's.
+        for h in self._bucket_hooks:
+            h.remove()
+        self._bucket_hooks = []
+        if self._module is not None and self._overlap:
+            self._attach(self._module)
+        if self._module is not None:
+            self._sync_buffers()  # rank 0's buffers, as a rank that joins takes them
+        self._join_seq = 0
+        self._pull_groups()
+        event = ResizeEvent(step=step, epoch=epoch, from_world=info["from_world"],
+                            to_world=info["to_world"], previous_rank=info["previous_rank"],
+                            rank=info["rank"], seconds=done["seconds"],
+                            moved_bytes=int(done["moved_mib"] * 2**20),
+                            least_bytes=int(done["least_mib"] * 2**20))
+        self.last_resize = event
+        if self.rank == 0:
+            print(f"shardopt: resized {event.from_world} -> {event.to_world} ranks after step "
+                  f"{step} in {done['seconds']:.2f} s (epoch {epoch}; snapshot "
+                  f"{done['snapshot_seconds']:.2f} s, new epoch formed {done['form_seconds']:.2f} "
+                  f"s, state loaded {done['load_seconds']:.2f} s): moved {done['moved_mib']:.1f} "
+                  f"MiB between ranks (the slices that changed owner: {done['least_mib']:.1f} "
+                  "MiB)", file=sys.stderr, flush=True)
+        for fn in list(self._resize_hooks.values()):
+            fn(self, event)
+        return event
 
     # -- optimizers without fused kernels ------------------------------------
     def _build_local(self, kwargs: Dict[str, Any]) -> None:
@@ -362,12 +526,12 @@ class ShardedOptimizer(_StateMixin, Optimizer):
                 continue
             buckets = core.buckets_of(own)
             if buckets:
-                self._hooks.append(sub.register_forward_pre_hook(
+                self._bucket_hooks.append(sub.register_forward_pre_hook(
                     lambda m, inputs, b=buckets: core.wait_buckets(b)))
         self._hooks.append(module._register_state_dict_hook(
             lambda m, sd, prefix, meta: core.wait_all()))
 
-    def _attach_module(self, module: torch.nn.Module) -> None:
+    def _attach_module(self, module: torch.nn.Module, sync_now: bool) -> None:
         """Buffers broadcast as DDP does; module.zero_grad() as zero_grad();
         micro-batches accumulated without no_sync() as DDP accumulates them."""
         # A forward after a backward whose gradients were reduced (sync on)
@@ -376,8 +540,9 @@ class ShardedOptimizer(_StateMixin, Optimizer):
         core = self._core
         self._hooks.append(module.register_forward_pre_hook(
             lambda m, inputs: core.fold_reduced_gradients()))
-        if self._broadcast_buffers:
+        if sync_now:
             self._sync_buffers()  # DDP syncs module states at construction
+        if self._broadcast_buffers:
             self._hooks.append(module.register_forward_pre_hook(
                 lambda m, inputs: self._before_forward()))
             self._hooks.append(module.register_forward_hook(
@@ -491,7 +656,10 @@ class ShardedOptimizer(_StateMixin, Optimizer):
                 group["lr"] = new_lr
                 self._pushed[g] = self._hyper(group)
         self._consolidated = None
+        resize = r.pop("resize", None)
         self.last_stats = StepStats(loss=loss, **r)
+        if resize is not None:
+            self.last_stats.resize = self._after_resize(resize)
         if self._advice is not None:
             self._advise_after_step(t_step, r)
         # torch.optim's contract: step(closure) returns the closure's loss.
@@ -562,6 +730,17 @@ class ShardedOptimizer(_StateMixin, Optimizer):
     @property
     def world_size(self) -> int:
         return self._core.world_size
+
+    @property
+    def step_count(self) -> int:
+        """Steps the optimizer state has taken: 0 at first, the checkpoint's
+        after load_checkpoint, the job's on a rank that joined it live."""
+        return self._core.step_count
+
+    @property
+    def epoch(self) -> int:
+        """The job's membership epoch (0 until its first live resize)."""
+        return self._core.epoch
 
     @property
     def transport(self) -> str:
