@@ -367,6 +367,24 @@ class PyOptimizer {
     return d;
   }
 
+  // Asks the coordinator for a live resize without this rank (it leaves at
+  // a step boundary the ranks agree on). "" when accepted, else why not.
+  std::string RequestDrain() {
+    if (!agent_ || !agent_args_.elastic) {
+      return "the optimizer is not elastic=True under shardrun";
+    }
+    py::gil_scoped_release release;
+    auto job = comm_->client->GetJob();
+    absl::Status s = job.status();
+    if (s.ok() && job->state() != "running") {
+      s = absl::FailedPreconditionError(absl::StrCat("the job is ", job->state()));
+    } else if (s.ok() && job->world_size() < 2) {
+      s = absl::FailedPreconditionError("it is the job's only rank");
+    }
+    if (s.ok()) s = comm_->client->Resize(job->world_size() - 1, {comm_->comm->rank()}).status();
+    return s.ok() ? "" : std::string(s.message());
+  }
+
   // A live resize agreed after `step` (Step): this rank's owned state is
   // snapshotted in memory and served, and the old epoch's agent stops. A
   // rank that leaves waits until the new epoch has loaded its state ("rank"
@@ -1217,6 +1235,7 @@ void BindOptimizer(py::module_& m) {
            py::arg("token"), py::arg("ckpt_dir"), py::arg("ckpt_keep"), py::arg("samples_per_rank"),
            py::arg("timeout_s"))
       .def("complete_resize", &PyOptimizer::CompleteResize, py::arg("comm"))
+      .def("request_drain", &PyOptimizer::RequestDrain)
       .def_property_readonly("epoch", &PyOptimizer::epoch)
       .def("has_agent", &PyOptimizer::has_agent)
       .def("before_step", &PyOptimizer::BeforeStep)

@@ -88,6 +88,19 @@ check "restarted with the 2 ranks left of 3, saying the steps lost" \
 check "the script resumed there with 2 ranks" \
   grep -q "restart 1: resumed at step [0-9]* with 2 ranks" "$tmp/killed.log"
 
+# opt.drain() from a SIGTERM handler: rank 1 of 3 leaves, the job goes on at 2.
+timeout 180 $B/shardrun --nproc 3 --port-file="$tmp/addr3" --job-id=pysigterm -- \
+  /usr/bin/python3 $job --steps=500 --step-sleep=0.03 --drain-on-sigterm >"$tmp/sigterm.log" 2>&1 &
+run=$!
+check "third job starts" wait_file "$tmp/addr3" 60
+check "... trains past step 20" wait_until 60 "step 20" job_past_step "$(cat "$tmp/addr3")" 20
+kill -TERM "$(rank_pid pysigterm 1 elastic_job.py)"
+wait $run
+check "after SIGTERM to rank 1 the job finishes (exit $?)" test $? -eq 0
+check "rank 1 says it drains" grep -q "rank 1 leaves the job at the next step boundary" "$tmp/sigterm.log"
+check "... and leaves" grep -q "rank 1 left the job after step" "$tmp/sigterm.log"
+check "the others go on at 2 ranks" grep -q "resized 3 -> 2 ranks after step" "$tmp/sigterm.log"
+
 # Refusals: elastic=True without shardrun; with a class whose state lives in Python.
 /usr/bin/python3 -c 'import torch, shardopt
 shardopt.ShardedOptimizer(torch.nn.Linear(2, 2).named_parameters(), elastic=True)' \

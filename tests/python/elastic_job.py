@@ -9,6 +9,8 @@ optimizer state (compare_states.py compares two such files bit for bit);
 --resume/--save-at-end make the checkpoint-and-resume reference runs."""
 import argparse
 import os
+import signal
+import sys
 import time
 
 import torch
@@ -25,6 +27,8 @@ p.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep e
 p.add_argument("--ckpt-dir", default=None, help="save_checkpoint here every --ckpt-every steps; "
                "started again by shardrun --max-restarts, resume from it")
 p.add_argument("--ckpt-every", type=int, default=0)
+p.add_argument("--drain-on-sigterm", action="store_true",
+               help="a SIGTERM drains this rank (opt.drain()) instead of ending the process")
 a = p.parse_args()
 torch.set_num_threads(1)
 ctx = shardopt.init(timeout=60)
@@ -58,6 +62,8 @@ def rebuild(o, event):
 
 
 opt.on_resize(rebuild)
+if a.drain_on_sigterm:
+    signal.signal(signal.SIGTERM, lambda *_: opt.drain() or sys.exit(143))
 if ctx.restart and a.ckpt_dir and os.path.exists(os.path.join(a.ckpt_dir, "LATEST")):
     a.resume = a.ckpt_dir
 if a.resume:

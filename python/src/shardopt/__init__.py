@@ -28,9 +28,10 @@ from . import _exit
 from ._allocator import host_allocator_stats, install_host_allocator
 from ._launch import Context, init
 from .advisor import advise, format_advice
-from .optimizer import ShardedOptimizer, StepStats
+from .optimizer import ResizeEvent, ShardedOptimizer, StepStats
 
-__all__ = ["init", "Context", "ShardedOptimizer", "StepStats", "install_host_allocator",
+__all__ = ["init", "Context", "ShardedOptimizer", "StepStats", "ResizeEvent",
+           "install_host_allocator",
            "host_allocator_stats", "advise", "format_advice"]
 
 _exit._install()

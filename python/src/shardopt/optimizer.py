@@ -431,6 +431,26 @@ class ShardedOptimizer(_StateMixin, Optimizer):
         self._resize_hooks[handle.id] = fn
         return handle
 
+    def drain(self) -> bool:
+        """elastic=True: asks the job to go on without this rank. At the next
+        step boundary the ranks agree on, this rank hands its state over and
+        its step() exits the process with status 0 (as `shardctl drain
+        --rank=R`). Safe in a signal handler, for a SIGTERM that should drain
+        (a preempted node):
+
+            signal.signal(signal.SIGTERM, lambda *_: opt.drain() or sys.exit(143))
+
+        Returns True when the coordinator accepted; False, saying why on
+        stderr, when it refused (the last rank, a resize already under way,
+        a job that is not running)."""
+        why = self._core.request_drain()
+        if why:
+            print(f"shardopt: rank {self.rank} cannot drain: {why}", file=sys.stderr, flush=True)
+            return False
+        print(f"shardopt: rank {self.rank} leaves the job at the next step boundary",
+              file=sys.stderr, flush=True)
+        return True
+
     def _after_resize(self, info: Dict[str, Any]) -> ResizeEvent:
         """The rest of a live resize agreed after this step (the core has
         taken this rank's snapshot): leave, or move to the new epoch."""
