@@ -248,12 +248,14 @@ absl::StatusOr<int64_t> CoordinatorClient::RequestCheckpoint() {
 }
 
 absl::StatusOr<v1::ResizeResponse> CoordinatorClient::Resize(int to_world,
-                                                             const std::vector<int>& leave) {
+                                                             const std::vector<int>& leave,
+                                                             bool external) {
   grpc::ClientContext ctx;
   Prepare(&ctx, absl::Seconds(5));
   v1::ResizeRequest req;
   req.set_to_world(to_world);
   for (int r : leave) req.add_leave(r);
+  req.set_external(external);
   v1::ResizeResponse resp;
   grpc::Status s = stub_->Resize(&ctx, req, &resp);
   if (!s.ok()) return FromGrpc(s, "resize");

@@ -97,7 +97,9 @@ class CoordinatorClient final : public CoordinatorApi {
   absl::StatusOr<int64_t> RequestCheckpoint() override;
   // A live resize of the job to `to_world` ranks (`leave`: the ranks that go
   // in a shrink; empty: the highest).
-  absl::StatusOr<v1::ResizeResponse> Resize(int to_world, const std::vector<int>& leave);
+  // external: a grow whose new ranks the caller starts (shardrun --join).
+  absl::StatusOr<v1::ResizeResponse> Resize(int to_world, const std::vector<int>& leave,
+                                            bool external = false);
   // Opens this rank's session. Broken connections are detected by keepalive
   // pings (every 5 s, 5 s timeout), so Send/Receive never block forever.
   std::unique_ptr<CoordinatorSession> OpenSession() override;

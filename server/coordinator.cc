@@ -219,7 +219,8 @@ bool Coordinator::AnnounceResizeIfReadyLocked() {
   return true;
 }
 
-absl::StatusOr<PendingResize> Coordinator::RequestResize(int to_world, std::vector<int> leave) {
+absl::StatusOr<PendingResize> Coordinator::RequestResize(int to_world, std::vector<int> leave,
+                                                         bool external) {
   PendingResize r;
   {
     absl::MutexLock lock(&mu_);
@@ -259,12 +260,14 @@ absl::StatusOr<PendingResize> Coordinator::RequestResize(int to_world, std::vect
       if (!leave.empty()) {
         return absl::InvalidArgumentError("a grow cannot let ranks leave: resize in two steps");
       }
-      if (!options_.can_grow) {
+      if (!options_.can_grow && !external) {
         return absl::FailedPreconditionError(
-            "this job cannot grow: no launcher of its can start ranks (a job started by "
-            "shardrun on one node can; under Slurm or Kubernetes start a larger job from a "
-            "checkpoint)");
+            "this job cannot grow by itself: no launcher of its can start ranks (a job started "
+            "by shardrun on one node can); start the new ranks with shardrun --join=ADDR "
+            "--nproc K on their node, or a larger job from a checkpoint");
       }
+    } else if (external) {
+      return absl::InvalidArgumentError("only a grow can have ranks started by the caller");
     } else if (leave.empty()) {
       for (int l = to_world; l < world_; ++l) leave.push_back(l);
     } else if (static_cast<int>(leave.size()) != world_ - to_world) {
@@ -273,7 +276,9 @@ absl::StatusOr<PendingResize> Coordinator::RequestResize(int to_world, std::vect
                                                      leave.size(), " named"));
     }
     r.request = ++resize_request_;
-    r.epoch = epoch_ + 1;
+    last_requested_epoch_ = std::max(last_requested_epoch_, epoch_) + 1;
+    r.epoch = last_requested_epoch_;
+    r.external = external;
     r.from_world = world_;
     r.to_world = to_world;
     r.leave = std::move(leave);
@@ -757,28 +762,36 @@ void Coordinator::SessionLost(int rank) {
 
 bool Coordinator::CheckHeartbeats() {
   Completions ready;
+  std::string cancelled;
+  bool failed = false;
   {
     absl::MutexLock lock(&mu_);
     if (state_ != JobState::kRunning) return false;
     const absl::Time now = options_.now();
-    bool failed = false;
     if (resize_) {
       // The ranks are moving to the new epoch: no heartbeats meanwhile (a
       // rank that dies is seen by its launcher or by its peers' collectives),
       // but the move is bounded.
       if (now - resize_->requested <= options_.resize_timeout) {
         if (resize_->ready) return false;  // (before: the ranks train and heartbeat on)
+      } else if (!resize_->ready) {
+        // The ranks were never told: the job trains on at its size.
+        cancelled =
+            absl::StrCat("the grow to ", resize_->to_world, " ranks (epoch ", resize_->epoch,
+                         ") is cancelled: its new ranks were not all ready "
+                         "within ",
+                         absl::FormatDuration(options_.resize_timeout), "; the job goes on with ",
+                         world_, " ranks");
+        resize_.reset();
       } else {
         std::vector<int> missing;
         for (const RankState& r : ranks_) {
           if (!r.joined) missing.push_back(r.rank);
         }
-        std::string why = ": its new ranks did not start";
+        std::string why = ": the ranks did not start it";
         if (resize_->begun) {
           why = absl::StrCat(": ranks ", absl::StrJoin(missing, ", "), " of epoch ", epoch_,
                              " did not join");
-        } else if (resize_->ready) {
-          why = ": the ranks did not start it";
         }
         FailLocked(absl::StrCat("the resize to ", resize_->to_world, " ranks did not complete in ",
                                 absl::FormatDuration(options_.resize_timeout), why),
@@ -807,11 +820,12 @@ bool Coordinator::CheckHeartbeats() {
         break;
       }
     }
-    if (!failed) return false;
+    if (!failed && cancelled.empty()) return false;
   }
+  if (!cancelled.empty() && options_.on_event) options_.on_event(cancelled);
   Run(&ready);
   Notify();
-  return true;
+  return failed;
 }
 
 HeartbeatReply Coordinator::Notice() {

@@ -92,8 +92,10 @@ struct CoordinatorOptions {
   int max_kv_waiters = 4096;
   // Elastic jobs (RequestResize): whether a launcher here starts the ranks a
   // grow adds (shardrun on one node, which watches pending_resize()); without
-  // one a grow is refused. A resize not complete within resize_timeout of
-  // its request fails the job.
+  // one a grow is refused unless its caller starts them (external:
+  // shardrun --join). A grow whose new ranks are not all ready within
+  // resize_timeout of its request is cancelled (the job trains on); a resize
+  // announced but not complete by then fails the job.
   bool can_grow = false;
   absl::Duration resize_timeout = absl::Minutes(5);
 };
@@ -126,6 +128,9 @@ struct PendingResize {
   // while the new processes start.
   bool ready = false;
   bool begun = false;  // a rank joined the new epoch
+  // A grow whose new ranks another launcher starts (shardrun --join): the
+  // job's own shardrun leaves it alone.
+  bool external = false;
 };
 
 struct JoinInfo {
@@ -354,8 +359,11 @@ class Coordinator {
   // their optimizer state over. The ranks then join epoch epoch()+1 at the
   // new size. Errors (FailedPrecondition): the job is not running, a resize
   // is pending, a rank's trainer cannot resize live, a grow without a
-  // launcher; (InvalidArgument) a bad size or leave list.
-  absl::StatusOr<PendingResize> RequestResize(int to_world, std::vector<int> leave);
+  // launcher; (InvalidArgument) a bad size or leave list. `external`: a grow
+  // whose new ranks the caller starts (shardrun --join), allowed without
+  // can_grow.
+  absl::StatusOr<PendingResize> RequestResize(int to_world, std::vector<int> leave,
+                                              bool external = false);
   // Fails the job: every rank learns it at its next heartbeat. The cause (for
   // metrics) is kRankAbort when a rank (>= 0) asks, kRequest otherwise.
   void Abort(const std::string& reason, int rank);
@@ -423,6 +431,9 @@ class Coordinator {
   // The current epoch's world size (options_.world_size until a resize).
   int world_ ABSL_GUARDED_BY(mu_);
   int64_t epoch_ ABSL_GUARDED_BY(mu_) = 0;
+  // The last epoch a resize request was given: a cancelled grow's epoch is
+  // not reused (its new ranks' ready keys stay in the store).
+  int64_t last_requested_epoch_ ABSL_GUARDED_BY(mu_) = 0;
   bool all_elastic_ ABSL_GUARDED_BY(mu_) = true;  // every joined rank of this epoch
   std::optional<PendingResize> resize_ ABSL_GUARDED_BY(mu_);
   int64_t resize_request_ ABSL_GUARDED_BY(mu_) = 0;

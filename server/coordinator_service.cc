@@ -748,11 +748,13 @@ grpc::ServerUnaryReactor* CoordinatorService::Resize(grpc::CallbackServerContext
   if (req->leave_size() > kMaxWorldSize) {
     return Done(ctx, grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "too many ranks to leave"));
   }
-  auto r = coordinator_->RequestResize(req->to_world(),
-                                       std::vector<int>(req->leave().begin(), req->leave().end()));
+  auto r = coordinator_->RequestResize(
+      req->to_world(), std::vector<int>(req->leave().begin(), req->leave().end()), req->external());
   if (r.ok()) {
     resp->set_request(r->request);
     resp->set_epoch(r->epoch);
+    resp->set_from_world(r->from_world);
+    resp->set_to_world(r->to_world);
   }
   return Done(ctx, ToGrpc(r.status()));
 }

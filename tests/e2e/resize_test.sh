@@ -108,6 +108,28 @@ check "restarted with the 2 ranks left of 3" \
 check "from a checkpoint the 3 ranks saved" \
   grep -q "(sharded, saved by 3 ranks)" "$tmp/killed.log"
 
+# shardrun --join: another shardrun adds 2 ranks to the running job.
+timeout 180 $B/shardrun --nproc 2 --port-file="$tmp/addr6" --job-id=joined -- \
+  $B/shardopt_train "${train[@]}" --steps=500 --debug-slow-rank=0 --debug-slow-ms=20 \
+  >"$tmp/joined.log" 2>&1 &
+run=$!
+check "fifth job starts" wait_file "$tmp/addr6" 60
+addr6=$(cat "$tmp/addr6")
+check "... trains past step 20" wait_until 60 "step 20" job_past_step "$addr6" 20
+timeout 120 $B/shardrun --join="$addr6" --nproc 2 -- $B/shardopt_train "${train[@]}" --steps=500 \
+  >"$tmp/joiner.log" 2>&1
+check "shardrun --join --nproc 2 runs its ranks to the end (exit $?)" test $? -eq 0
+wait $run
+check "... and the job's own shardrun finishes (exit $?)" test $? -eq 0
+check "the joining shardrun says what it starts" \
+  grep -q "shardrun: joining job joined at $addr6: starting ranks 2..3 of 4 (epoch 1)" "$tmp/joiner.log"
+check "its ranks join the job" grep -q "rank 3 joined the job at step" "$tmp/joiner.log"
+check "the job grew to 4 ranks" grep -q "resized 2 -> 4 ranks after step" "$tmp/joined.log"
+check "the job's shardrun started no rank itself" test "$(grep -c "shardrun: starting rank" "$tmp/joined.log")" -eq 0
+timeout 30 $B/shardrun --join=127.0.0.1:1 --nproc 1 --max-restarts=1 -- true >"$tmp/joinflags.log" 2>&1
+check "--join with --max-restarts refused (exit $?)" test $? -eq 2
+check "... saying why" grep -q -- "--max-restarts applies to the shardrun that runs the job" "$tmp/joinflags.log"
+
 # Refusals.
 timeout 120 $B/shardrun --nproc 2 --port-file="$tmp/addr2" --job-id=refuse -- \
   $B/shardopt_train --model=small --batch=64 --steps=100000 --log-every=1000 >"$tmp/refuse.log" 2>&1 &
@@ -141,6 +163,11 @@ check "Python job starts" wait_file "$tmp/addr4" 60
 addr2=$(cat "$tmp/addr4")
 check "... trains" wait_until 60 "step 3" job_past_step "$addr2" 3
 refused "resize of a Python job" "cannot resize live" resize --ranks=1
+timeout 60 $B/shardrun --join="$addr2" --nproc 1 -- /usr/bin/python3 tests/python/launcher_job.py \
+  --steps=10 --out="$tmp/py2.pt" >"$tmp/pyjoin.log" 2>&1
+check "shardrun --join to that job refused (exit $?)" test $? -eq 1
+check "... saying why" grep -q "cannot join the job at $addr2: resize: the job.s trainer cannot resize live" \
+  "$tmp/pyjoin.log"
 timeout 30 $B/shardctl --coordinator="$addr2" abort "done" >/dev/null 2>&1
 wait $run
 

@@ -196,6 +196,45 @@ TEST(ElasticCoordinatorTest, GrowCompletesWithTheNewRanks) {
   EXPECT_EQ(next->leave, (std::vector<int>{1, 2}));
 }
 
+// shardrun --join: a grow whose new ranks the caller starts, allowed where
+// the job's own launcher cannot grow it. A grow whose ranks never get ready
+// is cancelled (the job trains on), and its epoch is not given again.
+TEST(ElasticCoordinatorTest, ExternalGrowAndACancelledGrow) {
+  FakeClock clock;
+  Coordinator c(Options(2, &clock, /*can_grow=*/false));
+  JoinEpoch(&c, 2, 0);
+  absl::Status own = c.RequestResize(3, {}).status();
+  EXPECT_EQ(own.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(own.message().find("shardrun --join"), std::string::npos) << own;
+  EXPECT_EQ(c.RequestResize(1, {}, /*external=*/true).status().code(),
+            absl::StatusCode::kInvalidArgument)
+      << "only a grow starts ranks";
+  auto r = c.RequestResize(3, {}, /*external=*/true);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->epoch, 1);
+  ASSERT_TRUE(c.GetJob().resize.has_value());
+  EXPECT_TRUE(c.GetJob().resize->external);
+  // Its new rank never says it is ready: after resize_timeout the grow is
+  // cancelled, not the job.
+  clock.t += absl::Seconds(61);
+  ASSERT_TRUE(c.Heartbeat(Beat(0, 0, 50)).ok());
+  ASSERT_TRUE(c.Heartbeat(Beat(1, 0, 50)).ok());
+  EXPECT_FALSE(c.CheckHeartbeats());
+  JobStatus j = c.GetJob();
+  EXPECT_EQ(j.state, JobState::kRunning);
+  EXPECT_FALSE(j.resize.has_value());
+  EXPECT_EQ(j.world_size, 2);
+  EXPECT_EQ(c.Notice().resize_request, 0);
+  auto again = c.RequestResize(3, {}, /*external=*/true);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->epoch, 2) << "a cancelled grow's epoch is not reused";
+  ASSERT_TRUE(c.KvSet(ResizeReadyKey(again->epoch, 2), "1").ok());
+  EXPECT_EQ(c.Notice().resize_epoch, 2);
+  JoinEpoch(&c, 3, 2);
+  EXPECT_EQ(c.GetJob().epoch, 2);
+  EXPECT_EQ(c.GetJob().world_size, 3);
+}
+
 TEST(ElasticCoordinatorTest, AResizeThatNeverCompletesFailsTheJob) {
   FakeClock clock;
   Coordinator c(Options(2, &clock));

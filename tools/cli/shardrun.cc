@@ -55,6 +55,10 @@ flags (a malformed or out-of-range value is refused, naming the flag; exit statu
   --node-rank=I          this node's index, 0..nnodes-1 (default 0); ranks are
                          I*nproc ... I*nproc+nproc-1
   --coordinator=H:P      use this coordinator instead of starting one (other nodes)
+  --join=H:P             grow the running elastic job whose coordinator is H:P by --nproc
+                         ranks, started here: they take their state from the job's ranks
+                         (docs/elastic.md). The job's shardrun serves the coordinator until
+                         these ranks finish too
   --bind=HOST            coordinator listen address (default 127.0.0.1; 0.0.0.0 for multi-node)
   --port=P               coordinator port, 0..65535 (default 0: chosen by the OS)
   --port-file=PATH       write the coordinator's host:port here once it listens
@@ -208,6 +212,8 @@ struct RunConfig {
   int64_t nnodes = 1;
   int64_t node_rank = 0;
   int world = 0;            // nproc * nnodes
+  std::string join;         // --join: the coordinator of the running job these ranks grow
+  int rank_offset = 0;      // --join: the rank of this shardrun's first
   std::string coordinator;  // --coordinator; empty: this shardrun starts one
   std::string advertise;    // the address the ranks dial when it is not the listening one
   std::string launcher;     // "slurm" or "kubernetes" when their variables set the nodes
@@ -243,6 +249,7 @@ absl::Status ReadFlagValues(const Flags& flags, RunConfig* cfg) {
   auto master_port_flag = flags.Port("master-port", 0);
   auto hb = flags.Seconds("heartbeat-timeout", 10, 0.1, kMaxHeartbeatTimeout);
   auto coordinator_flag = flags.NonEmpty("coordinator", "");
+  auto join = flags.NonEmpty("join", "");
   auto bind = flags.NonEmpty("bind", "127.0.0.1");
   auto port_file = flags.NonEmpty("port-file", "");
   auto job_id_flag = flags.NonEmpty("job-id", "job");
@@ -262,6 +269,7 @@ absl::Status ReadFlagValues(const Flags& flags, RunConfig* cfg) {
                                 port.status(),
                                 hb.status(),
                                 coordinator_flag.status(),
+                                join.status(),
                                 bind.status(),
                                 port_file.status(),
                                 job_id_flag.status(),
@@ -285,6 +293,7 @@ absl::Status ReadFlagValues(const Flags& flags, RunConfig* cfg) {
   cfg->master_port = *master_port_flag;
   cfg->heartbeat_timeout = *hb;
   cfg->coordinator = *coordinator_flag;
+  cfg->join = *join;
   cfg->bind = *bind;
   cfg->port_file = *port_file;
   cfg->job_id = *job_id_flag;
@@ -305,6 +314,18 @@ absl::Status ReadFlagValues(const Flags& flags, RunConfig* cfg) {
 // The checks that involve more than one flag, then --node-rank (bounded by
 // --nnodes) and the program.
 absl::Status CheckFlagCombinations(const Flags& flags, RunConfig* cfg) {
+  if (!cfg->join.empty()) {
+    // The job, its coordinator and its restarts are another shardrun's.
+    for (const char* f :
+         {"coordinator", "nnodes", "node-rank", "bind", "port", "port-file", "job-id", "tls-cert",
+          "tls-key", "tls-client-ca", "heartbeat-timeout", "metrics-port", "metrics-port-file",
+          "slow-factor", "slow-windows", "slow-window", "max-restarts", "min-ranks"}) {
+      if (flags.Has(f)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("--", f, " applies to the shardrun that runs the job, not with --join"));
+      }
+    }
+  }
   if (!cfg->metrics_port_file.empty() && cfg->metrics_port < 0) {
     return absl::InvalidArgumentError("--metrics-port-file needs --metrics-port");
   }
@@ -352,7 +373,8 @@ absl::Status ApplyLaunchEnvironment(const Flags& flags, RunConfig* cfg) {
   if (!launch.ok()) return launch.status();
   if (!launch->note.empty()) std::fprintf(stderr, "shardrun: %s\n", launch->note.c_str());
   if (launch->launcher != "slurm" && launch->launcher != "kubernetes") return absl::OkStatus();
-  if (flags.Has("nnodes") || flags.Has("node-rank") || flags.Has("coordinator")) {
+  if (flags.Has("nnodes") || flags.Has("node-rank") || flags.Has("coordinator") ||
+      flags.Has("join")) {
     return absl::OkStatus();
   }
   if (launch->launcher == "slurm" && launch->world_size != launch->num_nodes) {
@@ -398,7 +420,7 @@ std::optional<int> ParseFlags(int argc, char** argv, RunConfig* cfg) {
        "port",        "port-file",    "job-id",        "token-file",   "heartbeat-timeout",
        "tls-cert",    "tls-key",      "tls-client-ca", "metrics-port", "metrics-port-file",
        "slow-factor", "slow-windows", "slow-window",   "master-port",  "max-restarts",
-       "min-ranks",   "help"});
+       "min-ranks",   "join",         "help"});
   if (!flags.ok()) return Fail(std::string(flags.status().message()));
   if (flags->Has("help")) {
     std::printf("%s", kUsage);
@@ -590,7 +612,7 @@ std::vector<std::string> RankEnv(const RunConfig& cfg, int rank, int local,
 absl::Status SpawnRank(const RunConfig& cfg, int local, const std::string& address,
                        const std::string& master_port, Ranks* ranks, int64_t join_epoch = 0) {
   Child c;
-  c.rank = static_cast<int>(cfg.node_rank * cfg.nproc + local);
+  c.rank = static_cast<int>(cfg.rank_offset + cfg.node_rank * cfg.nproc + local);
   int fds[2];
   if (pipe(fds) != 0) return absl::InternalError("pipe() failed");
   std::vector<std::string> env = RankEnv(cfg, c.rank, local, address, master_port);
@@ -632,6 +654,8 @@ class Supervisor {
   // Ranks' processes still running when the job was stopped (not those that
   // had exited: the one whose exit stopped it, ranks a resize let go).
   int alive_at_stop() const { return alive_at_stop_; }
+  // Whether ranks started by another shardrun (--join) joined the job.
+  bool had_external_ranks() const { return had_external_ranks_; }
 
   // The reason the job was stopped; empty when every rank finished.
   std::string Run() {
@@ -644,9 +668,10 @@ class Supervisor {
       if (coordinator_ && !stopping_) {
         JobStatus j = coordinator_->GetJob();
         if (j.state == JobState::kFailed) StopAll(j.failure, false, j.failure_cause);
-        if (!stopping_ && grow_ && j.resize && j.resize->to_world > j.resize->from_world &&
-            j.resize->epoch > grown_epoch_) {
-          grown_epoch_ = j.resize->epoch;
+        if (j.resize && j.resize->external) had_external_ranks_ = true;
+        if (!stopping_ && grow_ && j.resize && !j.resize->external &&
+            j.resize->to_world > j.resize->from_world && j.resize->request > grown_request_) {
+          grown_request_ = j.resize->request;
           const size_t before = children_->size();
           absl::Status s = grow_(j.resize->from_world, j.resize->to_world, j.resize->epoch);
           remaining_ += static_cast<int>(children_->size() - before);
@@ -735,7 +760,8 @@ class Supervisor {
   std::vector<Child>* const children_;
   int remaining_;
   Grow grow_;
-  int64_t grown_epoch_ = 0;
+  int64_t grown_request_ = 0;  // the last grow whose ranks this shardrun started
+  bool had_external_ranks_ = false;
   std::string failure_;
   std::vector<int> lost_;
   JobStatus at_failure_;
@@ -744,6 +770,36 @@ class Supervisor {
   bool terminated_ = false;
   absl::Time term_deadline_, kill_deadline_;
 };
+
+// This shardrun's ranks have finished, but ranks that another shardrun
+// started (--join) may still be running: keeps serving the coordinator until
+// the job has finished (every rank) or failed (a rank silent past the
+// heartbeat timeout fails it). The failure, or "".
+std::string AwaitOtherRanks(Coordinator* coordinator) {
+  bool said = false;
+  while (true) {
+    JobStatus j = coordinator->GetJob();
+    if (j.state == JobState::kFinished) return "";
+    if (j.state == JobState::kFailed) return j.failure;
+    if (g_signal.load() != 0) {
+      const std::string why = absl::StrCat("interrupted (signal ", g_signal.load(), ")");
+      coordinator->Abort(why, -1, AbortCause::kInterrupted);
+      return why;
+    }
+    if (!said) {
+      int running = 0;
+      for (const RankState& r : j.ranks) running += r.finished ? 0 : 1;
+      std::lock_guard<std::mutex> l(g_out_mu);
+      std::printf(
+          "shardrun: this shardrun's ranks finished; serving the coordinator until the "
+          "job's other %d rank%s (started by shardrun --join) finish\n",
+          running, running == 1 ? "" : "s");
+      std::fflush(stdout);
+      said = true;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+}
 
 // Once every rank has exited: waits for the last of their output, then stops
 // serving metrics and the coordinator.
@@ -831,7 +887,10 @@ std::string RunOnce(const RunConfig& cfg, std::vector<int>* lost, JobStatus* at_
     };
   }
   Supervisor supervisor(servers.coordinator.get(), &ranks.children, grow);
-  const std::string failure = supervisor.Run();
+  std::string failure = supervisor.Run();
+  if (failure.empty() && supervisor.had_external_ranks()) {
+    failure = AwaitOtherRanks(servers.coordinator.get());
+  }
   ShutDown(&ranks, &servers);
   *lost = supervisor.lost();
   *at_failure = supervisor.at_failure();
@@ -871,9 +930,71 @@ std::string RestartLine(const RunConfig& cfg, const std::string& failure,
                       " (", std::max<int64_t>(0, reached - saved), " steps lost)");
 }
 
+// shardrun --join=ADDR: asks the running job at ADDR to grow by --nproc
+// ranks, starts them here (SHARDOPT_JOIN_EPOCH: they take their state from
+// the job's ranks) and supervises them as its own. Exit status as Main's.
+// Asks the job at cfg->join to grow by cfg->nproc ranks started here; sets
+// the job id, the ranks' numbers and world size in *cfg. The new epoch.
+absl::StatusOr<int64_t> RequestJoin(RunConfig* cfg) {
+  auto creds = MakeChannelCredentials(ClientTlsFromEnv());
+  if (!creds.ok()) return creds.status();
+  CoordinatorClient client(cfg->join, cfg->token, *creds);
+  if (absl::Status s = client.WaitUntilReachable(absl::Seconds(30)); !s.ok()) return s;
+  auto job = client.GetJob();
+  if (!job.ok()) return job.status();
+  if (job->state() != "running") {
+    return absl::FailedPreconditionError(absl::StrCat("the job is ", job->state()));
+  }
+  if (job->resize_pending_world() != 0) {
+    return absl::FailedPreconditionError(absl::StrCat("a resize to ", job->resize_pending_world(),
+                                                      " ranks is in progress; try again after it"));
+  }
+  cfg->job_id = job->job_id();
+  auto r = client.Resize(job->world_size() + static_cast<int>(cfg->nproc), {}, /*external=*/true);
+  if (!r.ok()) return r.status();
+  // (The coordinator's numbers: the job's size when the request arrived.)
+  cfg->rank_offset = r->from_world();
+  cfg->world = r->to_world();
+  cfg->nproc = r->to_world() - r->from_world();
+  return r->epoch();
+}
+
+int RunJoin(RunConfig cfg) {
+  auto joined = [&cfg](const absl::Status& s) {
+    std::fprintf(stderr, "shardrun: cannot join the job at %s: %s\n", cfg.join.c_str(),
+                 std::string(s.message()).c_str());
+    return 1;
+  };
+  auto epoch = RequestJoin(&cfg);
+  if (!epoch.ok()) return joined(epoch.status());
+  auto master_port = MasterPort(nullptr, cfg.join, cfg.token, cfg.job_id, cfg.master_port);
+  if (!master_port.ok()) return joined(master_port.status());
+  std::printf("shardrun: joining job %s at %s: starting rank%s %d%s of %d (epoch %lld)\n",
+              cfg.job_id.c_str(), cfg.join.c_str(), cfg.nproc > 1 ? "s" : "", cfg.rank_offset,
+              cfg.nproc > 1 ? absl::StrCat("..", cfg.world - 1).c_str() : "", cfg.world,
+              static_cast<long long>(*epoch));
+  std::fflush(stdout);
+  InstallSignalHandlers();
+  Ranks ranks;
+  for (int local = 0; local < cfg.nproc; ++local) {
+    absl::Status s = SpawnRank(cfg, local, cfg.join, std::to_string(*master_port), &ranks, *epoch);
+    if (!s.ok()) {
+      std::fprintf(stderr, "shardrun: %s\n", std::string(s.message()).c_str());
+      for (const Child& c : ranks.children) kill(c.pid, SIGTERM);
+      break;
+    }
+  }
+  Supervisor supervisor(nullptr, &ranks.children);
+  const std::string failure = supervisor.Run();
+  CoordinatorServers none;
+  ShutDown(&ranks, &none);
+  return Report(failure, none, ranks.children.size());
+}
+
 int Main(int argc, char** argv) {
   RunConfig cfg;
   if (std::optional<int> exit_status = ParseFlags(argc, argv, &cfg)) return *exit_status;
+  if (!cfg.join.empty()) return RunJoin(cfg);
   while (true) {
     std::vector<int> lost;
     JobStatus at_failure;
