@@ -70,7 +70,7 @@ cat "$tmp/compare.log"
 # grow) restarts at 2 from the last checkpoint, which 3 ranks saved.
 timeout 240 $B/shardrun --nproc 2 --max-restarts=1 --port-file="$tmp/addr5" --job-id=pykilled -- \
   /usr/bin/python3 $job --steps=700 --step-sleep=0.03 --ckpt-dir="$tmp/ck5" --ckpt-every=20 \
-  >"$tmp/killed.log" 2>&1 &
+  --out="$tmp/killed.pt" >"$tmp/killed.log" 2>&1 &
 run=$!
 check "second job starts" wait_file "$tmp/addr5" 60
 addr5=$(cat "$tmp/addr5")
@@ -87,6 +87,27 @@ check "restarted with the 2 ranks left of 3, saying the steps lost" \
   "$tmp/killed.log"
 check "the script resumed there with 2 ranks" \
   grep -q "restart 1: resumed at step [0-9]* with 2 ranks" "$tmp/killed.log"
+c=$(sed -n 's/.*restart 1: resumed at step \([0-9]*\) with 2 ranks.*/\1/p' "$tmp/killed.log" | head -n 1)
+timeout 120 $B/shardrun --nproc 2 -- /usr/bin/python3 $job --steps=700 --resume="$tmp/ck5/step-$c" \
+  --out="$tmp/ref5.pt" >"$tmp/ref5.log" 2>&1
+check "reference: the checkpoint of step $c resumed at 2 ranks by hand" test $? -eq 0
+/usr/bin/python3 tests/python/compare_states.py "$tmp/killed.pt" "$tmp/ref5.pt" >"$tmp/compare5.log" 2>&1
+check "the restarted job's final state equals the by-hand resume's bit for bit" test $? -eq 0
+
+# shardrun --join: another shardrun adds a rank running the same script.
+timeout 180 $B/shardrun --nproc 2 --port-file="$tmp/addr6" --job-id=pyjoined -- \
+  /usr/bin/python3 $job --steps=500 --step-sleep=0.03 >"$tmp/joined.log" 2>&1 &
+run=$!
+check "fourth job starts" wait_file "$tmp/addr6" 60
+addr6=$(cat "$tmp/addr6")
+check "... trains past step 20" wait_until 60 "step 20" job_past_step "$addr6" 20
+timeout 120 $B/shardrun --join="$addr6" --nproc 1 -- /usr/bin/python3 $job --steps=500 \
+  --step-sleep=0.03 >"$tmp/joiner.log" 2>&1
+check "shardrun --join runs its rank to the end (exit $?)" test $? -eq 0
+wait $run
+check "... and the job's own shardrun finishes (exit $?)" test $? -eq 0
+check "the joined rank took the job's state" grep -q "rank 2 joined the job at step" "$tmp/joiner.log"
+check "the job grew to 3 ranks" grep -q "resized 2 -> 3 ranks after step" "$tmp/joined.log"
 
 # opt.drain() from a SIGTERM handler: rank 1 of 3 leaves, the job goes on at 2.
 timeout 180 $B/shardrun --nproc 3 --port-file="$tmp/addr3" --job-id=pysigterm -- \

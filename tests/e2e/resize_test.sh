@@ -107,6 +107,15 @@ check "restarted with the 2 ranks left of 3" \
   grep -q "lost rank 1; restart 1 of 1 with 2 ranks from the checkpoint of step" "$tmp/killed.log"
 check "from a checkpoint the 3 ranks saved" \
   grep -q "(sharded, saved by 3 ranks)" "$tmp/killed.log"
+c=$(sed -n 's/.*resumed from .*step-[0-9]* (sharded, saved by 3 ranks.*) at step \([0-9]*\),.*/\1/p' \
+  "$tmp/killed.log" | head -n 1)
+timeout 120 $B/shardrun --nproc 2 -- $B/shardopt_train "${train[@]}" --steps=600 \
+  --resume="$tmp/ck5/step-$c" --ckpt-dir="$tmp/ref5" >"$tmp/ref5.log" 2>&1
+check "reference: the checkpoint of step $c resumed at 2 ranks by hand" test $? -eq 0
+$B/shardctl consolidate "$tmp/ck5/step-600" "$tmp/killed.st" >/dev/null 2>&1
+$B/shardctl consolidate "$tmp/ref5/step-600" "$tmp/ref5.st" >/dev/null 2>&1
+check "the restarted job's final state equals the by-hand resume's bit for bit" \
+  cmp "$tmp/killed.st" "$tmp/ref5.st"
 
 # shardrun --join: another shardrun adds 2 ranks to the running job.
 timeout 180 $B/shardrun --nproc 2 --port-file="$tmp/addr6" --job-id=joined -- \
