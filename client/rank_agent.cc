@@ -63,6 +63,7 @@ RankAgent::RankAgent(CoordinatorApi* client, ShardedOptimizer* optimizer, RankAg
     wanted_.checkpoint_request = done_request_;
     wanted_.lr_version = applied_version_;
     wanted_.resize.request = done_resize_;
+    recovery_.request = done_resize_;
   }
   if (auto* fr = dynamic_cast<FlightRecordingCommunicator*>(comm_); fr != nullptr) {
     recorder_ = fr->recorder();
@@ -129,6 +130,7 @@ absl::Status RankAgent::Join() {
       MakeJoinRequest(opt_->layout(), options_, shard_owner_port_, opt_->learning_rate());
   join.set_epoch(options_.epoch);
   join.set_elastic(options_.elastic);
+  join.set_pid(getpid());
   join.set_step(options_.start_step);
   auto joined =
       client_->Join(join, std::max(options_.min_join_timeout, options_.collective_timeout));
@@ -188,6 +190,18 @@ std::string RankAgent::abort_reason() const {
   return abort_reason_;
 }
 
+std::optional<ResizeOrder> RankAgent::AwaitRecovery(absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  while (true) {
+    {
+      absl::MutexLock l(&mu_);
+      if (recovery_.epoch > 0) return recovery_;
+    }
+    if (absl::Now() >= deadline) return std::nullopt;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+}
+
 std::string RankAgent::WaitForAbort(absl::Duration timeout) {
   absl::MutexLock l(&mu_);
   mu_.AwaitWithTimeout(absl::Condition(
@@ -214,6 +228,22 @@ void RankAgent::SetAbort(const std::string& reason) {
 // One handler for the coordinator's notices, pushed on the session or
 // returned by a unary heartbeat: "" or the reason the job was aborted.
 std::string RankAgent::HandleNotice(const v1::HeartbeatResponse& r) {
+  std::string lost;
+  {
+    absl::MutexLock l(&mu_);
+    if (r.resize_recovery() && r.resize_request() > recovery_.request &&
+        r.resize_leave_size() == 1) {
+      recovery_.request = r.resize_request();
+      recovery_.epoch = r.resize_epoch();
+      recovery_.from_world = comm_->world_size();
+      recovery_.to_world = r.resize_world();
+      recovery_.leave.assign(r.resize_leave().begin(), r.resize_leave().end());
+      lost = absl::StrCat("rank ", r.resize_leave(0), " was lost; the job goes on from the ",
+                          "in-memory replicas");
+    }
+  }
+  // Collectives with the lost rank would wait for it until their timeout.
+  if (!lost.empty()) comm_->Abort(absl::AbortedError(lost));
   absl::MutexLock l(&mu_);
   if (r.hyper_params_version() > wanted_.lr_version && r.learning_rate() > 0) {
     wanted_.lr = r.learning_rate();

@@ -247,6 +247,11 @@ class RankAgent {
   std::string abort_reason() const;
   // Waits up to `timeout` for abort_reason() to be set; returns it.
   std::string WaitForAbort(absl::Duration timeout);
+  // A rank of this epoch was lost and the job recovers from in-memory
+  // replicas (HeartbeatResponse::resize_recovery; the communicator is
+  // aborted when it arrives): the resize that drops it. Waits up to
+  // `timeout` for one (a collective may fail before the notice arrives).
+  std::optional<ResizeOrder> AwaitRecovery(absl::Duration timeout);
 
   int rank() const { return options_.rank; }
   int shard_owner_port() const { return shard_owner_port_; }
@@ -340,6 +345,7 @@ class RankAgent {
   std::string abort_reason_ ABSL_GUARDED_BY(mu_);
   // SetAbort in progress (the communicator is being aborted).
   bool aborting_ ABSL_GUARDED_BY(mu_) = false;
+  ResizeOrder recovery_ ABSL_GUARDED_BY(mu_);  // epoch 0: none
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
 
   // Training thread only.

@@ -13,6 +13,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
 #include "common/status_macros.h"
@@ -30,23 +31,26 @@ std::string Key(int64_t epoch, const std::string& what) {
 }
 
 // Reads the old epoch's snapshots as one file system: the shard file of old
-// rank q from q's Snapshot service (from `local` when q is this rank's own),
-// everything else (the manifest, LATEST, directories) from old rank 0's.
-// Read-only.
+// rank q from addresses[q]'s Snapshot service (from `local_fs` when q is in
+// `local_ranks`: this rank's own, or a replica it holds), everything else
+// (the manifest, LATEST, directories) from old rank 0's. Read-only.
 class RemoteSnapshotFileSystem : public FileSystem {
  public:
   RemoteSnapshotFileSystem(std::vector<std::string> addresses, std::string token,
-                           StateSnapshot* local)
-      : addresses_(std::move(addresses)), token_(std::move(token)), local_(local) {}
+                           MemoryFileSystem* local_fs, std::vector<int> local_ranks)
+      : addresses_(std::move(addresses)),
+        token_(std::move(token)),
+        local_fs_(local_fs),
+        local_ranks_(std::move(local_ranks)) {}
 
   int64_t bytes_fetched() const { return fetched_; }
   int64_t bytes_local() const { return local_bytes_; }
 
   absl::Status ReadAt(const std::string& path, uint64_t offset, size_t n, void* out) override {
     const int q = OwnerOf(path);
-    if (local_ != nullptr && q == local_->old_rank()) {
+    if (IsLocal(q)) {
       local_bytes_ += static_cast<int64_t>(n);
-      return local_->fs()->ReadAt(path, offset, n, out);
+      return local_fs_->ReadAt(path, offset, n, out);
     }
     char* dst = static_cast<char*>(out);
     while (n > 0) {
@@ -66,14 +70,14 @@ class RemoteSnapshotFileSystem : public FileSystem {
   }
   absl::StatusOr<uint64_t> FileSize(const std::string& path) override {
     const int q = OwnerOf(path);
-    if (local_ != nullptr && q == local_->old_rank()) return local_->fs()->FileSize(path);
+    if (IsLocal(q)) return local_fs_->FileSize(path);
     SHARDOPT_ASSIGN_OR_RETURN(v1::SnapshotReadResponse r, Call(q, path, 0, 0));
     if (r.is_directory()) return absl::FailedPreconditionError(path + " is a directory");
     return r.file_size();
   }
   EntryKind Kind(const std::string& path) override {
     const int q = OwnerOf(path);
-    if (local_ != nullptr && q == local_->old_rank()) return local_->fs()->Kind(path);
+    if (IsLocal(q)) return local_fs_->Kind(path);
     auto r = Call(q, path, 0, 0);
     if (!r.ok()) return EntryKind::kMissing;
     return r->is_directory() ? EntryKind::kDirectory : EntryKind::kFile;
@@ -93,6 +97,10 @@ class RemoteSnapshotFileSystem : public FileSystem {
   absl::Status RemoveDir(const std::string&) override { return ReadOnly(); }
 
  private:
+  bool IsLocal(int q) const {
+    return local_fs_ != nullptr &&
+           std::find(local_ranks_.begin(), local_ranks_.end(), q) != local_ranks_.end();
+  }
   static absl::Status ReadOnly() {
     return absl::UnimplementedError("the snapshots of a resize are read-only");
   }
@@ -140,7 +148,8 @@ class RemoteSnapshotFileSystem : public FileSystem {
 
   const std::vector<std::string> addresses_;
   const std::string token_;
-  StateSnapshot* const local_;
+  MemoryFileSystem* const local_fs_;
+  const std::vector<int> local_ranks_;
   int64_t fetched_ = 0;
   int64_t local_bytes_ = 0;
   absl::Mutex mu_;
@@ -235,10 +244,197 @@ absl::StatusOr<SnapshotSource> AwaitSnapshotsToJoin(CoordinatorApi* client, int6
 absl::StatusOr<SnapshotLoad> LoadFromSnapshots(ShardedOptimizer& new_opt,
                                                const SnapshotSource& source,
                                                const std::string& token, StateSnapshot* local) {
-  RemoteSnapshotFileSystem fs(source.addresses, token, local);
+  RemoteSnapshotFileSystem fs(source.addresses, token, local ? local->fs() : nullptr,
+                              local ? std::vector<int>{local->old_rank()} : std::vector<int>{});
   SnapshotLoad out;
   auto info = LoadCheckpoint(new_opt, absl::StrCat(kRoot, "/step-", source.context.step), &fs,
                              /*whole_files=*/false);
+  if (!info.ok()) return info.status();
+  out.info = *std::move(info);
+  out.bytes_fetched = fs.bytes_fetched();
+  out.bytes_local = fs.bytes_local();
+  return out;
+}
+
+namespace {
+
+std::string ReplicaKey(int64_t epoch, const std::string& what) {
+  return absl::StrCat("replica/", epoch, "/", what);
+}
+
+std::string StepDir(int64_t step) { return absl::StrCat(kRoot, "/step-", step); }
+
+// Removes `dir` and the files in it.
+absl::Status RemoveTree(FileSystem* fs, const std::string& dir) {
+  auto names = fs->ListDir(dir);
+  if (!names.ok()) return names.status();
+  for (const std::string& n : *names) SHARDOPT_RETURN_IF_ERROR(fs->Remove(dir + "/" + n));
+  return fs->RemoveDir(dir);
+}
+
+// Copies `path` from `from` into `to` (whole, in reads of at most 4 MiB).
+absl::Status CopyFile(FileSystem* from, FileSystem* to, const std::string& path) {
+  SHARDOPT_ASSIGN_OR_RETURN(uint64_t size, from->FileSize(path));
+  SHARDOPT_ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> out, to->NewWritableFile(path));
+  std::vector<char> buf(std::min<uint64_t>(size, 4 << 20));
+  for (uint64_t off = 0; off < size;) {
+    const size_t n = static_cast<size_t>(std::min<uint64_t>(buf.size(), size - off));
+    SHARDOPT_RETURN_IF_ERROR(from->ReadAt(path, off, n, buf.data()));
+    SHARDOPT_RETURN_IF_ERROR(out->Append(buf.data(), n));
+    off += n;
+  }
+  return out->Close();
+}
+
+std::string ShardFile(int64_t step, int rank, int world) {
+  return absl::StrCat(StepDir(step), "/shard-", rank, "-of-", world, ".safetensors");
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<ReplicaStore>> ReplicaStore::Start(const std::string& host,
+                                                                  const std::string& token) {
+  std::unique_ptr<ReplicaStore> s(new ReplicaStore());
+  s->token_ = token;
+  s->service_ = std::make_unique<SnapshotService>(&s->fs_, token);
+  RpcServerOptions sopt;
+  sopt.address = host + ":0";
+  sopt.reflection = false;
+  auto server = RpcServer::Start(sopt, {s->service_.get()});
+  if (!server.ok()) return server.status();
+  s->server_ = *std::move(server);
+  return s;
+}
+
+ReplicaStore::~ReplicaStore() {
+  if (server_) server_->Shutdown(absl::Seconds(1));
+}
+
+std::string ReplicaStore::address() const { return server_->address(); }
+
+std::vector<int64_t> ReplicaStore::steps() const {
+  std::vector<int64_t> out;
+  for (const auto& [step, context] : complete_) out.push_back(step);
+  return out;
+}
+
+void ReplicaStore::Clear() {
+  if (fs_.Kind(kRoot) == EntryKind::kDirectory) {
+    auto names = fs_.ListDir(kRoot);
+    if (names.ok()) {
+      for (const std::string& n : *names) {
+        const std::string path = absl::StrCat(kRoot, "/", n);
+        if (fs_.Kind(path) == EntryKind::kDirectory) {
+          (void)RemoveTree(&fs_, path);
+        } else {
+          (void)fs_.Remove(path);
+        }
+      }
+    }
+  }
+  complete_.clear();
+  epoch_ = -1;
+}
+
+absl::Status ReplicaStore::Refresh(ShardedOptimizer& opt, CoordinatorApi* client, int64_t epoch,
+                                   const ResizeContext& context, absl::Duration timeout) {
+  Communicator* comm = opt.communicator();
+  const int rank = comm->rank(), world = comm->world_size();
+  const bool first = epoch != epoch_;
+  if (first) {
+    Clear();
+    epoch_ = epoch;
+    SHARDOPT_RETURN_IF_ERROR(
+        client->KvSet(ReplicaKey(epoch, absl::StrCat("addr/", rank)), address()));
+  }
+  const int64_t step = context.step;
+  if (complete_.count(step) != 0) return absl::OkStatus();
+  if (fs_.Kind(StepDir(step)) == EntryKind::kDirectory) {
+    SHARDOPT_RETURN_IF_ERROR(RemoveTree(&fs_, StepDir(step)));  // an incomplete try
+  }
+  CheckpointOptions copt;
+  copt.fs = &fs_;
+  copt.block_bytes = 64 << 10;  // (a recovery reads whole CRC blocks)
+  auto saved = SaveCheckpoint(opt, kRoot, copt);
+  if (!saved.ok()) return saved.status();
+  // Every rank's save is complete: copy the successor's files.
+  SHARDOPT_RETURN_IF_ERROR(SumOverRanks(comm, 0, timeout).status());
+  const int succ = (rank + 1) % world;
+  SHARDOPT_ASSIGN_OR_RETURN(std::string succ_address,
+                            client->KvGet(ReplicaKey(epoch, absl::StrCat("addr/", succ)), timeout));
+  RemoteSnapshotFileSystem remote(std::vector<std::string>(world, succ_address), token_, nullptr,
+                                  {});
+  SHARDOPT_RETURN_IF_ERROR(CopyFile(&remote, &fs_, ShardFile(step, succ, world)));
+  if (succ == 0) {
+    SHARDOPT_RETURN_IF_ERROR(CopyFile(&remote, &fs_, StepDir(step) + "/manifest.json"));
+  }
+  complete_[step] = context;
+  // Every rank holds generation `step` complete: the older ones may go.
+  SHARDOPT_RETURN_IF_ERROR(SumOverRanks(comm, 0, timeout).status());
+  for (auto it = complete_.begin(); it != complete_.end();) {
+    if (it->first == step) {
+      ++it;
+      continue;
+    }
+    SHARDOPT_RETURN_IF_ERROR(RemoveTree(&fs_, StepDir(it->first)));
+    it = complete_.erase(it);
+  }
+  if (first) SHARDOPT_RETURN_IF_ERROR(client->KvSet(ReplicaReadyKey(epoch, rank), "1"));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<SnapshotSource> ReplicaStore::AgreeOnRecovery(CoordinatorApi* client,
+                                                             const ResizeOrder& order, int old_rank,
+                                                             int64_t old_epoch,
+                                                             absl::Duration timeout) {
+  if (order.leave.size() != 1) return absl::InvalidArgumentError("a recovery drops one rank");
+  const int lost = order.leave[0];
+  const absl::Time deadline = absl::Now() + timeout;
+  auto left = [&deadline] { return std::max(absl::Seconds(1), deadline - absl::Now()); };
+  std::vector<std::string> held;
+  for (int64_t s : steps()) held.push_back(std::to_string(s));
+  SHARDOPT_RETURN_IF_ERROR(client->KvSet(ReplicaKey(order.epoch, absl::StrCat("held/", old_rank)),
+                                         absl::StrJoin(held, " ")));
+  // The newest generation every survivor holds.
+  std::map<int64_t, int> count;
+  for (int q = 0; q < order.from_world; ++q) {
+    if (q == lost) continue;
+    SHARDOPT_ASSIGN_OR_RETURN(
+        std::string v, client->KvGet(ReplicaKey(order.epoch, absl::StrCat("held/", q)), left()));
+    for (absl::string_view s : absl::StrSplit(v, ' ', absl::SkipEmpty())) {
+      int64_t step = 0;
+      if (absl::SimpleAtoi(s, &step)) ++count[step];
+    }
+  }
+  int64_t step = -1;
+  for (const auto& [s, n] : count) {
+    if (n == order.from_world - 1) step = s;
+  }
+  if (step < 0 || complete_.count(step) == 0) {
+    return absl::FailedPreconditionError(
+        "no generation of replicas is held by every remaining rank");
+  }
+  SnapshotSource src;
+  src.epoch = order.epoch;
+  src.context = complete_[step];
+  for (int q = 0; q < order.from_world; ++q) {
+    const int holder = q == lost ? ReplicaHolder(lost, order.from_world) : q;
+    SHARDOPT_ASSIGN_OR_RETURN(
+        std::string a, client->KvGet(ReplicaKey(old_epoch, absl::StrCat("addr/", holder)), left()));
+    src.addresses.push_back(std::move(a));
+  }
+  return src;
+}
+
+absl::StatusOr<SnapshotLoad> LoadFromReplicas(ShardedOptimizer& new_opt,
+                                              const SnapshotSource& source,
+                                              const std::string& token, ReplicaStore* store,
+                                              int old_rank, int lost) {
+  std::vector<int> local = {old_rank};
+  if (ReplicaHolder(lost, source.context.from_world) == old_rank) local.push_back(lost);
+  RemoteSnapshotFileSystem fs(source.addresses, token, store->fs(), local);
+  SnapshotLoad out;
+  auto info = LoadCheckpoint(new_opt, StepDir(source.context.step), &fs, /*whole_files=*/false);
   if (!info.ok()) return info.status();
   out.info = *std::move(info);
   out.bytes_fetched = fs.bytes_fetched();

@@ -22,6 +22,7 @@
 #define SHARDOPT_CLIENT_RESIZE_H_
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -132,6 +133,67 @@ absl::Status AwaitHandOver(CoordinatorApi* client, int64_t epoch, absl::Duration
 // `to` when the old ranks `leave` go: the least that any resize must move between ranks.
 int64_t BytesChangingOwner(const Layout& from, const Layout& to, const std::vector<int>& leave,
                            int num_states);
+
+// In-memory replicas for recovering a lost rank (shardrun --replicate-shards,
+// docs/elastic.md). Every K steps each rank saves its owned state in memory
+// (the sharded-checkpoint format, as StateSnapshot) and copies its
+// successor's, so that rank q's state at that step lives on rank q-1 too;
+// it keeps the newest generation every rank completed, and the one being
+// made. When a rank is lost (RankAgent::AwaitRecovery), the others agree on
+// the newest generation all of them hold and load it at the smaller size
+// (LoadFromReplicas): bit for bit a checkpoint of that step resumed there.
+class ReplicaStore {
+ public:
+  // Serves the store (service Snapshot) on `host`, a port chosen by the OS.
+  static absl::StatusOr<std::unique_ptr<ReplicaStore>> Start(const std::string& host,
+                                                             const std::string& token);
+  ~ReplicaStore();  // stops serving
+  ReplicaStore(const ReplicaStore&) = delete;
+  ReplicaStore& operator=(const ReplicaStore&) = delete;
+
+  // Collective over opt's communicator (every rank of membership epoch
+  // `epoch`): generation context.step (== opt.step_count()). Saves this
+  // rank's owned state, copies its successor's, then drops the older
+  // generations; the first time in an epoch it also publishes its address
+  // and then ReplicaReadyKey(epoch, rank).
+  absl::Status Refresh(ShardedOptimizer& opt, CoordinatorApi* client, int64_t epoch,
+                       const ResizeContext& context, absl::Duration timeout);
+  // Forgets every generation (a live resize changes the layout).
+  void Clear();
+
+  // Steps of the complete generations held (own state and the successor's).
+  std::vector<int64_t> steps() const;
+  int64_t bytes() const { return fs_.bytes(); }
+  MemoryFileSystem* fs() { return &fs_; }
+  std::string address() const;
+
+  // Where the survivors of `order` (a recovery: order.leave is the lost
+  // rank of epoch `old_epoch`) load from: the newest generation every one
+  // of them holds, agreed through the coordinator's store (this rank was
+  // `old_rank`). Its step is source.context.step.
+  absl::StatusOr<SnapshotSource> AgreeOnRecovery(CoordinatorApi* client, const ResizeOrder& order,
+                                                 int old_rank, int64_t old_epoch,
+                                                 absl::Duration timeout);
+
+ private:
+  ReplicaStore() = default;
+  MemoryFileSystem fs_;
+  std::string token_;
+  std::unique_ptr<SnapshotService> service_;
+  std::unique_ptr<RpcServer> server_;
+  int64_t epoch_ = -1;                         // the epoch of the generations held
+  std::map<int64_t, ResizeContext> complete_;  // step -> its context
+};
+
+// Collective over new_opt's communicator (the survivors): restores
+// generation source.context.step from the replicas, this rank's own and
+// the lost rank's (if it held them) from `store`, the rest from the ranks
+// that hold them. `old_rank`, `lost`: this rank's and the lost rank's
+// numbers in the old epoch.
+absl::StatusOr<SnapshotLoad> LoadFromReplicas(ShardedOptimizer& new_opt,
+                                              const SnapshotSource& source,
+                                              const std::string& token, ReplicaStore* store,
+                                              int old_rank, int lost);
 
 // The sum over every rank of `value` (collective over comm; fp32): the
 // bytes a resize moved, summed by the ranks of the new epoch. The buffer

@@ -28,6 +28,17 @@ inline std::string ResizeReadyKey(int64_t epoch, int rank) {
   return "resize/" + std::to_string(epoch) + "/ready/" + std::to_string(rank);
 }
 
+// The key a rank of epoch `epoch` sets once it holds a complete generation of
+// in-memory replicas (its own owned state and its neighbour's, shardrun
+// --replicate-shards): a lost rank is recovered from them only when every
+// other rank has.
+inline std::string ReplicaReadyKey(int64_t epoch, int rank) {
+  return "replica/" + std::to_string(epoch) + "/ready/" + std::to_string(rank);
+}
+
+// The rank that holds a replica of `rank`'s owned state: its predecessor.
+inline int ReplicaHolder(int rank, int world) { return (rank + world - 1) % world; }
+
 }  // namespace shardopt
 
 #endif  // SHARDOPT_COMMON_MEMBERSHIP_H_

@@ -186,7 +186,7 @@ std::string DescribeMembershipChange(const MembershipChange& c) {
     return absl::StrCat(ranks.size() == 1 ? "rank " : "ranks ", absl::StrJoin(ranks, ", "), " ",
                         what);
   };
-  if (!c.left.empty()) who = list("left", c.left);
+  if (!c.left.empty()) who = list(c.lost ? "lost, recovered from replicas" : "left", c.left);
   if (!c.joined.empty()) absl::StrAppend(&who, who.empty() ? "" : ", ", list("joined", c.joined));
   return absl::StrCat("epoch ", c.epoch, " at step ", c.step, ": ", c.from_world, " -> ",
                       c.to_world, " ranks", who.empty() ? "" : absl::StrCat(" (", who, ")"), " in ",
@@ -287,6 +287,53 @@ absl::StatusOr<PendingResize> Coordinator::RequestResize(int to_world, std::vect
     r.ready = r.to_world < r.from_world;
     resize_ = r;
     if (r.ready) last_resize_ = r;
+  }
+  Notify();
+  return r;
+}
+
+absl::StatusOr<PendingResize> Coordinator::RecoverLoss(int64_t pid, const std::string& why) {
+  PendingResize r;
+  {
+    absl::MutexLock lock(&mu_);
+    if (state_ != JobState::kRunning) {
+      return absl::FailedPreconditionError(absl::StrCat("the job is ", JobStateName(state_)));
+    }
+    int lost = -1;
+    for (const RankState& rs : ranks_) {
+      if (pid > 0 && rs.joined && rs.pid == pid) lost = rs.rank;
+    }
+    if (lost < 0) {
+      return absl::NotFoundError(absl::StrCat("no rank of epoch ", epoch_, " has process ", pid));
+    }
+    if (resize_) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("a resize to ", resize_->to_world, " ranks is in progress"));
+    }
+    if (!all_elastic_) return absl::FailedPreconditionError("the job cannot resize live");
+    if (world_ < 2) return absl::FailedPreconditionError("it was the job's only rank");
+    for (int q = 0; q < world_; ++q) {
+      if (q != lost && kv_.Find(ReplicaReadyKey(epoch_, q)) == nullptr) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("rank ", q, " holds no replica yet in epoch ", epoch_));
+      }
+    }
+    r.request = ++resize_request_;
+    last_requested_epoch_ = std::max(last_requested_epoch_, epoch_) + 1;
+    r.epoch = last_requested_epoch_;
+    r.from_world = world_;
+    r.to_world = world_ - 1;
+    r.leave = {lost};
+    r.requested = options_.now();
+    r.ready = true;
+    r.recovery = true;
+    resize_ = r;
+    last_resize_ = r;
+  }
+  if (options_.on_event) {
+    options_.on_event(absl::StrCat("rank ", r.leave[0], " was lost (", why, "); the other ",
+                                   r.to_world, " ranks go on from their in-memory replicas (epoch ",
+                                   r.epoch, ")"));
   }
   Notify();
   return r;
@@ -422,6 +469,7 @@ absl::Status Coordinator::AdmitLocked(const JoinInfo& info) {
   rs.last_heartbeat = options_.now();
   if (info.learning_rate > 0) rs.learning_rate = info.learning_rate;
   rs.step = info.step;
+  rs.pid = info.pid;
   all_elastic_ = all_elastic_ && info.elastic;
   epoch_step_ = std::max(epoch_step_, info.step);
   if (joined_ + 1 == world_ && resize_ && resize_->begun) {
@@ -433,6 +481,7 @@ absl::Status Coordinator::AdmitLocked(const JoinInfo& info) {
     c.to_world = world_;
     c.step = epoch_step_;
     c.left = resize_->leave;
+    c.lost = resize_->recovery;
     for (int r = world_ - (resize_->to_world -
                            (resize_->from_world - static_cast<int>(resize_->leave.size())));
          r < world_; ++r) {
@@ -844,6 +893,7 @@ HeartbeatReply Coordinator::NoticeLocked() {
   reply.resize_epoch = last_resize_.epoch;
   reply.resize_world = last_resize_.to_world;
   reply.resize_leave = last_resize_.leave;
+  reply.resize_recovery = last_resize_.recovery;
   return reply;
 }
 

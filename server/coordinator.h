@@ -107,6 +107,7 @@ struct MembershipChange {
   int to_world = 0;
   int64_t step = 0;         // the step boundary it took effect at
   std::vector<int> left;    // ranks of the old epoch that left
+  bool lost = false;        // ... because their process was lost (recovered from replicas)
   std::vector<int> joined;  // ranks of the new epoch that were not in the old one
   absl::Duration took;      // from the request to the last join of the new epoch
   absl::Time completed = absl::InfinitePast();
@@ -131,6 +132,9 @@ struct PendingResize {
   // A grow whose new ranks another launcher starts (shardrun --join): the
   // job's own shardrun leaves it alone.
   bool external = false;
+  // The rank in `leave` was lost (RecoverLoss): the others go on from their
+  // in-memory replicas.
+  bool recovery = false;
 };
 
 struct JoinInfo {
@@ -147,6 +151,7 @@ struct JoinInfo {
   int64_t epoch = 0;         // membership epoch (see RequestResize)
   bool elastic = false;      // its trainer can resize live
   int64_t step = 0;          // the step it starts from
+  int64_t pid = 0;           // its process id (0: not reported)
 };
 
 struct JoinResult {
@@ -204,6 +209,7 @@ struct HeartbeatReply {
   int64_t resize_epoch = 0;
   int resize_world = 0;
   std::vector<int> resize_leave;
+  bool resize_recovery = false;  // a lost rank's replacement by replicas (RecoverLoss)
 };
 
 enum class JobState { kStarting, kRunning, kFailed, kFinished };
@@ -212,6 +218,7 @@ const char* JobStateName(JobState state);
 struct RankState {
   int rank = -1;
   bool joined = false;
+  int64_t pid = 0;      // its process (JoinInfo::pid)
   std::string address;  // shard owner
   int64_t step = 0;
   double loss = 0;
@@ -364,6 +371,14 @@ class Coordinator {
   // can_grow.
   absl::StatusOr<PendingResize> RequestResize(int to_world, std::vector<int> leave,
                                               bool external = false);
+  // The process `pid` of a rank of this job died (its shardrun saw it,
+  // shardrun --replicate-shards): instead of failing the job, the other
+  // ranks drop it and go on from their in-memory replicas (a resize without
+  // it, announced at once, HeartbeatReply::resize_recovery). Refused
+  // (FailedPrecondition) when the job does not run, is resizing, cannot
+  // resize live, would have no rank left, or when some other rank has no
+  // replica yet in this epoch (ReplicaReadyKey); NotFound for an unknown pid.
+  absl::StatusOr<PendingResize> RecoverLoss(int64_t pid, const std::string& why);
   // Fails the job: every rank learns it at its next heartbeat. The cause (for
   // metrics) is kRankAbort when a rank (>= 0) asks, kRequest otherwise.
   void Abort(const std::string& reason, int rank);

@@ -84,6 +84,7 @@ void FillReply(const HeartbeatReply& r, v1::HeartbeatResponse* resp) {
   resp->set_resize_epoch(r.resize_epoch);
   resp->set_resize_world(r.resize_world);
   for (int l : r.resize_leave) resp->add_resize_leave(l);
+  resp->set_resize_recovery(r.resize_recovery);
 }
 
 }  // namespace
@@ -509,6 +510,7 @@ grpc::ServerUnaryReactor* CoordinatorService::Join(grpc::CallbackServerContext* 
   info.epoch = req->epoch();
   info.elastic = req->elastic();
   info.step = req->step();
+  info.pid = req->pid();
   if (req->params_size() > kMaxParams) {
     return Done(ctx, grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "too many parameters"));
   }

@@ -202,7 +202,8 @@ struct Config {
   // that shardrun started to grow the job joins epoch $SHARDOPT_JOIN_EPOCH.
   int64_t epoch = 0;
   int64_t join_epoch = 0;
-  bool drain_on_sigterm = false;                         // --on-sigterm=drain
+  int64_t replicate_every = 0;    // $SHARDOPT_REPLICATE_EVERY (shardrun --replicate-shards)
+  bool drain_on_sigterm = false;  // --on-sigterm=drain
   absl::Duration heartbeat_timeout = absl::Seconds(10);  // the served coordinator's
   std::string model_name, kind, coordinator, job_id, bind, ckpt_dir, resume, token;
   CpuTransport transport = CpuTransport::kAuto;
@@ -307,6 +308,8 @@ absl::Status ReadConfig(const Flags& flags, Config* c) {
   // complete checkpoint of --ckpt-dir, if there is one.
   c->restart = static_cast<int>(Take(EnvInt("SHARDOPT_RESTART", 0, 0, 1000), &bad));
   c->join_epoch = Take(EnvInt("SHARDOPT_JOIN_EPOCH", 0, 0, kMaxSteps), &bad);
+  // shardrun --replicate-shards=K: in-memory replicas every K steps.
+  c->replicate_every = Take(EnvInt("SHARDOPT_REPLICATE_EVERY", 0, 0, kMaxSteps), &bad);
   if (!bad.ok()) return bad;
   if (c->join_epoch > 0 && !c->resume.empty()) {
     return absl::InvalidArgumentError(
@@ -505,24 +508,22 @@ int StallOnPurpose(RankAgent* agent) {
 }
 
 // The forward and backward passes of step `step` (0-based) on this rank's
-// samples, the loss into *loss. Returns -1 when they ran, else the exit
-// status (the agent has reported the failure).
-int ForwardBackward(const Config& c, TrainModel& model, int64_t batch, RankAgent* agent,
-                    int64_t step, torch::Tensor* loss) {
+// samples, the loss into *loss. A collective's failure (a layer waiting for
+// its parameters' all-gather: a peer's death seen first there) is returned
+// as it is; any other error (c10::Error: e.g. out of memory) as Internal.
+absl::Status ForwardBackward(const Config& c, TrainModel& model, int64_t batch, int64_t step,
+                             torch::Tensor* loss) {
   try {
     *loss = model.Loss(step, c.rank * batch, (c.rank + 1) * batch);
     loss->backward();
   } catch (const GatherFailure& e) {
-    // A peer's death seen first by a layer waiting for its parameters: the
-    // coordinator's verdict names the rank, as for failures in Step().
-    const std::string msg = agent->Diagnose(e.status);
-    return agent->Fail(absl::StrCat("step ", step + 1, " failed: ", msg), msg);
-  } catch (const std::exception& e) {  // c10::Error: e.g. out of memory
+    return e.status;
+  } catch (const std::exception& e) {
     std::string what = e.what();
-    what = what.substr(0, what.find('\n'));
-    return agent->Fail(absl::StrCat("step ", step + 1, " failed in forward/backward: ", what));
+    return absl::InternalError(
+        absl::StrCat("in forward/backward: ", what.substr(0, what.find('\n'))));
   }
-  return -1;
+  return absl::OkStatus();
 }
 
 // After the update of step `step` (0-based), with loss `l`: a non-finite
@@ -570,8 +571,38 @@ struct Trainer {
 // TrainLoop's result for a rank that left the job in a live resize.
 constexpr int kLeftTheJob = -2;
 
+// --replicate-shards (shardrun's; $SHARDOPT_REPLICATE_EVERY): what the
+// refreshes of the in-memory replicas cost, for rank 0's lines.
+struct RefreshStats {
+  int64_t count = 0;
+  double seconds = 0;
+  int64_t epoch_reported = -1;
+};
+RefreshStats g_refresh;
+
+// After a refresh of the replicas at `step` (started at t0): counted; rank 0
+// says what they hold, once per membership epoch.
+void RecordRefresh(const Config& c, ReplicaStore* replicas, int64_t step,
+                   std::chrono::steady_clock::time_point t0) {
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  ++g_refresh.count;
+  g_refresh.seconds += secs;
+  if (c.rank == 0 && g_refresh.epoch_reported != c.epoch) {
+    g_refresh.epoch_reported = c.epoch;
+    std::printf(
+        "shardopt_train: replicas of step %lld in memory, refreshed every %lld steps: rank 0 "
+        "holds %.1f MiB (its own state and rank 1's), refreshed in %.3f s\n",
+        static_cast<long long>(step), static_cast<long long>(c.replicate_every),
+        replicas->bytes() / 1048576.0, secs);
+    std::fflush(stdout);
+  }
+}
+
 int ResizeLive(Config& c, TrainModel& model, int64_t batch, CoordinatorClient* client, Trainer* t,
                const ResizeOrder& order, int64_t step);
+int RecoverFromReplicas(Config& c, TrainModel& model, int64_t batch, CoordinatorClient* client,
+                        Trainer* t, ReplicaStore* replicas, const ResizeOrder& order,
+                        int64_t reached, int64_t* resume_at);
 
 // --on-sigterm=drain, after a SIGTERM: asks for a live resize without this
 // rank; when that is refused (one rank left, a resize under way, a job that
@@ -601,12 +632,35 @@ void RequestDrain(const Config& c, CoordinatorClient* client) {
 }
 
 int TrainLoop(Config& c, TrainModel& model, int64_t batch, CoordinatorClient* client, Trainer* t,
-              int64_t first_step, Advice* advice) {
+              int64_t first_step, Advice* advice, ReplicaStore* replicas) {
   auto t_window = std::chrono::steady_clock::now();
   int64_t window_steps = 0;
+  // A collective of step `step` failed with `s`: a rank was lost and the job
+  // recovers from the replicas (--replicate-shards; -1 then, and
+  // *resume_at is the step it goes on from), or this rank fails (the exit
+  // status).
+  auto failed = [&](const absl::Status& s, int64_t step, int64_t* resume_at) -> int {
+    if (replicas != nullptr) {
+      // (The notice may come a moment after a peer's death broke a collective.)
+      if (auto order = t->agent->AwaitRecovery(absl::Seconds(3))) {
+        return RecoverFromReplicas(c, model, batch, client, t, replicas, *order, step + 1,
+                                   resume_at);
+      }
+    }
+    const std::string msg = t->agent->Diagnose(s);
+    return t->agent->Fail(absl::StrCat("step ", step + 1, " failed: ", msg), msg);
+  };
   for (int64_t step = first_step; step < c.steps; ++step) {
     ShardedOptimizer* o = t->opt.get();
     RankAgent* agent = t->agent.get();
+    int64_t resume_at = 0;
+    // After a recovery: on from the step of the replicas (the loop adds 1).
+#define SHARDOPT_ON_FAILURE(status)                                     \
+  if (int rc = failed((status), step, &resume_at); rc != -1) return rc; \
+  step = resume_at - 1;                                                 \
+  t_window = std::chrono::steady_clock::now();                          \
+  window_steps = 0;                                                     \
+  continue
     if (g_drain.load() == 1) RequestDrain(c, client);
     if (c.rank == c.stall_rank && step == c.stall_step) return StallOnPurpose(agent);
     agent->BeforeStep(step + 1);
@@ -616,7 +670,9 @@ int TrainLoop(Config& c, TrainModel& model, int64_t batch, CoordinatorClient* cl
     o->ZeroGrad();
     torch::Tensor loss;
     const auto t_fb = std::chrono::steady_clock::now();
-    if (int rc = ForwardBackward(c, model, batch, agent, step, &loss); rc >= 0) return rc;
+    if (absl::Status s = ForwardBackward(c, model, batch, step, &loss); !s.ok()) {
+      SHARDOPT_ON_FAILURE(s);
+    }
     const double fb_s =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t_fb).count();
     double l = loss.item<double>();
@@ -626,13 +682,11 @@ int TrainLoop(Config& c, TrainModel& model, int64_t batch, CoordinatorClient* cl
     // (which overlap the next forward).
     auto agreed = agent->AgreeBeforeUpdate(step + 1, l);
     if (!agreed.ok()) {
-      const std::string msg = agent->Diagnose(agreed.status());
-      return agent->Fail(absl::StrCat("step ", step + 1, " failed: ", msg), msg);
+      SHARDOPT_ON_FAILURE(agreed.status());
     }
     auto r = o->Step();
     if (!r.ok()) {
-      const std::string msg = agent->Diagnose(r.status());
-      return agent->Fail(absl::StrCat("step ", step + 1, " failed: ", msg), msg);
+      SHARDOPT_ON_FAILURE(r.status());
     }
     if (int rc = CheckFinite(agent, step, l, r->grad_norm, agreed->nonfinite_rank); rc >= 0) {
       return rc;
@@ -657,8 +711,20 @@ int TrainLoop(Config& c, TrainModel& model, int64_t batch, CoordinatorClient* cl
                           (step + 1) % c.ckpt_every == 0 && step + 1 < c.steps;
     if (agreed->checkpoint || periodic) {
       if (absl::Status s = agent->CheckpointDuringTraining(step + 1); !s.ok()) {
+        if (replicas != nullptr && agent->AwaitRecovery(absl::ZeroDuration())) {
+          SHARDOPT_ON_FAILURE(s);
+        }
         return agent->Fail(std::string(s.message()));
       }
+    }
+    if (replicas != nullptr && (step + 1) % c.replicate_every == 0 && step + 1 < c.steps) {
+      const auto t0 = std::chrono::steady_clock::now();
+      if (absl::Status s = replicas->Refresh(*o, client, c.epoch, agent->Context(step + 1),
+                                             c.collective_timeout);
+          !s.ok()) {
+        SHARDOPT_ON_FAILURE(s);
+      }
+      RecordRefresh(c, replicas, step + 1, t0);
     }
     if ((step + 1) % c.log_every == 0 || step + 1 == c.steps) {
       if (c.rank == 0) PrintProgress(step + 1, c.steps, l, r->grad_norm, sps);
@@ -672,6 +738,7 @@ int TrainLoop(Config& c, TrainModel& model, int64_t batch, CoordinatorClient* cl
       t_window = std::chrono::steady_clock::now();
       window_steps = 0;
     }
+#undef SHARDOPT_ON_FAILURE
   }
   return -1;
 }
@@ -835,6 +902,67 @@ int ResizeLive(Config& c, TrainModel& model, int64_t batch, CoordinatorClient* c
   return -1;
 }
 
+// A rank was lost while this one ran step `reached` (shardrun
+// --replicate-shards; RankAgent::AwaitRecovery gave `order`, which drops
+// it): the old epoch's agent stops, the ranks that remain agree on the
+// newest generation of replicas they all hold, form the next epoch and load
+// it, each what it now owns (the lost rank's from the rank that held its
+// replica). Returns -1 with *resume_at the generation's step (training goes
+// on from there), else the exit status.
+int RecoverFromReplicas(Config& c, TrainModel& model, int64_t batch, CoordinatorClient* client,
+                        Trainer* t, ReplicaStore* replicas, const ResizeOrder& order,
+                        int64_t reached, int64_t* resume_at) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const int old_rank = c.rank, lost = order.leave[0];
+  const int64_t old_epoch = c.epoch;
+  t->agent->Stop();
+  auto failed = [&](const std::string& what, const absl::Status& s) {
+    const std::string msg = absl::StrCat("recovering from the loss of rank ", lost,
+                                         " failed: ", what, ": ", s.message());
+    (void)client->Abort(msg, c.rank);
+    return Fail(c.rank, msg);
+  };
+  auto source = replicas->AgreeOnRecovery(client, order, old_rank, old_epoch, c.collective_timeout);
+  if (!source.ok()) return failed("agreeing on the replicas", source.status());
+  ResizeContext context = source->context;
+  // (The recovery is acted on: the next epoch's agents must not take it for a resize.)
+  context.resize_requests_done = std::max(context.resize_requests_done, order.request);
+  c.rank = order.NewRank(old_rank);
+  c.world = order.to_world;
+  c.epoch = order.epoch;
+  Trainer next;
+  if (int rc = FormEpoch(c, model, batch, client, context, &next, t); rc >= 0) return rc;
+  auto loaded = LoadFromReplicas(*next.opt, *source, c.token, replicas, old_rank, lost);
+  if (!loaded.ok()) {
+    const std::string msg = next.agent->Diagnose(loaded.status());
+    return next.agent->Fail(absl::StrCat("recovering from the replicas failed: ", msg), msg);
+  }
+  auto moved =
+      SumOverRanks(next.comm.get(), loaded->bytes_fetched / 1048576.0, c.collective_timeout);
+  if (!moved.ok()) {
+    const std::string msg = next.agent->Diagnose(moved.status());
+    return next.agent->Fail(absl::StrCat("after the recovery: ", msg), msg);
+  }
+  replicas->Clear();  // (every rank has loaded: the old epoch's generations may go)
+  std::swap(t->comm, next.comm);
+  std::swap(t->opt, next.opt);
+  std::swap(t->agent, next.agent);
+  t->agent->Resumed(context.step);
+  *resume_at = context.step;
+  if (c.rank == 0) {
+    std::printf(
+        "shardopt_train: rank %d was lost during step %lld; recovered in %.2f s from the "
+        "in-memory replicas of step %lld (%lld steps lost): %d ranks now (epoch %lld), %.1f "
+        "MiB moved between ranks\n",
+        lost, static_cast<long long>(reached),
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(),
+        static_cast<long long>(context.step), static_cast<long long>(reached - 1 - context.step),
+        c.world, static_cast<long long>(c.epoch), *moved);
+    std::fflush(stdout);
+  }
+  return -1;
+}
+
 // Under srun or a Kubernetes Indexed Job (no shardrun), rank 0's process
 // serves the job's coordinator (Rendezvous::host_coordinator). Before this
 // rank exits, it waits until every rank has finished or the job has failed,
@@ -922,6 +1050,12 @@ int Main(int argc, char** argv) {
   if (absl::Status s = client.WaitUntilReachable(c.collective_timeout); !s.ok()) {
     return Fail(c.rank, std::string(s.message()));
   }
+  std::unique_ptr<ReplicaStore> replicas;  // (outlives the trainer)
+  if (c.replicate_every > 0) {
+    auto r = ReplicaStore::Start(c.bind, c.token);
+    if (!r.ok()) return Fail(c.rank, absl::StrCat("--replicate-shards: ", r.status().message()));
+    replicas = *std::move(r);
+  }
   Trainer trainer;
   int64_t first_step = 0;
   if (c.join_epoch > 0) {
@@ -1000,7 +1134,8 @@ int Main(int argc, char** argv) {
     advice.at_step = first_step + 3;
   }
   const auto t_start = std::chrono::steady_clock::now();
-  if (int rc = TrainLoop(c, **model, batch, &client, &trainer, first_step, &advice); rc >= 0) {
+  if (int rc = TrainLoop(c, **model, batch, &client, &trainer, first_step, &advice, replicas.get());
+      rc >= 0) {
     return rc;
   } else if (rc == kLeftTheJob) {
     return 0;

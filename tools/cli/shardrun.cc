@@ -93,6 +93,11 @@ flags (a malformed or out-of-range value is refused, naming the flag; exit statu
                          it) resumes from its --ckpt-dir's last complete checkpoint; one line
                          says which ranks were lost and how many steps. One node only
   --min-ranks=M          restart only with at least M ranks, 1..1024 (default 1)
+  --replicate-shards=K   every K steps each rank keeps its optimizer state and its
+                         successor's in memory; when a rank dies the others drop it and go
+                         on from there, without a restart (shardopt_train; one node;
+                         docs/elastic.md). With --max-restarts, a loss the replicas cannot
+                         cover (none yet, a second loss) restarts from the checkpoint
   --help                 this text
 
 Under srun (one shardrun per node: srun --ntasks-per-node=1 shardrun --nproc K -- ...)
@@ -231,12 +236,13 @@ struct RunConfig {
   double slow_factor = 1.5;
   int64_t slow_windows = 3;
   absl::Duration slow_window;
-  int64_t max_restarts = 0;  // --max-restarts
-  int restart = 0;           // this attempt: 0, then 1.. after each restart
-  int64_t failed_step = 0;   // the step the ranks had reached when the last attempt failed
-  int64_t saved_step = -1;   // the newest checkpoint rank 0 reported in any attempt (-1: none)
-  std::string last_restart;  // the last restart's line (shardctl status shows it)
-  int64_t min_ranks = 1;     // --min-ranks
+  int64_t max_restarts = 0;     // --max-restarts
+  int restart = 0;              // this attempt: 0, then 1.. after each restart
+  int64_t failed_step = 0;      // the step the ranks had reached when the last attempt failed
+  int64_t saved_step = -1;      // the newest checkpoint rank 0 reported in any attempt (-1: none)
+  std::string last_restart;     // the last restart's line (shardctl status shows it)
+  int64_t min_ranks = 1;        // --min-ranks
+  int64_t replicate_every = 0;  // --replicate-shards: in-memory replicas every K steps
   std::vector<std::string> program;  // PROGRAM ARGS...
 };
 
@@ -264,6 +270,7 @@ absl::Status ReadFlagValues(const Flags& flags, RunConfig* cfg) {
   auto slow_window = flags.Seconds("slow-window", 5, 0.1, 3600);
   auto max_restarts = flags.Int("max-restarts", 0, 0, 1000);
   auto min_ranks = flags.Int("min-ranks", 1, 1, kMaxNproc);
+  auto replicate = flags.Int("replicate-shards", 0, 1, 1000000);
   for (const absl::Status& s : {nproc.status(),
                                 nnodes.status(),
                                 port.status(),
@@ -284,7 +291,8 @@ absl::Status ReadFlagValues(const Flags& flags, RunConfig* cfg) {
                                 slow_window.status(),
                                 master_port_flag.status(),
                                 max_restarts.status(),
-                                min_ranks.status()}) {
+                                min_ranks.status(),
+                                replicate.status()}) {
     if (!s.ok()) return s;
   }
   cfg->nproc = *nproc;
@@ -308,6 +316,7 @@ absl::Status ReadFlagValues(const Flags& flags, RunConfig* cfg) {
   cfg->slow_window = *slow_window;
   cfg->max_restarts = *max_restarts;
   cfg->min_ranks = *min_ranks;
+  cfg->replicate_every = *replicate;
   return absl::OkStatus();
 }
 
@@ -316,10 +325,10 @@ absl::Status ReadFlagValues(const Flags& flags, RunConfig* cfg) {
 absl::Status CheckFlagCombinations(const Flags& flags, RunConfig* cfg) {
   if (!cfg->join.empty()) {
     // The job, its coordinator and its restarts are another shardrun's.
-    for (const char* f :
-         {"coordinator", "nnodes", "node-rank", "bind", "port", "port-file", "job-id", "tls-cert",
-          "tls-key", "tls-client-ca", "heartbeat-timeout", "metrics-port", "metrics-port-file",
-          "slow-factor", "slow-windows", "slow-window", "max-restarts", "min-ranks"}) {
+    for (const char* f : {"coordinator", "nnodes", "node-rank", "bind", "port", "port-file",
+                          "job-id", "tls-cert", "tls-key", "tls-client-ca", "heartbeat-timeout",
+                          "metrics-port", "metrics-port-file", "slow-factor", "slow-windows",
+                          "slow-window", "max-restarts", "min-ranks", "replicate-shards"}) {
       if (flags.Has(f)) {
         return absl::InvalidArgumentError(
             absl::StrCat("--", f, " applies to the shardrun that runs the job, not with --join"));
@@ -357,6 +366,11 @@ absl::Status CheckFlagCombinations(const Flags& flags, RunConfig* cfg) {
     return absl::InvalidArgumentError(
         "--max-restarts works on one node (--nnodes=1, no --coordinator): the shardrun that "
         "restarts the job must start every rank");
+  }
+  if (cfg->replicate_every > 0 && (cfg->nnodes > 1 || !cfg->coordinator.empty())) {
+    return absl::InvalidArgumentError(
+        "--replicate-shards works on one node (--nnodes=1, no --coordinator): the shardrun that "
+        "sees a rank die must run the job's coordinator");
   }
   if (cfg->min_ranks > cfg->world) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -416,11 +430,11 @@ absl::Status ApplyLaunchEnvironment(const Flags& flags, RunConfig* cfg) {
 std::optional<int> ParseFlags(int argc, char** argv, RunConfig* cfg) {
   auto flags = Flags::Parse(
       argc, argv,
-      {"nproc",       "nnodes",       "node-rank",     "coordinator",  "bind",
-       "port",        "port-file",    "job-id",        "token-file",   "heartbeat-timeout",
-       "tls-cert",    "tls-key",      "tls-client-ca", "metrics-port", "metrics-port-file",
-       "slow-factor", "slow-windows", "slow-window",   "master-port",  "max-restarts",
-       "min-ranks",   "join",         "help"});
+      {"nproc",       "nnodes",       "node-rank",        "coordinator",  "bind",
+       "port",        "port-file",    "job-id",           "token-file",   "heartbeat-timeout",
+       "tls-cert",    "tls-key",      "tls-client-ca",    "metrics-port", "metrics-port-file",
+       "slow-factor", "slow-windows", "slow-window",      "master-port",  "max-restarts",
+       "min-ranks",   "join",         "replicate-shards", "help"});
   if (!flags.ok()) return Fail(std::string(flags.status().message()));
   if (flags->Has("help")) {
     std::printf("%s", kUsage);
@@ -577,6 +591,9 @@ std::vector<std::string> RankEnv(const RunConfig& cfg, int rank, int local,
   if (!cfg.token_file.empty()) env.push_back("SHARDOPT_TOKEN_FILE=" + cfg.token_file);
   if (cfg.max_restarts > 0) env.push_back(absl::StrCat("SHARDOPT_RESTART=", cfg.restart));
   if (cfg.restart > 0) env.push_back(absl::StrCat("SHARDOPT_RESTART_STEP=", cfg.failed_step));
+  if (cfg.replicate_every > 0) {
+    env.push_back(absl::StrCat("SHARDOPT_REPLICATE_EVERY=", cfg.replicate_every));
+  }
   if (!cfg.tls_cert.empty()) {  // the ranks' shard-owner services use TLS as the coordinator does
     env.push_back("SHARDOPT_OWNER_TLS_CERT=" + cfg.tls_cert);
     env.push_back("SHARDOPT_OWNER_TLS_KEY=" + cfg.tls_key);
@@ -639,11 +656,17 @@ class Supervisor {
   // `to` ranks (a live resize the coordinator accepted); null: this
   // shardrun cannot.
   using Grow = std::function<absl::Status(int from, int to, int64_t epoch)>;
-  Supervisor(Coordinator* coordinator, std::vector<Child>* children, Grow grow = nullptr)
+  // recover_losses: a rank that dies is dropped and the others go on from
+  // their in-memory replicas (--replicate-shards) when the coordinator can.
+  Supervisor(Coordinator* coordinator, std::vector<Child>* children, Grow grow = nullptr,
+             bool recover_losses = false)
       : coordinator_(coordinator),
         children_(children),
         remaining_(static_cast<int>(children->size())),
-        grow_(std::move(grow)) {}
+        grow_(std::move(grow)),
+        recover_losses_(recover_losses) {}
+  // Ranks lost and recovered from replicas.
+  int recovered() const { return recovered_; }
 
   // The ranks whose own exit failed the job (empty when the coordinator or
   // a signal stopped it).
@@ -712,6 +735,17 @@ class Supervisor {
       c.status = status;
       --remaining_;
       const bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
+      if (!ok && !stopping_ && recover_losses_ && coordinator_) {
+        auto r = coordinator_->RecoverLoss(c.pid, ExitReason(c.rank, status));
+        if (r.ok()) {
+          ++recovered_;
+          continue;
+        }
+        std::lock_guard<std::mutex> l(g_out_mu);
+        std::printf("shardrun: cannot recover from the replicas: %s\n",
+                    std::string(r.status().message()).c_str());
+        std::fflush(stdout);
+      }
       if (!ok && !stopping_) {
         // Lost: killed (by nobody here), or ended with an error before the
         // coordinator failed the job. A rank that exits after the job's
@@ -761,6 +795,8 @@ class Supervisor {
   int remaining_;
   Grow grow_;
   int64_t grown_request_ = 0;  // the last grow whose ranks this shardrun started
+  bool recover_losses_ = false;
+  int recovered_ = 0;
   bool had_external_ranks_ = false;
   std::string failure_;
   std::vector<int> lost_;
@@ -886,7 +922,7 @@ std::string RunOnce(const RunConfig& cfg, std::vector<int>* lost, JobStatus* at_
       return absl::OkStatus();
     };
   }
-  Supervisor supervisor(servers.coordinator.get(), &ranks.children, grow);
+  Supervisor supervisor(servers.coordinator.get(), &ranks.children, grow, cfg.replicate_every > 0);
   std::string failure = supervisor.Run();
   if (failure.empty() && supervisor.had_external_ranks()) {
     failure = AwaitOtherRanks(servers.coordinator.get());
