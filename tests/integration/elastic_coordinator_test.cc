@@ -235,6 +235,43 @@ TEST(ElasticCoordinatorTest, ExternalGrowAndACancelledGrow) {
   EXPECT_EQ(c.GetJob().world_size, 3);
 }
 
+// shardrun --replicate-shards: a rank's process died; the coordinator drops
+// it (found by its pid) once every other rank holds replicas.
+TEST(ElasticCoordinatorTest, ALostRankIsRecoveredFromReplicas) {
+  FakeClock clock;
+  Coordinator c(Options(3, &clock));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 3; ++r) {
+    threads.emplace_back([&, r] {
+      JoinInfo j = Info(r, 3, 0);
+      j.pid = 100 + r;
+      ASSERT_TRUE(c.Join(j, absl::Seconds(10)).ok());
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(c.RecoverLoss(999, "killed").status().code(), absl::StatusCode::kNotFound);
+  ASSERT_TRUE(c.KvSet(ReplicaReadyKey(0, 0), "1").ok());
+  absl::Status early = c.RecoverLoss(101, "killed").status();
+  EXPECT_EQ(early.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(early.message().find("rank 2 holds no replica yet"), std::string::npos) << early;
+  ASSERT_TRUE(c.KvSet(ReplicaReadyKey(0, 2), "1").ok());  // (rank 1's own is not needed)
+  auto r = c.RecoverLoss(101, "killed by signal 9");
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->leave, std::vector<int>{1});
+  EXPECT_EQ(r->to_world, 2);
+  HeartbeatReply n = c.Notice();
+  EXPECT_TRUE(n.resize_recovery);
+  EXPECT_EQ(n.resize_epoch, 1);
+  EXPECT_EQ(n.resize_leave, std::vector<int>{1});
+  JoinEpoch(&c, 2, 1);
+  JobStatus j = c.GetJob();
+  EXPECT_EQ(j.world_size, 2);
+  ASSERT_EQ(j.membership.size(), 1u);
+  EXPECT_TRUE(j.membership[0].lost);
+  EXPECT_NE(DescribeMembershipChange(j.membership[0]).find("rank 1 lost, recovered from replicas"),
+            std::string::npos);
+}
+
 TEST(ElasticCoordinatorTest, AResizeThatNeverCompletesFailsTheJob) {
   FakeClock clock;
   Coordinator c(Options(2, &clock));

@@ -763,6 +763,10 @@ int Conclude(const Config& c, ShardedOptimizer* o, RankAgent* agent, int64_t fir
         static_cast<long long>(c.steps - first_step), seconds, m.state_bytes / 1048576.0,
         m.param_bytes / 1048576.0 * (o->options().kind == OptimizerKind::kSgd ? 1 : 2),
         static_cast<unsigned long long>(o->layout().hash()));
+    if (g_refresh.count > 0) {
+      std::printf("replicas: refreshed %lld times, %.4f s each on average\n",
+                  static_cast<long long>(g_refresh.count), g_refresh.seconds / g_refresh.count);
+    }
   }
   return 0;
 }

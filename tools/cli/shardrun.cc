@@ -847,7 +847,8 @@ void ShutDown(Ranks* ranks, CoordinatorServers* servers) {
 
 // The job's outcome (and where the ranks' collectives diverged, when it
 // failed); the exit status.
-int Report(const std::string& failure, const CoordinatorServers& servers, size_t ranks) {
+int Report(const std::string& failure, const CoordinatorServers& servers, size_t ranks,
+           int recovered = 0) {
   if (!failure.empty()) {
     std::fprintf(stderr, "shardrun: job failed: %s; stopped all ranks\n", failure.c_str());
     if (servers.service) {  // where the ranks' collectives diverged, from the rings they reported
@@ -856,6 +857,13 @@ int Report(const std::string& failure, const CoordinatorServers& servers, size_t
       if (!d.empty()) std::fprintf(stderr, "shardrun: flight recorder: %s\n", d.c_str());
     }
     return g_signal.load() != 0 ? 130 : 1;
+  }
+  if (recovered > 0) {
+    std::printf(
+        "shardrun: all %zu remaining ranks finished (%d lost, recovered from the in-memory "
+        "replicas)\n",
+        ranks - recovered, recovered);
+    return 0;
   }
   std::printf("shardrun: all %zu ranks finished\n", ranks);
   return 0;
@@ -942,7 +950,9 @@ std::string RunOnce(const RunConfig& cfg, std::vector<int>* lost, JobStatus* at_
             : absl::StrCat(survivors, " ranks would be left, under --min-ranks=", cfg.min_ranks)
                   .c_str());
   }
-  if (!restarting) *exit_status = Report(failure, servers, ranks.children.size());
+  if (!restarting) {
+    *exit_status = Report(failure, servers, ranks.children.size(), supervisor.recovered());
+  }
   return failure;
 }
 
