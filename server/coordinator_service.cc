@@ -607,6 +607,7 @@ grpc::ServerUnaryReactor* CoordinatorService::GetJob(grpc::CallbackServerContext
     m->set_step(c.step);
     for (int r : c.left) m->add_left(r);
     for (int r : c.joined) m->add_joined(r);
+    m->set_lost(c.lost);
     m->set_seconds(absl::ToDoubleSeconds(c.took));
     m->set_unix_time(absl::ToUnixMicros(c.completed) / 1e6);
   }

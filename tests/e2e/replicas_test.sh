@@ -55,6 +55,14 @@ run=$!
 check "second job starts" wait_file "$tmp/addr2" 60
 check "... trains past step 20" wait_until 60 "step 20" job_past_step "$(cat "$tmp/addr2")" 20
 kill -9 "$(rank_pid rep0 0)"
+# shardctl status and top show the change while the job goes on.
+shows_loss() {
+  $B/shardctl --coordinator="$(cat "$tmp/addr2")" status >"$tmp/status.txt" 2>&1 &&
+    grep -q "^membership: epoch 1; last change at step [0-9]*: 3 -> 2 ranks, lost (recovered from replicas): 0, " "$tmp/status.txt" &&
+    $B/shardctl --coordinator="$(cat "$tmp/addr2")" top --once >"$tmp/top.txt" 2>&1 &&
+    grep -q "^membership: epoch 1; .*lost (recovered from replicas): 0" "$tmp/top.txt"
+}
+check "shardctl status and top show rank 0's loss" wait_until 60 "the loss in status and top" shows_loss
 wait $run
 check "after rank 0's loss the job finishes (exit $?)" test $? -eq 0
 check "the new rank 0 says it recovered" \

@@ -72,6 +72,40 @@ TEST(TopViewTest, HeaderAndOneLinePerRank) {
             "*   1     121  110ms  210ms   149.0 12.0ms 3.10ms 812.0 MiB   0.4s  slowest");
 }
 
+// An elastic job's membership: the last change (a drain, a lost rank) and a
+// pending resize, under the header (as in shardctl status).
+TEST(TopViewTest, MembershipChangesAreShown) {
+  v1::GetJobResponse job = Job(2);
+  EXPECT_EQ(MembershipLine(job), "") << "a job that never changed its ranks";
+  job.set_epoch(2);
+  v1::MembershipChange* grow = job.add_membership();
+  grow->set_epoch(1);
+  grow->set_from_world(2);
+  grow->set_to_world(3);
+  grow->set_step(40);
+  grow->add_joined(2);
+  grow->set_seconds(0.8);
+  v1::MembershipChange* lost = job.add_membership();
+  lost->set_epoch(2);
+  lost->set_from_world(3);
+  lost->set_to_world(2);
+  lost->set_step(95);
+  lost->add_left(1);
+  lost->set_lost(true);
+  lost->set_seconds(0.02);
+  EXPECT_EQ(MembershipLine(job),
+            "membership: epoch 2; last change at step 95: 3 -> 2 ranks, lost (recovered from "
+            "replicas): 1, 0.02s");
+  job.set_resize_pending_world(4);
+  TopViewOptions o;
+  o.width = 200;
+  auto lines = RenderTopView(&job, o);
+  ASSERT_GE(lines.size(), 2u);
+  EXPECT_EQ(lines[1],
+            "membership: epoch 2; last change at step 95: 3 -> 2 ranks, lost (recovered from "
+            "replicas): 1, 0.02s; resize to 4 ranks pending");
+}
+
 TEST(TopViewTest, SlowestIsMarkedAndHighlighted) {
   v1::GetJobResponse job = Job(4);
   job.mutable_ranks(2)->set_step_seconds_p50(0.9);  // clearly the slowest

@@ -454,23 +454,7 @@ int StatusCommand(const JobContext& ctx) {
   if (job->restarts() > 0) {
     std::printf("restarts: %d; last: %s\n", job->restarts(), job->last_restart().c_str());
   }
-  if (job->epoch() > 0 || job->resize_pending_world() > 0) {
-    std::string line = absl::StrCat("membership: epoch ", job->epoch());
-    if (!job->membership().empty()) {
-      const auto& m = job->membership(job->membership_size() - 1);
-      absl::StrAppend(&line, "; last change at step ", m.step(), ": ", m.from_world(), " -> ",
-                      m.to_world(), " ranks");
-      if (!m.left().empty()) absl::StrAppend(&line, ", left: ", absl::StrJoin(m.left(), ", "));
-      if (!m.joined().empty()) {
-        absl::StrAppend(&line, ", joined: ", absl::StrJoin(m.joined(), ", "));
-      }
-      absl::StrAppend(&line, absl::StrFormat(", %.2fs", m.seconds()));
-    }
-    if (job->resize_pending_world() > 0) {
-      absl::StrAppend(&line, "; resize to ", job->resize_pending_world(), " ranks pending");
-    }
-    std::printf("%s\n", line.c_str());
-  }
+  if (const std::string m = MembershipLine(*job); !m.empty()) std::printf("%s\n", m.c_str());
   std::printf("%5s  %-22s %8s %10s %14s %12s\n", "rank", "shard owner", "step", "loss", "samples/s",
               "heartbeat");
   for (const auto& r : job->ranks()) {

@@ -109,6 +109,26 @@ std::string TopDuration(double s) {
   return absl::StrFormat("%ds", sec);
 }
 
+std::string MembershipLine(const v1::GetJobResponse& job) {
+  if (job.epoch() <= 0 && job.resize_pending_world() <= 0) return "";
+  std::string line = absl::StrCat("membership: epoch ", job.epoch());
+  if (!job.membership().empty()) {
+    const auto& m = job.membership(job.membership_size() - 1);
+    absl::StrAppend(&line, "; last change at step ", m.step(), ": ", m.from_world(), " -> ",
+                    m.to_world(), " ranks");
+    if (!m.left().empty()) {
+      absl::StrAppend(&line, m.lost() ? ", lost (recovered from replicas): " : ", left: ",
+                      absl::StrJoin(m.left(), ", "));
+    }
+    if (!m.joined().empty()) absl::StrAppend(&line, ", joined: ", absl::StrJoin(m.joined(), ", "));
+    absl::StrAppend(&line, absl::StrFormat(", %.2fs", m.seconds()));
+  }
+  if (job.resize_pending_world() > 0) {
+    absl::StrAppend(&line, "; resize to ", job.resize_pending_world(), " ranks pending");
+  }
+  return line;
+}
+
 int SlowestRank(const v1::GetJobResponse& job) {
   // By step time over the window: the highest p50 (then max) is the slowest.
   int best = -1, known = 0;
@@ -215,6 +235,7 @@ std::vector<std::string> RenderTopView(const v1::GetJobResponse* job, const TopV
   lines.push_back(Cut(Header(*job), o.width));
   if (!job->failure().empty())
     lines.push_back(Cut("failure: " + Printable(job->failure()), o.width));
+  if (const std::string m = MembershipLine(*job); !m.empty()) lines.push_back(Cut(m, o.width));
   if (!o.status.empty()) lines.push_back(Cut(Printable(o.status), o.width));
   lines.push_back(Cut(Row(' ', "rank", "step", "t p50", "t max", "samp/s", "comm", "optim",
                           "memory", "hb age", "note"),

@@ -47,6 +47,10 @@ struct TopViewOptions {
 // samples_per_s under the same conditions.
 int SlowestRank(const v1::GetJobResponse& job);
 
+// "membership: epoch 2; last change at step 268: 3 -> 2 ranks, left: 1, 0.03s" (and a pending
+// resize), or "" for a job that never changed its ranks: shardctl status and top.
+std::string MembershipLine(const v1::GetJobResponse& job);
+
 // The frame's lines, without line terminators. `job` may be null (no answer
 // from the coordinator yet): the frame is then the status line alone.
 std::vector<std::string> RenderTopView(const v1::GetJobResponse* job,
