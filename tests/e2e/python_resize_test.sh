@@ -135,6 +135,15 @@ shardopt.ShardedOptimizer(torch.nn.Linear(2, 2).named_parameters(), torch.optim.
 check "elastic=True with RMSprop refused (exit $?)" test $? -ne 0
 check "... saying why" grep -q "RMSprop's state lives in Python" "$tmp/rmsprop.log"
 
+# shardrun --replicate-shards: a Python job runs, and rank 0 says once that
+# Python ranks keep no replicas (instead of a silent no-op).
+timeout 60 $B/shardrun --nproc 2 --replicate-shards=5 -- /usr/bin/python3 -c 'import torch, shardopt
+shardopt.init()
+shardopt.ShardedOptimizer(torch.nn.Linear(2, 2).named_parameters())' >"$tmp/replicas.log" 2>&1
+check "a Python job under --replicate-shards runs (exit $?)" test $? -eq 0
+check "... and rank 0 says it keeps no replicas" \
+  test "$(grep -c "Python ranks keep no in-memory replicas" "$tmp/replicas.log")" -eq 1
+
 if [[ $fails -ne 0 ]]; then
   for f in "$tmp"/*.log; do echo "--- $f"; tail -n 15 "$f"; done
   exit 1

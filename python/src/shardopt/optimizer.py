@@ -293,6 +293,13 @@ class ShardedOptimizer(_StateMixin, Optimizer):
         ctx = self._context
         join_epoch = _join_epoch() if ctx.control_plane and not ctx._agent_taken else 0
         self._check_elastic(elastic, join_epoch, generic_class)
+        if (ctx.control_plane and not ctx._agent_taken and ctx.rank == 0
+                and os.environ.get("SHARDOPT_REPLICATE_EVERY")):
+            # shardrun --replicate-shards: only shardopt_train keeps replicas.
+            print("shardopt: shardrun --replicate-shards: Python ranks keep no in-memory replicas "
+                  "(only shardopt_train does; docs/elastic.md): a lost rank fails the job, or "
+                  "restarts it from the last checkpoint with --max-restarts", file=sys.stderr,
+                  flush=True)
         ticket = None
         if join_epoch > 0:
             # Started by shardrun to grow the running job: the ranks there go
