@@ -1,5 +1,6 @@
 """An elastic Python job for tests/e2e/python_resize_test.sh: a model with a
-BatchNorm buffer, gradient clipping and AdamW under shardrun, whose ranks
+BatchNorm buffer, gradient clipping, AdamW and a per-step LambdaLR schedule
+(resumed with last_epoch, torch's convention) under shardrun, whose ranks
 change while it trains (ShardedOptimizer(elastic=True)). Each step's global
 batch (24 samples, drawn from the step number) is split over the ranks of
 that step; on_resize rebuilds the split. A rank that shardrun starts to grow
@@ -73,6 +74,10 @@ if a.resume:
               "ranks", flush=True)
 if opt.last_resize is not None:
     print(f"rank {opt.rank} of {opt.world_size} starts at step {opt.step_count}", flush=True)
+# The schedule resumed as torch's convention has it: a rank that joined took
+# rank 0's initial_lr with the job's state, as load_checkpoint restores it.
+sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.002 * s),
+                                          last_epoch=opt.step_count - 1 if opt.step_count else -1)
 step = opt.step_count
 while step < a.steps:
     x, y = sampler.batch(step)
@@ -80,6 +85,7 @@ while step < a.steps:
     loss = (model(x) - y).square().mean()
     loss.backward()
     stats = opt.step(loss=loss)
+    sched.step()
     step = stats.step
     if stats.resize is not None:
         assert (opt.rank, opt.world_size) == (stats.resize.rank, stats.resize.to_world)

@@ -18,10 +18,21 @@ from ._options import _hyper_keys
 _META_GROUPS = "shardopt.param_groups"
 _META_GROUP_OF = "shardopt.param_group_of"  # group of each trainable parameter, layout order
 _META_BUFFERS = "shardopt.buffers"
+# The param_groups' other keys (a scheduler's initial_lr, torch.optim's
+# flags, the script's own), where JSON can carry them: one dict per group.
+_META_GROUP_EXTRAS = "shardopt.param_group_extras"
+# torch.optim options the fused kernels do not have: only False is taken.
+_FIXED_KEYS = ("amsgrad", "maximize", "capturable", "differentiable")
 # A torch.optim class without fused kernels: its class, its param_groups'
 # options, and every rank's state file (step-N/optimizer-R-of-W.pt) with its
 # size and CRC-32.
 _META_TORCH_OPTIM = "shardopt.torch_optimizer"
+
+
+def _json_value(v):
+    """`v` as JSON would give it back (tuples become lists), or a
+    ValueError/TypeError where JSON cannot carry it."""
+    return json.loads(json.dumps(v, allow_nan=False))
 
 
 def _json_or_none(text: Optional[str]):
@@ -130,6 +141,63 @@ class _StateMixin:
         self._local.load_state_dict({"state": local_state, "param_groups": local_groups})
         self._sync_groups()
 
+    # -- param_groups keys beyond the hyper-parameters -------------------------
+    def _group_extras(self) -> List[Dict[str, Any]]:
+        """Each group's keys other than `params` and the hyper-parameters the
+        core holds: LR schedulers' initial_lr (max_lr, min_lr, ...),
+        torch.optim's flags, keys of the script's own. Values JSON cannot
+        carry (tensors, objects) are left out."""
+        skip = set(_hyper_keys(self._kind)) | {"params"}
+        out = []
+        for group in self.param_groups:
+            extras = {}
+            for k, v in group.items():
+                if not isinstance(k, str) or k in skip:
+                    continue
+                try:
+                    extras[k] = _json_value(v)
+                except (TypeError, ValueError):
+                    continue
+            out.append(extras)
+        return out
+
+    def _set_group_extras(self, extras: Any, where: str) -> None:
+        """Sets the keys of _group_extras() (a list, one dict per group) in
+        param_groups; a key whose value is already that one is left as it is
+        (a tuple stays a tuple)."""
+        if not isinstance(extras, list) or len(extras) != len(self.param_groups):
+            return
+        skip = set(_hyper_keys(self._kind)) | {"params"}
+        for g, (group, e) in enumerate(zip(self.param_groups, extras)):
+            if not isinstance(e, dict):
+                continue
+            if self._kind != "torch":
+                for k in _FIXED_KEYS:
+                    if e.get(k):
+                        raise ValueError(f"{where}: param_groups[{g}] has {k}={e[k]!r}, which "
+                                         f"shardopt's {self._kind} does not support (only False)")
+            for k, v in e.items():
+                if k in skip:
+                    continue
+                if k in group:
+                    try:
+                        if _json_value(group[k]) == v:
+                            continue
+                    except (TypeError, ValueError):
+                        pass
+                group[k] = v
+
+    def _check_fixed_keys(self) -> None:
+        """The fused kernels have no amsgrad, maximize, ...: a param_groups
+        edit that turns one on is refused rather than ignored."""
+        if self._kind == "torch":
+            return
+        for g, group in enumerate(self.param_groups):
+            for k in _FIXED_KEYS:
+                if group.get(k):
+                    raise ValueError(f"param_groups[{g}]['{k}'] = {group[k]!r}: shardopt's "
+                                     f"{self._kind} does not support it (only False)")
+
     # -- checkpoints -----------------------------------------------------------
     def save_checkpoint(self, root: str, keep: int = 0) -> str:
         """Collective. Writes ROOT/step-N (each rank its shard; crash-safe) in
@@ -137,7 +205,8 @@ class _StateMixin:
         prunes older checkpoints."""
         self._sync_groups()
         meta = {_META_GROUPS: json.dumps([self._hyper(g) for g in self.param_groups]),
-                _META_GROUP_OF: json.dumps(self._trainable_groups())}
+                _META_GROUP_OF: json.dumps(self._trainable_groups()),
+                _META_GROUP_EXTRAS: json.dumps(self._group_extras())}
         if self._module is not None:
             # Rank 0's buffers (BatchNorm statistics): the ones every rank
             # gets at the next forward under broadcast_buffers.
@@ -184,7 +253,8 @@ class _StateMixin:
     def load_checkpoint(self, path: str) -> Dict[str, Any]:
         """Collective. Resumes from a checkpoint directory or root (any world
         size), a consolidated .safetensors file, or a torch.save file. Restores
-        parameters, state, step and hyper-parameters (into param_groups)."""
+        parameters, state, step, hyper-parameters and the param_groups' other
+        keys saved with them (a scheduler's initial_lr, ...)."""
         if self._generic_class is not None and not os.path.isdir(os.fspath(path)):
             raise ValueError(f"{os.fspath(path)}: {self._generic_class.__name__}'s state is "
                              "resumed from a sharded checkpoint directory, or from a torch.save "
@@ -201,6 +271,7 @@ class _StateMixin:
             for g, h in enumerate(groups):
                 self._core.set_group(g, h)
         self._pull_groups()
+        self._set_group_extras(_json_or_none(meta.get(_META_GROUP_EXTRAS)), os.fspath(path))
         if self._generic_class is not None:
             self._load_generic_checkpoint(info, os.fspath(path))
         buffers = info["metadata"].get(_META_BUFFERS)
@@ -414,6 +485,12 @@ class _StateMixin:
         if self._generic_class is not None:
             self._generic_load_state_dict(state_dict)
             return
+        for g, theirs in enumerate(groups):
+            for k in _FIXED_KEYS:
+                if theirs.get(k):
+                    raise ValueError(f"the state_dict's param_groups[{g}] has {k}={theirs[k]!r}, "
+                                     f"which shardopt's {self._kind} does not support (only "
+                                     "False)")
         saved = state_dict.get("state", {})
         wanted = ["momentum_buffer"] if self._kind == "sgd" else ["exp_avg", "exp_avg_sq"]
         full: Dict[str, Dict[str, torch.Tensor]] = {}
@@ -441,8 +518,11 @@ class _StateMixin:
             step = max(step, self._core.step_count, 1)
             counts = {}  # torch's SGD keeps no count
         self._core.load_state(full, step, {n: c for n, c in counts.items() if c != step})
-        for g, (theirs, ours) in enumerate(zip(groups, self.param_groups)):
-            for k in _hyper_keys(self._kind):
-                if k in theirs:
-                    ours[k] = tuple(theirs[k]) if k == "betas" else theirs[k]
+        hyper = _hyper_keys(self._kind)
+        for theirs, ours in zip(groups, self.param_groups):
+            for k, v in theirs.items():
+                if k in hyper:
+                    ours[k] = tuple(v) if k == "betas" else v
+                elif k != "params":
+                    ours[k] = v  # as torch.optim: a scheduler's initial_lr, flags, the script's keys
         self._sync_groups()

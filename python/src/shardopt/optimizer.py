@@ -273,6 +273,7 @@ class ShardedOptimizer(_StateMixin, Optimizer):
         # torch.optim.Optimizer: param_groups, state, hooks; checks the groups.
         super().__init__(torch_groups, defaults)
         self._kind = optimizer
+        self._check_fixed_keys()  # a group's own amsgrad=True, ...: refused, not ignored
         self._param_group = param_group
         self._names = names
         self._tensors = tensors
@@ -390,6 +391,9 @@ class ShardedOptimizer(_StateMixin, Optimizer):
             # A rank that joins takes the buffers of rank 0, as the ranks
             # that stay do after a resize.
             self._attach_module(module, sync_now=self._broadcast_buffers or ticket is not None)
+        if ticket is not None:
+            # Collective with the ranks already there (their _after_resize).
+            self._share_group_extras(join=True)
         if ticket is None and ctx.control_plane and not ctx._agent_taken:
             # shardctl checkpoint requests write under checkpoint_dir.
             ctx._agent_taken = True
@@ -458,6 +462,17 @@ class ShardedOptimizer(_StateMixin, Optimizer):
               file=sys.stderr, flush=True)
         return True
 
+    def _share_group_extras(self, join: bool) -> None:
+        """Collective, after a live resize: a rank that joined takes rank 0's
+        param_groups keys beyond the hyper-parameters (a scheduler's
+        initial_lr: LambdaLR(opt, f, last_epoch=opt.step_count - 1) then
+        resumes as it does after load_checkpoint)."""
+        if self.world_size == 1:
+            return
+        extras = self._exchange_json(self._group_extras() if self.rank == 0 else None)[0]
+        if join:
+            self._set_group_extras(extras, "rank 0's param_groups")
+
     def _after_resize(self, info: Dict[str, Any]) -> ResizeEvent:
         """The rest of a live resize agreed after this step (the core has
         taken this rank's snapshot): leave, or move to the new epoch."""
@@ -487,6 +502,7 @@ class ShardedOptimizer(_StateMixin, Optimizer):
             self._sync_buffers()  # rank 0's buffers, as a rank that joins takes them
         self._join_seq = 0
         self._pull_groups()
+        self._share_group_extras(join=False)
         event = ResizeEvent(step=step, epoch=epoch, from_world=info["from_world"],
                             to_world=info["to_world"], previous_rank=info["previous_rank"],
                             rank=info["rank"], seconds=done["seconds"],
@@ -631,6 +647,7 @@ class ShardedOptimizer(_StateMixin, Optimizer):
 
     def _sync_groups(self) -> None:
         """Pushes param_groups edits (LR schedulers, user code) to the core."""
+        self._check_fixed_keys()
         for g, group in enumerate(self.param_groups):
             h = self._hyper(group)
             if h != self._pushed[g]:

@@ -105,6 +105,18 @@ class MisuseTest(unittest.TestCase):
             self.assertIn("key 'optimizer' holds object of torch.optim.adamw.AdamW", res["refusal"])
             self.assertIn("has 2 param_groups, this optimizer 1", res["groups_refusal"])
 
+    def test_scheduler_resumed_with_last_epoch(self):
+        for res in run_case("scheduler_resume"):
+            for how in ("load_state_dict", "load_checkpoint"):
+                self.assertIsNone(res[how]["error"], how)  # was KeyError: 'initial_lr'
+                self.assertEqual(res[how]["max_diff"], 0.0, how)
+                self.assertEqual(res[how]["lr"], res["torch_lr"], how)
+                self.assertEqual(res[how]["tag"], "mine", how)
+            self.assertEqual(res["lr"], res["torch_lr"])
+            self.assertError(res["ctor"], "ValueError", "amsgrad", "does not support")
+            self.assertError(res["edit"], "ValueError", "amsgrad", "does not support")
+            self.assertError(res["state_dict"], "ValueError", "maximize", "does not support")
+
 
 if __name__ == "__main__":
     unittest.main(verbosity=2)

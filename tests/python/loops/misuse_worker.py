@@ -279,6 +279,75 @@ def case_pt_with_scheduler(rank, root):
             "groups_refusal": groups_refusal}
 
 
+def case_scheduler_resume(rank, root):
+    """A scheduler resumed with last_epoch (torch's convention) needs the
+    param_groups' initial_lr: load_state_dict brings it (as torch.optim's
+    does), and so does load_checkpoint, with the script's own keys; the run
+    then goes on bit for bit as the one that never stopped, at torch's lr. A
+    group option the fused kernels lack (amsgrad=True) is refused, never
+    ignored: in a group at construction, by a param_groups edit, in a
+    state_dict."""
+    x, y = data(0, 0)
+
+    def f(s):
+        return 1.0 / (1.0 + 0.1 * s)
+
+    def steps(m, o, s, n):
+        for _ in range(n):
+            o.zero_grad()
+            F.cross_entropy(m(x), y).backward()
+            o.step()
+            s.step()
+
+    torch.manual_seed(0)
+    ref_model = Mlp()
+    torch.manual_seed(0)
+    model = Mlp()
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2)
+    opt = shardopt.ShardedOptimizer(model.named_parameters(), "adamw", lr=1e-2, timeout=30)
+    ref_sched = torch.optim.lr_scheduler.LambdaLR(ref, f)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, f)
+    steps(ref_model, ref, ref_sched, 3)
+    steps(model, opt, sched, 3)
+    opt.param_groups[0]["tag"] = "mine"  # a key of the script's own
+    saved_sd = opt.state_dict()
+    saved_model = {k: v.clone() for k, v in model.state_dict().items()}
+    ckpt = opt.save_checkpoint(root)
+    steps(ref_model, ref, ref_sched, 3)
+    steps(model, opt, sched, 3)
+    out = {"error": None}
+    for how in ("load_state_dict", "load_checkpoint"):
+        torch.manual_seed(5)
+        m = Mlp()
+        o = shardopt.ShardedOptimizer(m.named_parameters(), "adamw", lr=1e-2, timeout=30)
+        if how == "load_state_dict":
+            m.load_state_dict(saved_model)
+            o.load_state_dict(saved_sd)
+        else:
+            o.load_checkpoint(ckpt)
+
+        def resume():
+            s = torch.optim.lr_scheduler.LambdaLR(o, f, last_epoch=2)
+            steps(m, o, s, 3)
+        out[how] = error_of(resume)
+        o.wait_for_parameters()
+        out[how]["max_diff"] = max(float((a - b).abs().max())
+                                   for a, b in zip(m.parameters(), model.parameters()))
+        out[how]["lr"] = o.param_groups[0]["lr"]
+        out[how]["tag"] = o.param_groups[0].get("tag")
+    out["torch_lr"] = ref.param_groups[0]["lr"]
+    out["lr"] = opt.param_groups[0]["lr"]
+    m = Mlp()
+    out["ctor"] = error_of(lambda: shardopt.ShardedOptimizer(
+        [{"params": list(m.parameters()), "amsgrad": True}], "adam"))
+    opt.param_groups[0]["amsgrad"] = True
+    out["edit"] = error_of(lambda: one_step(model, opt, rank))
+    opt.param_groups[0]["amsgrad"] = False
+    saved_sd["param_groups"][0]["maximize"] = True
+    out["state_dict"] = error_of(lambda: opt.load_state_dict(saved_sd))
+    return out
+
+
 CASES = {name[5:]: fn for name, fn in globals().items() if name.startswith("case_")}
 
 
@@ -292,7 +361,8 @@ def main():
     rank = dist.get_rank()
     fn = CASES[a.case]
     try:
-        result = fn(rank, a.dir) if a.case in ("buffers_checkpoint", "pt_shape", "pt_with_scheduler") else fn(rank)
+        result = fn(rank, a.dir) if a.case in ("buffers_checkpoint", "pt_shape", "pt_with_scheduler",
+                                                "scheduler_resume") else fn(rank)
     except Exception:
         result = {"crash": traceback.format_exc()}
     print("RESULT " + json.dumps(result), flush=True)
