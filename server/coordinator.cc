@@ -260,11 +260,20 @@ absl::StatusOr<PendingResize> Coordinator::RequestResize(int to_world, std::vect
       if (!leave.empty()) {
         return absl::InvalidArgumentError("a grow cannot let ranks leave: resize in two steps");
       }
-      if (!options_.can_grow && !external) {
+      if (options_.max_grow_world <= 0 && !external) {
         return absl::FailedPreconditionError(
             "this job cannot grow by itself: no launcher of its can start ranks (a job started "
             "by shardrun on one node can); start the new ranks with shardrun --join=ADDR "
             "--nproc K on their node, or a larger job from a checkpoint");
+      }
+      if (!external && to_world > options_.max_grow_world) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "this job's shardrun starts at most ", options_.max_grow_world,
+            " ranks on its node (shardrun --max-nproc; default: twice --nproc or the CPU count, "
+            "whichever is more): ask for at most ",
+            options_.max_grow_world,
+            ", or add ranks on another node with shardrun --join=ADDR "
+            "--nproc K"));
       }
     } else if (external) {
       return absl::InvalidArgumentError("only a grow can have ranks started by the caller");

@@ -90,13 +90,14 @@ struct CoordinatorOptions {
   // At most this many KvGets wait at once (more: ResourceExhausted). Raised
   // to 2 * world_size when that is more (every rank may wait for a key).
   int max_kv_waiters = 4096;
-  // Elastic jobs (RequestResize): whether a launcher here starts the ranks a
-  // grow adds (shardrun on one node, which watches pending_resize()); without
-  // one a grow is refused unless its caller starts them (external:
-  // shardrun --join). A grow whose new ranks are not all ready within
-  // resize_timeout of its request is cancelled (the job trains on); a resize
-  // announced but not complete by then fails the job.
-  bool can_grow = false;
+  // Elastic jobs (RequestResize): the most ranks a launcher here grows the
+  // job to by starting them itself (shardrun on one node, which watches
+  // pending_resize(): its --max-nproc); 0: no launcher here starts ranks, and
+  // a grow is refused unless its caller starts them (external: shardrun
+  // --join). A grow whose new ranks are not all ready within resize_timeout
+  // of its request is cancelled (the job trains on); a resize announced but
+  // not complete by then fails the job.
+  int max_grow_world = 0;
   absl::Duration resize_timeout = absl::Minutes(5);
 };
 
@@ -361,14 +362,14 @@ class Coordinator {
   // Returns the request number.
   absl::StatusOr<int64_t> RequestCheckpoint();
   // Asks the job to change to `to_world` ranks at the next step boundary
-  // its ranks agree on: a grow starts new ranks (options().can_grow); a
+  // its ranks agree on: a grow starts new ranks (options().max_grow_world); a
   // shrink lets the ranks `leave` go (empty: the highest), after they handed
   // their optimizer state over. The ranks then join epoch epoch()+1 at the
   // new size. Errors (FailedPrecondition): the job is not running, a resize
   // is pending, a rank's trainer cannot resize live, a grow without a
-  // launcher; (InvalidArgument) a bad size or leave list. `external`: a grow
-  // whose new ranks the caller starts (shardrun --join), allowed without
-  // can_grow.
+  // launcher or beyond its max_grow_world; (InvalidArgument) a bad size or
+  // leave list. `external`: a grow whose new ranks the caller starts
+  // (shardrun --join), allowed without max_grow_world.
   absl::StatusOr<PendingResize> RequestResize(int to_world, std::vector<int> leave,
                                               bool external = false);
   // The process `pid` of a rank of this job died (its shardrun saw it,

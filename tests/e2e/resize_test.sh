@@ -135,12 +135,17 @@ check "the joining shardrun says what it starts" \
 check "its ranks join the job" grep -q "rank 3 joined the job at step" "$tmp/joiner.log"
 check "the job grew to 4 ranks" grep -q "resized 2 -> 4 ranks after step" "$tmp/joined.log"
 check "the job's shardrun started no rank itself" test "$(grep -c "shardrun: starting rank" "$tmp/joined.log")" -eq 0
+for bad in "--nproc 2 --max-nproc=1" "--nproc 2 --max-nproc=1025" "--nproc 1 --nnodes=2 --max-nproc=4"; do
+  timeout 30 $B/shardrun $bad -- true >"$tmp/maxnproc.log" 2>&1
+  check "shardrun $bad refused (exit $?)" test $? -eq 2
+  check "... naming --max-nproc" grep -q -- "--max-nproc" "$tmp/maxnproc.log"
+done
 timeout 30 $B/shardrun --join=127.0.0.1:1 --nproc 1 --max-restarts=1 -- true >"$tmp/joinflags.log" 2>&1
 check "--join with --max-restarts refused (exit $?)" test $? -eq 2
 check "... saying why" grep -q -- "--max-restarts applies to the shardrun that runs the job" "$tmp/joinflags.log"
 
 # Refusals.
-timeout 120 $B/shardrun --nproc 2 --port-file="$tmp/addr2" --job-id=refuse -- \
+timeout 120 $B/shardrun --nproc 2 --max-nproc=3 --port-file="$tmp/addr2" --job-id=refuse -- \
   $B/shardopt_train --model=small --batch=64 --steps=100000 --log-every=1000 >"$tmp/refuse.log" 2>&1 &
 run=$!
 check "second job starts" wait_file "$tmp/addr2" 60
@@ -158,6 +163,15 @@ refused "resize to the same size" "the job has 2 ranks already" resize --ranks=2
 refused "drain of rank 5" "the job has 2 ranks" drain --rank=5
 refused "resize without --ranks" "usage: shardctl resize" resize
 refused "--ranks=0" "--ranks" resize --ranks=0
+# shardrun --max-nproc=3: no grow past 3 ranks (it would start that many
+# processes here), and the job trains on.
+refused "--ranks=4 past --max-nproc=3" "this job's shardrun starts at most 3 ranks on its node" \
+  resize --ranks=4
+refused "--ranks=100000" "ask for at most 3, or add ranks on another node with shardrun --join" \
+  resize --ranks=100000
+check "no rank was started for them" test "$(grep -c "shardrun: starting rank" "$tmp/refuse.log")" -eq 0
+s0=$(job_step "$addr2")
+check "the job trains on after the refusals" wait_until 60 "step $((s0 + 3))" job_past_step "$addr2" $((s0 + 3))
 timeout 30 $B/shardctl --coordinator="$addr2" abort "done" >/dev/null 2>&1
 wait $run
 

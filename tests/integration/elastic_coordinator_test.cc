@@ -54,7 +54,7 @@ CoordinatorOptions Options(int world, FakeClock* clock, bool can_grow = true) {
   o.world_size = world;
   o.heartbeat_timeout = absl::Seconds(10);
   o.resize_timeout = absl::Seconds(60);
-  o.can_grow = can_grow;
+  o.max_grow_world = can_grow ? 8 : 0;
   o.now = [clock] { return clock->t; };
   return o;
 }
@@ -233,6 +233,27 @@ TEST(ElasticCoordinatorTest, ExternalGrowAndACancelledGrow) {
   JoinEpoch(&c, 3, 2);
   EXPECT_EQ(c.GetJob().epoch, 2);
   EXPECT_EQ(c.GetJob().world_size, 3);
+}
+
+// The job's own shardrun starts at most max_grow_world ranks (its
+// --max-nproc): a larger grow is refused up front, with what to do instead,
+// rather than starting that many processes. A grow whose caller starts the
+// ranks (shardrun --join) is not bound by it.
+TEST(ElasticCoordinatorTest, AGrowBeyondWhatTheLauncherStartsIsRefused) {
+  FakeClock clock;
+  Coordinator c(Options(2, &clock));  // max_grow_world 8
+  JoinEpoch(&c, 2, 0);
+  for (int to : {9, 100000}) {
+    absl::Status s = c.RequestResize(to, {}).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << to;
+    EXPECT_NE(s.message().find("starts at most 8 ranks on its node"), std::string::npos) << s;
+    EXPECT_NE(s.message().find("shardrun --join"), std::string::npos) << s;
+  }
+  EXPECT_FALSE(c.GetJob().resize.has_value()) << "nothing pending after a refusal";
+  EXPECT_TRUE(c.RequestResize(8, {}).ok());
+  Coordinator other(Options(2, &clock));
+  JoinEpoch(&other, 2, 0);
+  EXPECT_TRUE(other.RequestResize(9, {}, /*external=*/true).ok());
 }
 
 // shardrun --replicate-shards: a rank's process died; the coordinator drops

@@ -93,6 +93,9 @@ flags (a malformed or out-of-range value is refused, naming the flag; exit statu
                          it) resumes from its --ckpt-dir's last complete checkpoint; one line
                          says which ranks were lost and how many steps. One node only
   --min-ranks=M          restart only with at least M ranks, 1..1024 (default 1)
+  --max-nproc=M          the most ranks shardctl resize may grow the job to, started here,
+                         nproc..1024 (default: twice --nproc or the CPU count, whichever is
+                         more); a larger grow is refused. One node only
   --replicate-shards=K   every K steps each rank keeps its optimizer state and its
                          successor's in memory; when a rank dies the others drop it and go
                          on from there, without a restart (shardopt_train; one node;
@@ -243,6 +246,7 @@ struct RunConfig {
   std::string last_restart;     // the last restart's line (shardctl status shows it)
   int64_t min_ranks = 1;        // --min-ranks
   int64_t replicate_every = 0;  // --replicate-shards: in-memory replicas every K steps
+  int64_t max_nproc = 0;        // --max-nproc: the most ranks a grow brings this node to
   std::vector<std::string> program;  // PROGRAM ARGS...
 };
 
@@ -271,6 +275,7 @@ absl::Status ReadFlagValues(const Flags& flags, RunConfig* cfg) {
   auto max_restarts = flags.Int("max-restarts", 0, 0, 1000);
   auto min_ranks = flags.Int("min-ranks", 1, 1, kMaxNproc);
   auto replicate = flags.Int("replicate-shards", 0, 1, 1000000);
+  auto max_nproc = flags.Int("max-nproc", 0, 1, kMaxNproc);
   for (const absl::Status& s : {nproc.status(),
                                 nnodes.status(),
                                 port.status(),
@@ -292,7 +297,8 @@ absl::Status ReadFlagValues(const Flags& flags, RunConfig* cfg) {
                                 master_port_flag.status(),
                                 max_restarts.status(),
                                 min_ranks.status(),
-                                replicate.status()}) {
+                                replicate.status(),
+                                max_nproc.status()}) {
     if (!s.ok()) return s;
   }
   cfg->nproc = *nproc;
@@ -317,6 +323,7 @@ absl::Status ReadFlagValues(const Flags& flags, RunConfig* cfg) {
   cfg->max_restarts = *max_restarts;
   cfg->min_ranks = *min_ranks;
   cfg->replicate_every = *replicate;
+  cfg->max_nproc = *max_nproc;
   return absl::OkStatus();
 }
 
@@ -325,10 +332,26 @@ absl::Status ReadFlagValues(const Flags& flags, RunConfig* cfg) {
 absl::Status CheckFlagCombinations(const Flags& flags, RunConfig* cfg) {
   if (!cfg->join.empty()) {
     // The job, its coordinator and its restarts are another shardrun's.
-    for (const char* f : {"coordinator", "nnodes", "node-rank", "bind", "port", "port-file",
-                          "job-id", "tls-cert", "tls-key", "tls-client-ca", "heartbeat-timeout",
-                          "metrics-port", "metrics-port-file", "slow-factor", "slow-windows",
-                          "slow-window", "max-restarts", "min-ranks", "replicate-shards"}) {
+    for (const char* f : {"coordinator",
+                          "nnodes",
+                          "node-rank",
+                          "bind",
+                          "port",
+                          "port-file",
+                          "job-id",
+                          "tls-cert",
+                          "tls-key",
+                          "tls-client-ca",
+                          "heartbeat-timeout",
+                          "metrics-port",
+                          "metrics-port-file",
+                          "slow-factor",
+                          "slow-windows",
+                          "slow-window",
+                          "max-restarts",
+                          "min-ranks",
+                          "replicate-shards",
+                          "max-nproc"}) {
       if (flags.Has(f)) {
         return absl::InvalidArgumentError(
             absl::StrCat("--", f, " applies to the shardrun that runs the job, not with --join"));
@@ -371,6 +394,20 @@ absl::Status CheckFlagCombinations(const Flags& flags, RunConfig* cfg) {
     return absl::InvalidArgumentError(
         "--replicate-shards works on one node (--nnodes=1, no --coordinator): the shardrun that "
         "sees a rank die must run the job's coordinator");
+  }
+  if (flags.Has("max-nproc")) {
+    if (cfg->nnodes > 1 || !cfg->coordinator.empty()) {
+      return absl::InvalidArgumentError(
+          "--max-nproc applies on one node (--nnodes=1, no --coordinator): elsewhere a job grows "
+          "only by shardrun --join");
+    }
+    if (cfg->max_nproc < cfg->nproc) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--max-nproc=", cfg->max_nproc, " is less than --nproc=", cfg->nproc));
+    }
+  } else {
+    const int64_t cpus = std::max(1u, std::thread::hardware_concurrency());
+    cfg->max_nproc = std::min(kMaxNproc, std::max(2 * cfg->nproc, cpus));
   }
   if (cfg->min_ranks > cfg->world) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -434,7 +471,7 @@ std::optional<int> ParseFlags(int argc, char** argv, RunConfig* cfg) {
        "port",        "port-file",    "job-id",           "token-file",   "heartbeat-timeout",
        "tls-cert",    "tls-key",      "tls-client-ca",    "metrics-port", "metrics-port-file",
        "slow-factor", "slow-windows", "slow-window",      "master-port",  "max-restarts",
-       "min-ranks",   "join",         "replicate-shards", "help"});
+       "min-ranks",   "join",         "replicate-shards", "max-nproc",    "help"});
   if (!flags.ok()) return Fail(std::string(flags.status().message()));
   if (flags->Has("help")) {
     std::printf("%s", kUsage);
@@ -503,7 +540,9 @@ absl::Status StartCoordinator(const RunConfig& cfg, CoordinatorServers* servers)
   copt.slow_window = cfg.slow_window;
   copt.restarts = cfg.restart;
   copt.last_restart = cfg.last_restart;
-  copt.can_grow = cfg.nnodes == 1 && cfg.coordinator.empty();  // see RunOnce
+  // A job on one node grows by itself: its shardrun starts the new ranks (RunOnce).
+  copt.max_grow_world =
+      cfg.nnodes == 1 && cfg.coordinator.empty() ? static_cast<int>(cfg.max_nproc) : 0;
   copt.on_event = [](const std::string& line) {
     std::lock_guard<std::mutex> l(g_out_mu);
     std::fprintf(stdout, "shardrun: %s\n", line.c_str());
