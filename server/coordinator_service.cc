@@ -83,6 +83,7 @@ void FillReply(const HeartbeatReply& r, v1::HeartbeatResponse* resp) {
   resp->set_resize_request(r.resize_request);
   resp->set_resize_epoch(r.resize_epoch);
   resp->set_resize_world(r.resize_world);
+  resp->clear_resize_leave();  // (a session's message is filled again for every notice)
   for (int l : r.resize_leave) resp->add_resize_leave(l);
   resp->set_resize_recovery(r.resize_recovery);
 }

@@ -93,6 +93,13 @@ absl::StatusOr<std::unique_ptr<RpcServer>> RpcServer::Start(
   // start and silently share its connections (two jobs' coordinators on one
   // node under srun). A taken port must be an error.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  // Our clients ping every 5 s, with calls in flight or without
+  // (client/coordinator_client.cc): allow it. gRPC's default policy (a ping
+  // without calls is a strike, at most one per 5 minutes without data)
+  // answers the third with GOAWAY "too_many_pings", and a rank waiting in a
+  // rendezvous after an idle spell failed UNAVAILABLE.
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 4000);
   builder.SetOption(std::make_unique<ReflectionOption>(reflection));
   int port = 0;
   std::shared_ptr<grpc::ServerCredentials> creds = grpc::InsecureServerCredentials();

@@ -144,6 +144,26 @@ timeout 30 $B/shardrun --join=127.0.0.1:1 --nproc 1 --max-restarts=1 -- true >"$
 check "--join with --max-restarts refused (exit $?)" test $? -eq 2
 check "... saying why" grep -q -- "--max-restarts applies to the shardrun that runs the job" "$tmp/joinflags.log"
 
+# Rank 0 drained, then a grow: the ranks that stayed stay (every notice
+# carries only the newest resize's leaving ranks; they once took the grow for
+# a second drain of theirs).
+timeout 180 $B/shardrun --nproc 3 --port-file="$tmp/addr7" --job-id=drain0 -- \
+  $B/shardopt_train "${train[@]}" --steps=1500 --debug-slow-rank=1 --debug-slow-ms=20 \
+  >"$tmp/drain0.log" 2>&1 &
+run=$!
+check "drain-then-grow job starts" wait_file "$tmp/addr7" 60
+addr7=$(cat "$tmp/addr7")
+check "... trains past step 20" wait_until 60 "step 20" job_past_step "$addr7" 20
+timeout 90 $B/shardctl --coordinator="$addr7" drain --rank=0 --wait=60 >"$tmp/drain0.out" 2>&1
+check "rank 0 drained (exit $?)" test $? -eq 0
+timeout 90 $B/shardctl --coordinator="$addr7" resize --ranks=3 --wait=60 >>"$tmp/drain0.out" 2>&1
+check "then the job grows back to 3 ranks (exit $?)" test $? -eq 0
+cat "$tmp/drain0.out"
+wait $run
+check "... and finishes (exit $?)" test $? -eq 0
+check "only rank 0 left" test "$(grep -c "leaves the job after step" "$tmp/drain0.log")" -eq 1
+check "the grow completed" grep -q "resized 2 -> 3 ranks after step" "$tmp/drain0.log"
+
 # Refusals.
 timeout 120 $B/shardrun --nproc 2 --max-nproc=3 --port-file="$tmp/addr2" --job-id=refuse -- \
   $B/shardopt_train --model=small --batch=64 --steps=100000 --log-every=1000 >"$tmp/refuse.log" 2>&1 &

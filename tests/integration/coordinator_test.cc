@@ -19,6 +19,7 @@
 #include "client/coordinator_client.h"
 #include "client/join_request.h"
 #include "common/hyper_params.h"
+#include "common/membership.h"
 #include "common/planner.h"
 #include "gtest/gtest.h"
 #include "server/coordinator_service.h"
@@ -509,6 +510,47 @@ TEST(SessionTest, NoticesArePushedWithoutWaitingForAHeartbeat) {
   EXPECT_LT(absl::Now() - t0, absl::Seconds(1));
   session->Close();
   EXPECT_FALSE(session->Receive(&notice));
+}
+
+// Every notice pushed on a session carries only the newest resize's leaving
+// ranks: the session's message is rebuilt, not appended to (after a drain of
+// rank 0, the ranks that stayed took a later grow for their own leave).
+TEST(SessionTest, EachNoticeCarriesOnlyTheNewestResize) {
+  CoordinatorOptions o;
+  o.world_size = 2;
+  Coordinator coordinator(o);
+  CoordinatorService service(&coordinator, "");
+  auto server = RpcServer::Start(RpcServerOptions(), {&service});
+  ASSERT_TRUE(server.ok());
+  std::vector<std::thread> joins;
+  std::vector<absl::Status> joined(2);
+  for (int r = 0; r < 2; ++r) {
+    joins.emplace_back([&, r] {
+      JoinInfo j = Info(r, 2, {P("w", {8})});
+      j.elastic = true;
+      joined[r] = coordinator.Join(j, absl::Seconds(10)).status();
+    });
+  }
+  for (auto& t : joins) t.join();
+  for (const auto& s : joined) ASSERT_TRUE(s.ok()) << s;
+  CoordinatorClient client((*server)->address(), "");
+  auto session = client.OpenSession();
+  v1::HeartbeatRequest hb;
+  hb.set_rank(1);
+  ASSERT_TRUE(session->Send(hb));
+  v1::HeartbeatResponse notice;
+  ASSERT_TRUE(session->Receive(&notice));
+  ASSERT_TRUE(coordinator.RequestResize(1, {0}).ok());  // drain rank 0
+  ASSERT_TRUE(session->Receive(&notice));
+  ASSERT_EQ(notice.resize_leave_size(), 1);
+  for (int i = 1; i <= 3; ++i) {
+    ASSERT_TRUE(client.SetLearningRate(0.1 * i).ok());
+    ASSERT_TRUE(session->Receive(&notice));
+    ASSERT_EQ(notice.resize_leave_size(), 1) << "push " << i;
+    EXPECT_EQ(notice.resize_leave(0), 0);
+    EXPECT_EQ(RankAfterResize(1, {notice.resize_leave().begin(), notice.resize_leave().end()}), 0);
+  }
+  session->Close();
 }
 
 TEST(SessionTest, WrongTokenEndsTheSession) {

@@ -172,6 +172,27 @@ TEST(CoordinatorWaitsTest, ShutdownWakesBlockingWaitsAndRefusesNewOnes) {
   EXPECT_EQ(c.GetJob().world_size, 2);
 }
 
+// Clients ping their connections every 5 s, with calls or without
+// (client/coordinator_client.cc): a connection idle for a while, then a
+// KvGet that waits for its key (a rank in a rendezvous while the others
+// start), must not be cut by the server's ping policy (gRPC's default counts
+// a ping without calls as a strike and answers the third with GOAWAY
+// "too_many_pings": the waiting call failed UNAVAILABLE).
+TEST(CoordinatorWaitsTest, AnIdleConnectionThenALongWaitOutlastTheClientsKeepalivePings) {
+  Served s(World(1));
+  CoordinatorClient client(s.server->address(), "");
+  ASSERT_TRUE(s.coordinator.KvSet("early", "v").ok());
+  ASSERT_TRUE(client.KvGet("early", absl::Seconds(5)).ok());  // connected
+  std::this_thread::sleep_for(std::chrono::seconds(11));      // idle: pings without calls
+  auto kv = std::async(std::launch::async, [&] { return client.KvGet("late", absl::Seconds(60)); });
+  ASSERT_EQ(kv.wait_for(std::chrono::seconds(10)), std::future_status::timeout);
+  ASSERT_TRUE(s.coordinator.KvSet("late", "v").ok());
+  ASSERT_EQ(kv.wait_for(std::chrono::seconds(10)), std::future_status::ready);
+  auto got = kv.get();
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(*got, "v");
+}
+
 TEST(CoordinatorWaitsTest, ThreeHundredWaitingKvGetsHoldNoThreads) {
   Served s(World(1));
   std::vector<std::unique_ptr<KvGetCall>> waiting;
