@@ -109,6 +109,23 @@ check "... and the job's own shardrun finishes (exit $?)" test $? -eq 0
 check "the joined rank took the job's state" grep -q "rank 2 joined the job at step" "$tmp/joiner.log"
 check "the job grew to 3 ranks" grep -q "resized 2 -> 3 ranks after step" "$tmp/joined.log"
 
+# A checkpoint every step: the grow lands on a save. The ranks that were
+# there skip that one save (the new rank starts with the next step and never
+# makes the call), saying so, instead of a collective the new rank is not in.
+timeout 180 $B/shardrun --nproc 2 --port-file="$tmp/addr8" --job-id=pyevery -- \
+  /usr/bin/python3 $job --steps=300 --step-sleep=0.03 --ckpt-dir="$tmp/ck8" --ckpt-every=1 \
+  >"$tmp/every.log" 2>&1 &
+run=$!
+check "fifth job starts" wait_file "$tmp/addr8" 60
+check "... trains past step 20" wait_until 60 "step 20" job_past_step "$(cat "$tmp/addr8")" 20
+timeout 90 $B/shardctl --coordinator="$(cat "$tmp/addr8")" resize --ranks=3 --wait=60 >/dev/null 2>&1
+check "... grows to 3 ranks (exit $?)" test $? -eq 0
+wait $run
+check "a job that saves every step finishes after a grow (exit $?)" test $? -eq 0
+check "... saying which save it skipped" \
+  grep -q "save_checkpoint after step [0-9]* skipped: the job grew to 3 ranks" "$tmp/every.log"
+check "... and saved the last step with 3 ranks" test -f "$tmp/ck8/step-300/manifest.json"
+
 # opt.drain() from a SIGTERM handler: rank 1 of 3 leaves, the job goes on at 2.
 timeout 180 $B/shardrun --nproc 3 --port-file="$tmp/addr3" --job-id=pysigterm -- \
   /usr/bin/python3 $job --steps=500 --step-sleep=0.03 --drain-on-sigterm >"$tmp/sigterm.log" 2>&1 &

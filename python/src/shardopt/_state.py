@@ -199,10 +199,22 @@ class _StateMixin:
                                      f"{self._kind} does not support it (only False)")
 
     # -- checkpoints -----------------------------------------------------------
-    def save_checkpoint(self, root: str, keep: int = 0) -> str:
+    def save_checkpoint(self, root: str, keep: int = 0) -> Optional[str]:
         """Collective. Writes ROOT/step-N (each rank its shard; crash-safe) in
         the same format as the C++ side; returns the directory. keep > 0
-        prunes older checkpoints."""
+        prunes older checkpoints. Right after a live grow (elastic=True), on
+        the ranks that were there, before the next step: skipped, saying so,
+        and returns None (the ranks that joined start with the next step and
+        never make this call)."""
+        r = getattr(self, "last_resize", None)
+        if (r is not None and r.previous_rank >= 0 and r.to_world > r.from_world
+                and r.step == self._core.step_count):
+            if self.rank == 0:
+                print(f"shardopt: save_checkpoint after step {r.step} skipped: the job grew to "
+                      f"{r.to_world} ranks after this step, and the ranks that joined start with "
+                      "the next one (they do not make this call); the next save_checkpoint "
+                      "writes one", file=sys.stderr, flush=True)
+            return None
         self._sync_groups()
         meta = {_META_GROUPS: json.dumps([self._hyper(g) for g in self.param_groups]),
                 _META_GROUP_OF: json.dumps(self._trainable_groups()),
