@@ -167,15 +167,12 @@ class _StateMixin:
         (a tuple stays a tuple)."""
         if not isinstance(extras, list) or len(extras) != len(self.param_groups):
             return
+        self._refuse_fixed_keys([e if isinstance(e, dict) else {} for e in extras],
+                                f"{where}: param_groups")
         skip = set(_hyper_keys(self._kind)) | {"params"}
-        for g, (group, e) in enumerate(zip(self.param_groups, extras)):
+        for group, e in zip(self.param_groups, extras):
             if not isinstance(e, dict):
                 continue
-            if self._kind != "torch":
-                for k in _FIXED_KEYS:
-                    if e.get(k):
-                        raise ValueError(f"{where}: param_groups[{g}] has {k}={e[k]!r}, which "
-                                         f"shardopt's {self._kind} does not support (only False)")
             for k, v in e.items():
                 if k in skip:
                     continue
@@ -187,16 +184,20 @@ class _StateMixin:
                         pass
                 group[k] = v
 
-    def _check_fixed_keys(self) -> None:
-        """The fused kernels have no amsgrad, maximize, ...: a param_groups
-        edit that turns one on is refused rather than ignored."""
+    def _refuse_fixed_keys(self, groups: List[Dict[str, Any]], what: str) -> None:
+        """The fused kernels have no amsgrad, maximize, ...: a group (of
+        param_groups, a state_dict, a checkpoint) that turns one on is refused
+        rather than ignored. `what` names the groups ("param_groups")."""
         if self._kind == "torch":
             return
-        for g, group in enumerate(self.param_groups):
+        for g, group in enumerate(groups):
             for k in _FIXED_KEYS:
                 if group.get(k):
-                    raise ValueError(f"param_groups[{g}]['{k}'] = {group[k]!r}: shardopt's "
-                                     f"{self._kind} does not support it (only False)")
+                    raise ValueError(f"{what}[{g}] has {k}={group[k]!r}, which shardopt's "
+                                     f"{self._kind} does not support (only False)")
+
+    def _check_fixed_keys(self) -> None:
+        self._refuse_fixed_keys(self.param_groups, "param_groups")
 
     # -- checkpoints -----------------------------------------------------------
     def save_checkpoint(self, root: str, keep: int = 0) -> Optional[str]:
@@ -497,12 +498,7 @@ class _StateMixin:
         if self._generic_class is not None:
             self._generic_load_state_dict(state_dict)
             return
-        for g, theirs in enumerate(groups):
-            for k in _FIXED_KEYS:
-                if theirs.get(k):
-                    raise ValueError(f"the state_dict's param_groups[{g}] has {k}={theirs[k]!r}, "
-                                     f"which shardopt's {self._kind} does not support (only "
-                                     "False)")
+        self._refuse_fixed_keys(groups, "the state_dict's param_groups")
         saved = state_dict.get("state", {})
         wanted = ["momentum_buffer"] if self._kind == "sgd" else ["exp_avg", "exp_avg_sq"]
         full: Dict[str, Dict[str, torch.Tensor]] = {}
